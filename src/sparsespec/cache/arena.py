@@ -1,0 +1,348 @@
+"""The static KV arena: fixed buffers for every layer, staged rows, commit / rollback / compaction.
+
+Memory layout (allocated once, never grown)::
+
+    keys, values   [n_layers, n_kv_heads, capacity, head_dim]   model dtype
+    positions      [n_layers, n_kv_heads, capacity]             int64, original token positions
+    scores         [n_layers, n_kv_heads, capacity]             float32, accumulated attention (H2O), if needed
+    evicted_at     [n_layers, n_kv_heads, capacity]             int32, in-flight row that evicted the slot
+
+``capacity = budget + staging`` for a budgeted policy, where staging is the most rows ever in flight (a prefill
+chunk, or γ+1 verification rows); for the full cache it is the total number of tokens the caller asked for.
+
+Life of a block of T new tokens (rows):
+
+1. ``begin(T)``: the rows are *staged* in the slots after everything already in the arena.
+2. ``attend(layer, q, k, v)`` for each layer: rows attend to what is visible to them. Row i sees exactly what an
+   autoregressive step i would see: the committed tokens minus those evicted by earlier rows, plus rows ≤ i.
+   After each row the policy may evict one token; eviction is only *logical* (``evicted_at``), nothing is
+   overwritten while rows are in flight.
+3. ``end()``; more blocks may follow (a draft model stages one row per step).
+4. ``commit(m)``: keep the first m in-flight rows (m = 0 is a rollback). Scores and evictions of the dropped rows
+   are undone and the buffers are compacted: surviving staged slots move into the holes left by evicted ones.
+   Slots are therefore not ordered by position; every rule here works from the stored positions.
+
+Prefill chunks may instead evict once per block (``per_block=True``): all rows of the chunk see the cache as it
+was before the chunk plus the causal part of the chunk, and eviction down to the budget happens at its end. This
+is cheaper but not identical to token-by-token decoding (chunk size 1 is).
+
+Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
+keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
+ever reaches ``budget + staging``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..rope import Rope
+from .policy import CachePolicy, choose_evictions
+
+POSITION_MODES = ("original", "in-cache")
+NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
+MAX_POSITION = torch.iinfo(torch.int64).max
+
+
+class KVArena:
+    """Fixed-size KV memory for all layers of one model, driven by a :class:`CachePolicy`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        policy: CachePolicy,
+        *,
+        dtype: torch.dtype,
+        max_tokens: int | None = None,
+        max_block: int = 1,
+        max_inflight: int = 1,
+        positions: str = "original",
+    ) -> None:
+        """
+        Args:
+            config: the model's shapes.
+            policy: which entries to keep.
+            dtype: dtype of the key/value buffers (the model's compute dtype).
+            max_tokens: the full cache's capacity in tokens (required for ``policy.is_full``, ignored otherwise).
+            max_block: the largest block of rows staged in one call (the prefill chunk).
+            max_inflight: the most rows in flight before a commit (γ + 2 for speculative decoding); only these
+                can be partially committed.
+            positions: ``"original"`` or ``"in-cache"``.
+        """
+        if positions not in POSITION_MODES:
+            raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
+        self.config = config
+        self.policy = policy
+        self.dtype = dtype
+        # With nothing ever evicted, ranks inside the cache equal true positions: the modes coincide.
+        self.positions_mode = "original" if policy.is_full else positions
+        self.max_block = max_block
+        self.max_inflight = max_inflight
+        self.staging = max(max_block, max_inflight)
+        if policy.is_full:
+            if max_tokens is None:
+                raise ValueError("the full cache needs max_tokens")
+            self.capacity = max_tokens + self.staging
+        else:
+            self.capacity = policy.budget + self.staging
+
+        n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        shape = (n_layers, n_kv, self.capacity)
+        self.keys = torch.zeros(*shape, hd, dtype=dtype)
+        self.values = torch.zeros(*shape, hd, dtype=dtype)
+        self.positions = torch.zeros(shape, dtype=torch.int64)
+        self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
+        if policy.needs_scores:
+            self.scores = torch.zeros(shape, dtype=torch.float32)
+            self.committed_scores = torch.zeros(shape, dtype=torch.float32)
+            self.row_scores = torch.zeros(max_inflight, *shape, dtype=torch.float32)
+        self.rope = Rope(hd, config.rope_theta)
+        self.scale = 1.0 / math.sqrt(hd)
+        self._slot_index = torch.arange(self.capacity)
+
+        self.n_committed = 0  # slots [0, n_committed) hold committed tokens
+        self.next_position = 0  # true position of the next token to be committed
+        self.evicted_tokens = 0  # tokens evicted (per layer and head) by committed rows
+        self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
+        self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
+
+    # ----------------------------------------------------------------------------------------------- accounting
+    @property
+    def n_inflight(self) -> int:
+        return len(self._alive_after_row)
+
+    @property
+    def n_visible(self) -> int:
+        """Tokens visible to the next row: committed survivors plus in-flight survivors."""
+        return self._alive_after_row[-1] if self._alive_after_row else self.n_committed
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (the KV cache proper)."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of the per-slot bookkeeping (positions, scores, eviction marks, row snapshots)."""
+        extra = self.positions.nbytes + self.evicted_at.nbytes
+        if self.policy.needs_scores:
+            extra += self.scores.nbytes + self.committed_scores.nbytes + self.row_scores.nbytes
+        return extra
+
+    # ------------------------------------------------------------------------------------------------- blocks
+    def begin(self, n_rows: int, per_block: bool = False) -> None:
+        """Stage ``n_rows`` new tokens (the model's forward pass calls this before its layers)."""
+        if n_rows > self.staging:
+            raise ValueError(f"block of {n_rows} rows exceeds the arena's staging of {self.staging}")
+        if per_block and self.n_inflight:
+            raise ValueError("a per-block (prefill) chunk must start from a committed state")
+        if self.n_committed + self.n_inflight + n_rows > self.capacity:
+            raise UserError(
+                f"The KV cache holds {self.capacity} tokens and this run needs more; "
+                "use a budgeted policy or a shorter prompt / fewer new tokens."
+            )
+        self._block = (self.n_inflight, n_rows, per_block)
+
+    def end(self) -> None:
+        """Close the block opened by :meth:`begin` (after the last layer)."""
+        first, n_rows, per_block = self._block
+        alive = self.n_visible
+        budget = self.policy.budget
+        for _ in range(n_rows):
+            alive = alive + 1 if budget is None or per_block else min(alive + 1, budget)
+            self._alive_after_row.append(alive)
+        if per_block and budget is not None:
+            self._alive_after_row[-1] = min(alive, budget)
+        self._block = None
+
+    def commit(self, n_rows: int) -> None:
+        """Accept the first ``n_rows`` in-flight rows, drop the rest, and compact the buffers.
+
+        After ``commit(m)`` the arena equals the arena of an autoregressive run that fed exactly those rows.
+        """
+        if self._block is not None:
+            raise ValueError("commit inside an open block")
+        if not 0 <= n_rows <= self.n_inflight:
+            raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
+        if 0 < n_rows < self.n_inflight and n_rows > self.max_inflight:
+            raise ValueError("only the first max_inflight rows can be committed partially")
+        extent = self.n_committed + n_rows
+        survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
+        if self.policy.is_full:
+            pass  # nothing was evicted: dropped rows are simply written over later
+        else:
+            self._compact(n_rows, extent, survivors)
+        self.evicted_tokens += extent - survivors
+        self.n_committed = survivors
+        self.next_position += n_rows
+        self._alive_after_row = []
+
+    def rollback(self) -> None:
+        """Drop every in-flight row, restoring the committed state exactly."""
+        self.commit(0)
+
+    def _compact(self, n_rows: int, extent: int, survivors: int) -> None:
+        alive = self.evicted_at[..., :extent] >= n_rows  # alive after the last accepted row
+        if self.policy.needs_scores:
+            if n_rows == self.n_inflight:
+                final = self.scores
+            elif n_rows:
+                final = self.row_scores[n_rows - 1]
+            else:
+                final = self.committed_scores
+            if final is not self.scores:
+                self.scores[..., :extent] = final[..., :extent]
+        # Holes: dead slots below the new end; movers: live slots at or beyond it. Every (layer, head) has the
+        # same number of each, and nonzero() lists them in the same (layer, head) order, so they pair up.
+        holes = (~alive[..., :survivors]).nonzero(as_tuple=True)
+        movers = alive[..., survivors:].nonzero(as_tuple=True)
+        if holes[0].numel():
+            src = (movers[0], movers[1], movers[2] + survivors)
+            tensors = [self.keys, self.values, self.positions]
+            if self.policy.needs_scores:
+                tensors.append(self.scores)
+            for t in tensors:
+                t[holes] = t[src]
+        if self.policy.needs_scores:
+            self.committed_scores[..., :survivors] = self.scores[..., :survivors]
+        self.evicted_at[..., :extent].fill_(NEVER)
+
+    # ---------------------------------------------------------------------------------------------- attention
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the open block's rows in one layer, updating that layer's scores and evictions.
+
+        Args:
+            layer: layer index.
+            q: ``[n_heads, T, head_dim]`` queries, not yet rotated.
+            k: ``[n_kv_heads, T, head_dim]`` keys of the new rows, not yet rotated.
+            v: ``[n_kv_heads, T, head_dim]`` values of the new rows.
+
+        Returns:
+            ``[T, n_heads * head_dim]`` attention output.
+        """
+        first, n_rows, per_block = self._block
+        start = self.n_committed + first
+        stop = start + n_rows
+        new_positions = torch.arange(n_rows) + (self.next_position + first)
+        keys, values = self.keys[layer], self.values[layer]
+        positions, evicted_at = self.positions[layer], self.evicted_at[layer]
+        original = self.positions_mode == "original"
+        keys[:, start:stop] = self.rope.rotate(k, new_positions) if original else k
+        values[:, start:stop] = v
+        positions[:, start:stop] = new_positions
+        evicted_at[:, start:stop] = NEVER
+        if self.policy.needs_scores:
+            self.scores[layer][:, start:stop] = 0.0
+
+        budget = self.policy.budget
+        visible_before = self.n_visible
+        evicts_within_block = budget is not None and not per_block and visible_before + n_rows > budget
+        if evicts_within_block:
+            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before)
+        else:
+            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block)
+        n_heads, hd = q.shape[0], q.shape[2]
+        return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
+
+    def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
+        """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""
+        S = visible.shape[-1]
+        order = self.positions[layer][:, :S].masked_fill(~visible, MAX_POSITION).argsort(dim=-1)
+        ranks = torch.empty_like(order)
+        return ranks.scatter_(-1, order, self._slot_index[:S].expand_as(order).contiguous())
+
+    def _keys_for_attention(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
+        """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode)."""
+        keys = self.keys[layer][:, : visible.shape[-1]]
+        if self.positions_mode == "original":
+            return keys
+        return self.rope.rotate(keys, self._ranks(layer, visible))
+
+    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block):
+        """All rows at once: no eviction happens between rows (full cache, room to spare, or a prefill chunk)."""
+        n_heads, n_rows, hd = q.shape
+        n_kv = self.config.num_key_value_heads
+        group = n_heads // n_kv
+        visible = self.evicted_at[layer][:, :stop] == NEVER  # [n_kv, S]
+        causal = self._slot_index[:stop][None, :] <= torch.arange(start, stop)[:, None]  # [T, S]
+        mask = visible[:, None, :] & causal[None]  # [n_kv, T, S]
+        q_positions = new_positions if self.positions_mode == "original" else torch.arange(n_rows) + visible_before
+        q = self.rope.rotate(q, q_positions)
+        keys = self._keys_for_attention(layer, visible)
+        values = self.values[layer][:, :stop]
+
+        if not self.policy.needs_scores:
+            head_mask = mask.repeat_interleave(group, dim=0)[None]
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=head_mask, enable_gqa=True)
+            out = out[0]
+        else:
+            logits = torch.matmul(q.reshape(n_kv, group * n_rows, hd), keys.transpose(1, 2)).float()
+            logits = logits.view(n_kv, group, n_rows, stop).mul_(self.scale).masked_fill_(~mask[:, None], -math.inf)
+            probs = torch.softmax(logits, dim=-1)
+            out = torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
+            out = out.view(n_heads, n_rows, hd)
+            received = probs.sum(dim=1)  # [n_kv, T, S]: attention each slot received from each row
+            scores = self.scores[layer][:, :stop]
+            if not per_block:
+                cumulative = received.cumsum(dim=1)
+                for i in range(n_rows):
+                    if first + i < self.max_inflight:
+                        self.row_scores[first + i, layer][:, :stop] = scores + cumulative[:, i]
+            scores += received.sum(dim=1)
+
+        budget = self.policy.budget
+        if per_block and budget is not None and visible_before + n_rows > budget:
+            scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
+            evict = choose_evictions(
+                scores, self.positions[layer][:, :stop], visible, int(new_positions[-1]), self.policy,
+                n_visible=visible_before + n_rows,
+            )
+            self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
+        return out
+
+    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before):
+        """Rows one after another, each seeing the evictions made by the rows before it."""
+        n_heads, n_rows, hd = q.shape
+        n_kv = self.config.num_key_value_heads
+        group = n_heads // n_kv
+        budget = self.policy.budget
+        original = self.positions_mode == "original"
+        positions = self.positions[layer][:, :stop]
+        evicted_at = self.evicted_at[layer][:, :stop]
+        values = self.values[layer][:, :stop]
+        scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
+        visible = evicted_at == NEVER  # committed survivors + every staged row, narrowed row by row below
+        if original:
+            q_rot = self.rope.rotate(q, new_positions)
+            all_logits = torch.matmul(q_rot.reshape(n_kv, group * n_rows, hd), self.keys[layer][:, :stop].transpose(1, 2))
+            all_logits = all_logits.view(n_kv, group, n_rows, stop)
+        probs = torch.empty(n_kv, group, n_rows, stop, dtype=torch.float32)
+        n_visible = visible_before
+        for i in range(n_rows):
+            row_visible = visible & (self._slot_index[:stop] <= start + i)
+            n_visible += 1
+            if original:
+                logits = all_logits[:, :, i].float()
+            else:
+                q_i = self.rope.rotate(q[:, i : i + 1], torch.tensor([n_visible - 1]))
+                keys = self._keys_for_attention(layer, row_visible)
+                logits = torch.matmul(q_i.reshape(n_kv, group, hd), keys.transpose(1, 2)).float()
+            logits = logits.mul_(self.scale).masked_fill_(~row_visible[:, None], -math.inf)
+            row_probs = torch.softmax(logits, dim=-1)  # [n_kv, group, S]
+            probs[:, :, i] = row_probs
+            if scores is not None:
+                scores += row_probs.sum(dim=1)
+            evict = choose_evictions(
+                scores, positions, row_visible, int(new_positions[i]), self.policy, n_visible=n_visible
+            )
+            evicted_at.masked_fill_(evict, first + i)
+            visible &= ~evict
+            n_visible = min(n_visible, budget)
+            if scores is not None and first + i < self.max_inflight:
+                self.row_scores[first + i, layer][:, :stop] = scores
+        out = torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
+        return out.view(n_heads, n_rows, hd)

@@ -1,0 +1,158 @@
+"""Which KV entries to keep: the cache policies, each a small pure function of (scores, positions, counts).
+
+A policy keeps three kinds of tokens (any part may be zero):
+
+- **sinks**: the first ``sinks`` tokens of the text (StreamingLLM's attention sinks),
+- **heavy hitters**: the ``heavy`` tokens with the highest accumulated attention score (H2O),
+- **window**: the ``window`` most recent tokens.
+
+The budget is their sum. ``full`` keeps everything. When the visible tokens outnumber the budget, the protected
+tokens (sinks and window) stay and the rest are ranked by score; the lowest-scoring go first, ties broken towards
+the oldest position so that the choice never depends on where a token sits in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+
+POLICIES = ("full", "window", "streaming", "h2o", "hybrid")
+DEFAULT_SINKS = 4
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """A cache policy: ``name`` in :data:`POLICIES` and the sizes of its three parts (0 where unused)."""
+
+    name: str
+    sinks: int = 0
+    heavy: int = 0
+    window: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        return self.name == "full"
+
+    @property
+    def budget(self) -> int | None:
+        """Tokens kept per layer and KV head; ``None`` for the full cache."""
+        return None if self.is_full else self.sinks + self.heavy + self.window
+
+    @property
+    def needs_scores(self) -> bool:
+        """Whether eviction depends on accumulated attention (so the attention probabilities must be kept)."""
+        return self.heavy > 0
+
+    def describe(self) -> str:
+        if self.is_full:
+            return "full"
+        return f"{self.name}(sinks={self.sinks}, heavy={self.heavy}, window={self.window})"
+
+
+def make_policy(
+    name: str,
+    budget: int | None = None,
+    *,
+    sinks: int | None = None,
+    heavy: int | None = None,
+    window: int | None = None,
+) -> CachePolicy:
+    """Build a policy from a name and a budget, with default splits that the explicit sizes override.
+
+    Defaults: ``window`` keeps the last ``budget`` tokens; ``streaming`` keeps 4 sinks and the rest as window;
+    ``h2o`` splits the budget half heavy hitters, half window; ``hybrid`` keeps 4 sinks and splits the rest half
+    heavy hitters, half window. When all three sizes are given, the budget is their sum (and must equal
+    ``budget`` if that is given too).
+    """
+    if name not in POLICIES:
+        raise UserError(f"Unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}.")
+    for label, value in (("budget", budget), ("sinks", sinks), ("heavy", heavy), ("window", window)):
+        if value is not None and value < 0:
+            raise UserError(f"--{label} must not be negative (got {value}).")
+    if name == "full":
+        return CachePolicy("full")
+
+    uses = {
+        "window": (False, False),
+        "streaming": (True, False),
+        "h2o": (False, True),
+        "hybrid": (True, True),
+    }[name]
+    has_sinks, has_heavy = uses
+    if not has_sinks and sinks:
+        raise UserError(f"Policy {name!r} keeps no attention sinks; drop --sinks or choose streaming/hybrid.")
+    if not has_heavy and heavy:
+        raise UserError(f"Policy {name!r} keeps no heavy hitters; drop --heavy or choose h2o/hybrid.")
+
+    if budget is None and None in (window, *((sinks,) if has_sinks else ()), *((heavy,) if has_heavy else ())):
+        raise UserError(f"Policy {name!r} needs --budget (or all of its --sinks/--heavy/--window sizes).")
+
+    s = (sinks if sinks is not None else min(DEFAULT_SINKS, budget or 0)) if has_sinks else 0
+    if budget is not None and budget < s + 1:
+        raise UserError(f"A budget of {budget} cannot hold {s} sinks plus a window of at least 1 token.")
+    rest = (budget - s) if budget is not None else None
+    if has_heavy:
+        h = heavy if heavy is not None else (rest - window if window is not None else rest // 2)
+    else:
+        h = 0
+    w = window if window is not None else rest - h
+    policy = CachePolicy(name, s, h, w)
+
+    if w < 1:
+        raise UserError(f"Policy {name!r} needs a window of at least 1 token (budget {budget}, sinks {s}, heavy {h}).")
+    if h < 0 or (has_heavy and h == 0):
+        raise UserError(f"A budget of {budget} leaves no room for heavy hitters after {s} sinks and a window of {w}.")
+    if budget is not None and policy.budget != budget:
+        raise UserError(
+            f"--sinks {s} + --heavy {h} + --window {w} = {policy.budget}, which does not match --budget {budget}."
+        )
+    return policy
+
+
+def choose_evictions(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor,
+    newest_position: int,
+    policy: CachePolicy,
+    n_visible: int | None = None,
+) -> torch.Tensor:
+    """Slots to evict so that at most ``policy.budget`` visible tokens remain in each KV head.
+
+    Args:
+        scores: ``[n_kv_heads, slots]`` float32 accumulated attention (ignored unless the policy has heavy hitters).
+        positions: ``[n_kv_heads, slots]`` int64 original token positions.
+        visible: ``[n_kv_heads, slots]`` bool, the tokens currently in the cache (same count in every head).
+        newest_position: position of the most recent visible token (defines the window).
+        policy: the cache policy.
+        n_visible: the number of visible tokens per head, if the caller knows it (saves a reduction).
+
+    Returns:
+        ``[n_kv_heads, slots]`` bool mask of slots to evict (a subset of ``visible``; same count in every head).
+    """
+    evict = torch.zeros_like(visible)
+    if policy.is_full:
+        return evict
+    if n_visible is None:
+        n_visible = int(visible[0].sum())
+    n_evict = n_visible - policy.budget
+    if n_evict <= 0:
+        return evict
+    protected = (positions < policy.sinks) | (positions > newest_position - policy.window)
+    candidates = visible & ~protected
+    if policy.heavy == 0:
+        # Sinks + window only: every unprotected token goes (exactly n_evict of them).
+        return candidates
+    key = scores.masked_fill(~candidates, float("inf"))
+    if n_evict == 1:
+        lowest = key.min(dim=-1, keepdim=True).values
+        tied = candidates & (key == lowest)
+        oldest = positions.masked_fill(~tied, torch.iinfo(torch.int64).max).argmin(dim=-1, keepdim=True)
+        return evict.scatter_(-1, oldest, True)
+    by_position = positions.masked_fill(~candidates, torch.iinfo(torch.int64).max).argsort(dim=-1)
+    by_score = key.gather(-1, by_position).argsort(dim=-1, stable=True)
+    chosen = by_position.gather(-1, by_score[:, :n_evict])
+    return evict.scatter_(-1, chosen, True)

@@ -1,0 +1,163 @@
+"""Device profiles: the handful of hardware figures the edge simulator needs, stored as data.
+
+Each profile is one JSON file under ``edge/devices/`` (or any path the user gives). Every figure in a profile names
+its source in ``sources`` (keyed by field name, ``peak_flops.bf16`` / ``caches.gpu_l2`` for mapping entries), and a
+figure that is an estimate says so and why. Units are SI: bytes, bytes per second, FLOP per second, seconds.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import UserError
+
+DEVICES_DIR = Path(__file__).with_name("devices")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Memory hierarchy and compute peaks of one device, as seen by a decoder running on ``compute_unit``.
+
+    ``sram_*`` describe the on-chip level the KV cache can live in (GPU L2 on a Jetson, the CPU's last-level cache on
+    a CPU device). ``sram_kv_fraction`` is the share of it the KV cache may occupy while weights stream through the
+    same cache. ``dram_efficiency`` is the fraction of ``dram_bandwidth`` the decode kernels achieve (1.0 when only
+    the vendor's peak is known: predictions are then upper bounds). ``caches`` holds other cache sizes for reference;
+    the model does not use them.
+    """
+
+    name: str
+    description: str
+    compute_unit: str
+    memory_bytes: int
+    dram_bandwidth: float
+    sram_level: str
+    sram_bytes: int
+    sram_bandwidth: float
+    peak_flops: Mapping[str, float]
+    overhead_s: float
+    per_layer_overhead_s: float = 0.0
+    dram_efficiency: float = 1.0
+    sram_kv_fraction: float = 1.0
+    caches: Mapping[str, int] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        positive = ("memory_bytes", "dram_bandwidth", "sram_bandwidth")
+        for key in positive:
+            if not _is_number(getattr(self, key)) or getattr(self, key) <= 0:
+                raise UserError(f"Device profile {self.name!r}: {key} must be a positive number.")
+        for key in ("sram_bytes", "overhead_s", "per_layer_overhead_s"):
+            if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
+                raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0.")
+        for key in ("dram_efficiency", "sram_kv_fraction"):
+            value = getattr(self, key)
+            if not _is_number(value) or not 0 < value <= 1:
+                raise UserError(f"Device profile {self.name!r}: {key} must lie in (0, 1].")
+        if not self.peak_flops:
+            raise UserError(f"Device profile {self.name!r}: peak_flops needs at least one dtype (e.g. fp32).")
+        for dtype, value in self.peak_flops.items():
+            if not _is_number(value) or value <= 0:
+                raise UserError(f"Device profile {self.name!r}: peak_flops.{dtype} must be a positive number.")
+
+    @property
+    def effective_dram_bandwidth(self) -> float:
+        """Bytes per second the decode kernels stream from DRAM: ``dram_bandwidth × dram_efficiency``."""
+        return self.dram_bandwidth * self.dram_efficiency
+
+    @property
+    def sram_kv_budget(self) -> float:
+        """Bytes of KV cache that stay resident in SRAM: ``sram_bytes × sram_kv_fraction``."""
+        return self.sram_bytes * self.sram_kv_fraction
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``; a dtype the profile does not list runs at the fp32 rate (or the lowest listed)."""
+        if dtype in self.peak_flops:
+            return float(self.peak_flops[dtype])
+        if "fp32" in self.peak_flops:
+            return float(self.peak_flops["fp32"])
+        return float(min(self.peak_flops.values()))
+
+    def figures(self) -> list[str]:
+        """Names of every numeric figure in the profile (``peak_flops.bf16`` style for mapping entries)."""
+        names = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Mapping) and f.name != "sources":
+                names.extend(f"{f.name}.{key}" for key in value)
+            elif _is_number(value):
+                names.append(f.name)
+        return names
+
+    def missing_sources(self) -> list[str]:
+        """Figures without an entry in ``sources`` (an empty list means every figure is cited)."""
+        return [name for name in self.figures() if not str(self.sources.get(name, "")).strip()]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["peak_flops"] = dict(self.peak_flops)
+        data["caches"] = dict(self.caches)
+        data["sources"] = dict(self.sources)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], origin: str = "profile") -> "DeviceProfile":
+        """Build from a JSON mapping; unknown or missing keys raise :class:`UserError` naming ``origin``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"Device profile {origin} has unknown keys: {', '.join(unknown)}.")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise UserError(f"Device profile {origin} lacks the keys: {', '.join(missing)}.")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise UserError(f"Device profile {origin} is malformed: {exc}.") from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def list_profiles() -> list[str]:
+    """Names of the device profiles shipped with sparsespec, sorted."""
+    return sorted(path.stem for path in DEVICES_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> DeviceProfile:
+    """Load a shipped profile by name (``jetson-orin-nano-8gb``) or any profile JSON file by path.
+
+    Raises :class:`UserError` for an unknown name, listing the known ones.
+    """
+    text = str(name_or_path)
+    path = DEVICES_DIR / f"{text}.json"
+    if not path.is_file():
+        candidate = Path(text).expanduser()
+        if candidate.is_file():
+            path = candidate
+        else:
+            known = ", ".join(list_profiles())
+            raise UserError(f"Unknown device {text!r}: give one of {known}, or the path of a device profile .json.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"Cannot read the device profile {path}: {exc}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"Device profile {path} must hold one JSON object.")
+    return DeviceProfile.from_dict(data, origin=str(path))
+
+
+def save_profile(profile: DeviceProfile, path: str | Path) -> Path:
+    """Write ``profile`` as indented JSON to ``path`` (parent folders are created) and return the path."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    return path

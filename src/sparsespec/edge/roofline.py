@@ -1,0 +1,511 @@
+"""The analytical decode-speed model: a roofline per forward pass plus SRAM residency of the KV cache.
+
+One forward pass of ``T`` new tokens over a KV cache of ``N`` entries moves, per memory level:
+
+- DRAM: the streamed weights once (``streamed_parameters × bytes_per_weight``), plus the KV cache when it does not fit
+  the device's SRAM budget;
+- SRAM: the KV cache when its ``(N + T)`` slots fit ``sram_bytes × sram_kv_fraction``, plus the activations.
+
+KV traffic is ``N`` entries read and ``T`` entries written, at ``kv_bytes_per_token`` for the cache dtype. The pass
+does ``2·P·T`` FLOPs in the matrix products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
+
+    time = max(Σ_level bytes_level / bandwidth_level, FLOPs / peak) + overhead_s + L · per_layer_overhead_s.
+
+Decoding modes build on that pass:
+
+- ``full``: one 1-token target pass per token over the whole context (``N = context``);
+- ``sparse``: the same with a budgeted cache (``N = budget``: sinks + heavy hitters + window);
+- ``speculative``: per round, γ 1-token draft passes and one (γ+1)-token target verification; a round yields
+  ``E = (1 − α^(γ+1)) / (1 − α)`` tokens for per-token acceptance α (``γ+1`` when α = 1);
+- ``combined``: speculative with a budgeted target cache (and a budgeted draft cache).
+
+Without a separate draft model, speculation is self-speculation: the target's own weights with a small sparse cache
+drafts for the target. Target and draft KV caches compete for the same SRAM budget (see :func:`place_kv`).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Sequence
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .profile import DeviceProfile
+
+# Bytes per weight, scales included. int8: a llama.cpp Q8_0 block holds 32 int8 weights and one fp16 scale
+# (34 bytes / 32 weights); int4: a Q4_0 block holds 32 4-bit weights and one fp16 scale (18 bytes / 32 weights).
+BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+
+# Bytes per stored K or V element of the cache.
+KV_BYTES_PER_ELEMENT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32}
+
+# Activations are counted as bf16 elements: per layer and token about 4 reads/writes of the hidden state
+# and 3 of the MLP's intermediate width (gate, up, their product). Small next to the weights; kept for honesty.
+ACTIVATION_BYTES = 2.0
+
+MODES = ("full", "sparse", "speculative", "combined")
+
+
+def _check_choice(value: str, table: dict[str, float], what: str) -> float:
+    if value not in table:
+        raise UserError(f"Unknown {what} {value!r}; choose one of {', '.join(table)}.")
+    return table[value]
+
+
+def streamed_parameters(model: ModelConfig) -> int:
+    """Parameters read in full on every forward.
+
+    Everything but an untied token-embedding table, of which a forward only gathers its ``T`` rows; a tied table is
+    also the output head and is read whole.
+    """
+    embedding = model.vocab_size * model.hidden_size
+    return model.num_parameters() - (0 if model.tie_word_embeddings else embedding)
+
+
+def weight_bytes(model: ModelConfig, weights: str = "bf16") -> float:
+    """Bytes of weights streamed from DRAM per forward for the weight format ``weights``."""
+    return streamed_parameters(model) * _check_choice(weights, BYTES_PER_WEIGHT, "weight format")
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16") -> float:
+    """Bytes of K and V per cached token over all layers at the cache dtype."""
+    per_element = _check_choice(kv_dtype, KV_BYTES_PER_ELEMENT, "KV cache dtype")
+    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * per_element
+
+
+def activation_bytes(model: ModelConfig, tokens: int) -> float:
+    """Rough activation traffic of a ``tokens``-token forward (bf16), kept on chip."""
+    per_layer = 4 * model.hidden_size + 3 * model.intermediate_size
+    return ACTIVATION_BYTES * tokens * model.num_hidden_layers * per_layer
+
+
+def forward_flops(model: ModelConfig, tokens: int, kv_entries: int) -> float:
+    """``2·P·T`` matrix-product FLOPs plus ``4·L·H·d·N·T`` attention FLOPs."""
+    dense = 2.0 * streamed_parameters(model) * tokens
+    attention = 4.0 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * kv_entries * tokens
+    return dense + attention
+
+
+def kv_fits_sram(model: ModelConfig, device: DeviceProfile, slots: int, kv_dtype: str = "bf16") -> bool:
+    """Whether ``slots`` cached tokens (all layers) fit the device's SRAM budget for the KV cache."""
+    return slots * kv_bytes_per_token(model, kv_dtype) <= device.sram_kv_budget
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Cost of one forward pass of ``tokens`` new tokens over ``kv_entries`` cached ones.
+
+    ``dram_bytes`` / ``sram_bytes`` split the traffic by kind (``weights``, ``kv``, ``activations``).
+    """
+
+    tokens: int
+    kv_entries: int
+    kv_in_sram: bool
+    dram_bytes: dict[str, float]
+    sram_bytes: dict[str, float]
+    flops: float
+    memory_s: float
+    compute_s: float
+    overhead_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        """``"memory"`` or ``"compute"``: which side of the roofline sets the pass time."""
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "kv_entries": self.kv_entries,
+            "kv_in_sram": self.kv_in_sram,
+            "dram_bytes": dict(self.dram_bytes),
+            "sram_bytes": dict(self.sram_bytes),
+            "flops": self.flops,
+            "memory_s": self.memory_s,
+            "compute_s": self.compute_s,
+            "overhead_s": self.overhead_s,
+            "time_s": self.time_s,
+            "bound": self.bound,
+        }
+
+
+def forward_pass(
+    model: ModelConfig,
+    device: DeviceProfile,
+    *,
+    tokens: int,
+    kv_entries: int,
+    weights: str = "bf16",
+    kv_dtype: str = "bf16",
+    compute_dtype: str = "bf16",
+    kv_in_sram: bool | None = None,
+) -> PassCost:
+    """Roofline cost of one forward of ``tokens`` new tokens over ``kv_entries`` cached ones.
+
+    ``kv_in_sram=None`` decides residency from the cache's ``kv_entries + tokens`` slots and the SRAM budget; pass
+    True/False to force it (used when several caches share the budget). Weight-only quantized formats compute at
+    ``compute_dtype`` (the weights are widened before the products).
+    """
+    if tokens < 1 or kv_entries < 0:
+        raise UserError("A forward pass needs at least one token and a non-negative cache size.")
+    kvb = kv_bytes_per_token(model, kv_dtype)
+    if kv_in_sram is None:
+        kv_in_sram = kv_fits_sram(model, device, kv_entries + tokens, kv_dtype)
+    kv_traffic = (kv_entries + tokens) * kvb  # N entries read, T entries written
+    dram = {"weights": weight_bytes(model, weights), "kv": 0.0 if kv_in_sram else kv_traffic}
+    sram = {"kv": kv_traffic if kv_in_sram else 0.0, "activations": activation_bytes(model, tokens)}
+    memory_s = sum(dram.values()) / device.effective_dram_bandwidth + sum(sram.values()) / device.sram_bandwidth
+    flops = forward_flops(model, tokens, kv_entries)
+    compute_s = flops / device.peak(compute_dtype)
+    overhead_s = device.overhead_s + model.num_hidden_layers * device.per_layer_overhead_s
+    return PassCost(tokens, kv_entries, kv_in_sram, dram, sram, flops, memory_s, compute_s, overhead_s)
+
+
+# --- speculative decoding formulas ------------------------------------------------------------------------------
+
+
+def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
+    """Expected tokens per target pass with γ drafted tokens and per-token acceptance α (Leviathan et al. 2023).
+
+    ``(1 − α^(γ+1)) / (1 − α)``; ``γ + 1`` at α = 1, and 1 at α = 0 or γ = 0.
+    """
+    _check_alpha_gamma(alpha, gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def speculative_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Wall-time gain over autoregressive decoding: ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
+
+    ``c`` is the cost of one draft pass relative to one target pass (verification assumed to cost one target pass).
+    """
+    if c < 0:
+        raise UserError("The draft/target cost ratio c must be >= 0.")
+    return expected_tokens_per_pass(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
+    """The γ in ``0..max_gamma`` with the largest :func:`speculative_speedup` (the smallest on ties).
+
+    0 means speculation does not pay (speedup never above 1).
+    """
+    if max_gamma < 0:
+        raise UserError("max_gamma must be >= 0.")
+    gains = [speculative_speedup(alpha, g, c) for g in range(max_gamma + 1)]
+    best = max(gains)
+    return next(g for g, gain in enumerate(gains) if gain >= best * (1 - 1e-12))
+
+
+def _check_alpha_gamma(alpha: float, gamma: int) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise UserError(f"Acceptance rate must lie in [0, 1], got {alpha}.")
+    if int(gamma) != gamma or gamma < 0:
+        raise UserError(f"γ (draft length) must be an integer >= 0, got {gamma}.")
+
+
+# --- SRAM placement ----------------------------------------------------------------------------------------------
+
+
+def place_kv(sizes: Sequence[float], reads: Sequence[float], budget: float) -> list[bool]:
+    """Choose which KV caches live in SRAM when several share one budget.
+
+    ``sizes[i]`` are resident bytes, ``reads[i]`` how many times cache i is streamed per round. Returns, per cache,
+    whether it is placed in SRAM: the subset that fits ``budget`` and saves the most DRAM traffic (ties: more caches).
+    """
+    best: tuple[float, int] = (-1.0, -1)
+    choice: tuple[bool, ...] = tuple(False for _ in sizes)
+    for subset in product((False, True), repeat=len(sizes)):
+        used = sum(s for s, keep in zip(sizes, subset) if keep)
+        if used > budget:
+            continue
+        saved = sum(s * r for s, r, keep in zip(sizes, reads, subset) if keep)
+        key = (saved, sum(subset))
+        if key > best:
+            best, choice = key, subset
+    return list(choice)
+
+
+# --- per-token predictions ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted decode speed of one mode on one device.
+
+    ``bytes_per_token`` is traffic per generated token by level and kind
+    (``{"dram": {"weights", "kv"}, "sram": {"kv", "activations"}}``). ``passes`` holds the per-pass costs
+    (``"target"``, and ``"draft"`` for the speculative modes). ``cost_ratio`` is c: one draft pass over one 1-token
+    target pass on the same cache.
+    """
+
+    mode: str
+    device: str
+    tokens_per_second: float
+    seconds_per_token: float
+    tokens_per_pass: float
+    kv_entries: int
+    kv_bytes: float
+    kv_in_sram: bool
+    bytes_per_token: dict[str, dict[str, float]]
+    passes: dict[str, PassCost]
+    gamma: int = 0
+    acceptance: float | None = None
+    draft: str | None = None
+    draft_kv_entries: int | None = None
+    draft_kv_bytes: float | None = None
+    draft_kv_in_sram: bool | None = None
+    cost_ratio: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            "mode": self.mode,
+            "device": self.device,
+            "tokens_per_second": self.tokens_per_second,
+            "seconds_per_token": self.seconds_per_token,
+            "tokens_per_pass": self.tokens_per_pass,
+            "kv_entries": self.kv_entries,
+            "kv_bytes": self.kv_bytes,
+            "kv_in_sram": self.kv_in_sram,
+            "bytes_per_token": {level: dict(kinds) for level, kinds in self.bytes_per_token.items()},
+            "passes": {name: cost.to_dict() for name, cost in self.passes.items()},
+        }
+        if self.mode in ("speculative", "combined"):
+            data.update(
+                gamma=self.gamma,
+                acceptance=self.acceptance,
+                draft=self.draft,
+                draft_kv_entries=self.draft_kv_entries,
+                draft_kv_bytes=self.draft_kv_bytes,
+                draft_kv_in_sram=self.draft_kv_in_sram,
+                cost_ratio=self.cost_ratio,
+            )
+        return data
+
+
+def _bytes_per_token(weighted: Sequence[tuple[float, PassCost]], tokens: float) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {"dram": {"weights": 0.0, "kv": 0.0}, "sram": {"kv": 0.0, "activations": 0.0}}
+    for count, cost in weighted:
+        for level, kinds in (("dram", cost.dram_bytes), ("sram", cost.sram_bytes)):
+            for kind, value in kinds.items():
+                out[level][kind] += count * value / tokens
+    return out
+
+
+def _check_context(context: int, budget: int | None = None) -> None:
+    if context < 1:
+        raise UserError(f"Context length must be >= 1, got {context}.")
+    if budget is not None and budget < 1:
+        raise UserError(f"KV budget must be >= 1, got {budget}.")
+
+
+def predict_autoregressive(
+    model: ModelConfig,
+    device: DeviceProfile,
+    *,
+    context: int,
+    budget: int | None = None,
+    weights: str = "bf16",
+    kv_dtype: str = "bf16",
+    compute_dtype: str = "bf16",
+) -> Prediction:
+    """One token per 1-token pass: mode ``full`` (``budget=None``, ``N = context``) or ``sparse`` (``N = budget``)."""
+    _check_context(context, budget)
+    entries = context if budget is None else min(budget, context)
+    cost = forward_pass(
+        model, device, tokens=1, kv_entries=entries, weights=weights, kv_dtype=kv_dtype, compute_dtype=compute_dtype
+    )
+    return Prediction(
+        mode="full" if budget is None else "sparse",
+        device=device.name,
+        tokens_per_second=1.0 / cost.time_s,
+        seconds_per_token=cost.time_s,
+        tokens_per_pass=1.0,
+        kv_entries=entries,
+        kv_bytes=(entries + 1) * kv_bytes_per_token(model, kv_dtype),
+        kv_in_sram=cost.kv_in_sram,
+        bytes_per_token=_bytes_per_token([(1.0, cost)], 1.0),
+        passes={"target": cost},
+    )
+
+
+def predict_sparse(model: ModelConfig, device: DeviceProfile, *, context: int, budget: int, **kw: Any) -> Prediction:
+    """Autoregressive decoding over a budgeted cache of ``min(budget, context)`` entries."""
+    return predict_autoregressive(model, device, context=context, budget=budget, **kw)
+
+
+def predict_speculative(
+    target: ModelConfig,
+    device: DeviceProfile,
+    *,
+    context: int,
+    gamma: int,
+    acceptance: float,
+    draft: ModelConfig | None = None,
+    budget: int | None = None,
+    draft_budget: int | None = None,
+    weights: str = "bf16",
+    draft_weights: str | None = None,
+    kv_dtype: str = "bf16",
+    compute_dtype: str = "bf16",
+) -> Prediction:
+    """Draft-then-verify: per round, γ 1-token draft passes and one (γ+1)-token target pass.
+
+    ``budget=None`` keeps the target's full cache (mode ``speculative``); a budget makes it ``combined``.
+    ``draft=None`` is self-speculation (the target's weights with a ``draft_budget``-entry cache; required then).
+    A separate draft keeps ``draft_budget`` entries if given, else the same cache size as the target.
+    """
+    _check_context(context, budget)
+    _check_alpha_gamma(acceptance, gamma)
+    if gamma < 1:
+        raise UserError("Speculative decoding needs γ >= 1 drafted tokens per round.")
+    if draft is None and draft_budget is None:
+        raise UserError("Self-speculation (no draft model) needs a draft cache budget.")
+    if draft_budget is not None and draft_budget < 1:
+        raise UserError(f"Draft KV budget must be >= 1, got {draft_budget}.")
+    draft_model = target if draft is None else draft
+    draft_weights = draft_weights or weights
+    entries = context if budget is None else min(budget, context)
+    draft_entries = min(draft_budget, context) if draft_budget is not None else entries
+
+    # Target and draft caches share the SRAM budget: the target (γ+1 staged slots) is read once per round,
+    # the draft (1 staged slot) γ times.
+    sizes = [
+        (entries + gamma + 1) * kv_bytes_per_token(target, kv_dtype),
+        (draft_entries + 1) * kv_bytes_per_token(draft_model, kv_dtype),
+    ]
+    target_in_sram, draft_in_sram = place_kv(sizes, [1.0, float(gamma)], device.sram_kv_budget)
+
+    common = dict(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
+    verify = forward_pass(
+        target, device, tokens=gamma + 1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram, **common
+    )
+    draft_cost = forward_pass(
+        draft_model,
+        device,
+        tokens=1,
+        kv_entries=draft_entries,
+        weights=draft_weights,
+        kv_in_sram=draft_in_sram,
+        **common,
+    )
+    single = forward_pass(
+        target, device, tokens=1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram, **common
+    )
+    tokens = expected_tokens_per_pass(acceptance, gamma)
+    round_s = gamma * draft_cost.time_s + verify.time_s
+    return Prediction(
+        mode="speculative" if budget is None else "combined",
+        device=device.name,
+        tokens_per_second=tokens / round_s,
+        seconds_per_token=round_s / tokens,
+        tokens_per_pass=tokens,
+        kv_entries=entries,
+        kv_bytes=sizes[0],
+        kv_in_sram=target_in_sram,
+        bytes_per_token=_bytes_per_token([(float(gamma), draft_cost), (1.0, verify)], tokens),
+        passes={"target": verify, "draft": draft_cost},
+        gamma=gamma,
+        acceptance=acceptance,
+        draft="self" if draft is None else "model",
+        draft_kv_entries=draft_entries,
+        draft_kv_bytes=sizes[1],
+        draft_kv_in_sram=draft_in_sram,
+        cost_ratio=draft_cost.time_s / single.time_s,
+    )
+
+
+def predict_combined(
+    target: ModelConfig, device: DeviceProfile, *, context: int, budget: int, **kw: Any
+) -> Prediction:
+    """Speculative decoding with a budgeted (sparse) target cache; see :func:`predict_speculative`."""
+    return predict_speculative(target, device, context=context, budget=budget, **kw)
+
+
+def predict(mode: str, target: ModelConfig, device: DeviceProfile, **kw: Any) -> Prediction:
+    """Dispatch on ``mode`` (one of :data:`MODES`) to the matching ``predict_*`` function."""
+    if mode == "full":
+        kw.pop("budget", None)
+        return predict_autoregressive(target, device, **_only(kw, _AR_KEYS))
+    if mode == "sparse":
+        return predict_sparse(target, device, **_only(kw, _AR_KEYS))
+    if mode == "speculative":
+        kw.pop("budget", None)
+        return predict_speculative(target, device, **kw)
+    if mode == "combined":
+        return predict_combined(target, device, **kw)
+    raise UserError(f"Unknown simulation mode {mode!r}; choose one of {', '.join(MODES)}.")
+
+
+_AR_KEYS = ("context", "budget", "weights", "kv_dtype", "compute_dtype")
+
+
+def _only(kw: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if k in keys}
+
+
+# --- choosing γ and the budget on a device -----------------------------------------------------------------------
+
+
+def best_gamma_on_device(
+    target: ModelConfig,
+    device: DeviceProfile,
+    *,
+    context: int,
+    acceptance: float,
+    max_gamma: int = 16,
+    budget: int | None = None,
+    **kw: Any,
+) -> tuple[int, Prediction]:
+    """The γ in ``0..max_gamma`` that maximises predicted tok/s on ``device``, with its prediction.
+
+    γ = 0 is plain autoregressive decoding (over the same target cache); it wins when speculation does not pay.
+    ``kw`` goes to :func:`predict_speculative` (``draft``, ``draft_budget``, ``weights``, …).
+    """
+    base = predict_autoregressive(
+        target, device, context=context, budget=budget, **_only(kw, ("weights", "kv_dtype", "compute_dtype"))
+    )
+    best_g, best = 0, base
+    for g in range(1, max_gamma + 1):
+        pred = predict_speculative(target, device, context=context, gamma=g, acceptance=acceptance, budget=budget, **kw)
+        if pred.tokens_per_second > best.tokens_per_second * (1 + 1e-12):
+            best_g, best = g, pred
+    return best_g, best
+
+
+def best_budget(
+    model: ModelConfig,
+    device: DeviceProfile,
+    *,
+    kv_dtype: str = "bf16",
+    staging: int = 1,
+    reserve_bytes: float = 0.0,
+    tracking_kv_bytes_per_token: float = 0.0,
+    multiple: int = 16,
+    context: int | None = None,
+) -> int | None:
+    """The largest KV budget (a multiple of ``multiple``) whose cache stays resident in SRAM.
+
+    The cache holds ``budget + staging`` slots (``staging`` = γ+1 under speculation). ``reserve_bytes`` of the SRAM
+    budget are kept for something of fixed size (a draft cache with its own budget);
+    ``tracking_kv_bytes_per_token`` is the per-token size of a second cache that holds ``budget + 1`` slots too (a
+    draft model's cache that follows the target's budget). Past this budget every token streams the KV cache from
+    DRAM; below it the speed barely changes while quality falls, so it is the budget to pick for speed. Capped at
+    ``context`` when given. None when not even ``multiple`` entries fit.
+    """
+    if multiple < 1 or staging < 0:
+        raise UserError("best_budget needs multiple >= 1 and staging >= 0.")
+    kvb = kv_bytes_per_token(model, kv_dtype)
+    room = device.sram_kv_budget - reserve_bytes - staging * kvb - tracking_kv_bytes_per_token
+    slots = int(room // (kvb + tracking_kv_bytes_per_token)) if room > 0 else 0
+    budget = (slots // multiple) * multiple
+    if budget < multiple:
+        return None
+    return budget if context is None else min(budget, context)

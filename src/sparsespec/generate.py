@@ -1,0 +1,87 @@
+"""Autoregressive decoding as a Python generator of token ids, and streaming of the text they spell."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from .cache.arena import KVArena
+from .model import Transformer
+from .sampling import SamplingParams, sample, warp
+
+
+def prefill(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> torch.Tensor:
+    """Feed ``token_ids`` in chunks of ``chunk``, committing (and evicting) after each; return the last logits.
+
+    Peak KV memory is the arena's budget plus one chunk, whatever the prompt length.
+
+    Returns:
+        ``[vocab]`` float32 logits predicting the token after ``token_ids``.
+    """
+    logits = None
+    for start in range(0, len(token_ids), chunk):
+        block = torch.tensor(token_ids[start : start + chunk], dtype=torch.long)
+        logits = model.forward(block, cache, per_block=True, last_only=True)
+        cache.commit(len(block))
+    return logits[-1]
+
+
+def generate_tokens(
+    model: Transformer,
+    cache: KVArena,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    eos_ids: Iterable[int] = (),
+    prefill_chunk: int = 512,
+) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` new token ids, one forward pass each, stopping after an EOS id."""
+    eos = set(eos_ids)
+    logits = prefill(model, cache, prompt_ids, prefill_chunk)
+    for step in range(max_new_tokens):
+        token = sample(warp(logits, sampling), generator)
+        yield token
+        if token in eos or step == max_new_tokens - 1:
+            return
+        logits = model.forward(torch.tensor([token]), cache)[-1]
+        cache.commit(1)
+
+
+def stream_text(
+    tokens: Iterable[int], tokenizer, *, stop_strings: Iterable[str] = (), eos_ids: Iterable[int] = ()
+) -> Iterator[str]:
+    """Turn a stream of token ids into text pieces, ending at the first stop string (which is not emitted).
+
+    EOS tokens are not printed. Pieces are emitted once they decode to complete characters; text that might be
+    the start of a stop string is held back until it is known not to be.
+    """
+    stops = [s for s in stop_strings if s]
+    eos = set(eos_ids)
+    pending: list[int] = []
+    held = ""  # decoded text not yet emitted (a possible stop-string prefix)
+    for token in tokens:
+        if token in eos:
+            break
+        pending.append(token)
+        piece = tokenizer.decode(pending, skip_special_tokens=False)
+        if piece.endswith("\ufffd"):
+            continue  # an incomplete UTF-8 sequence: wait for the next byte token
+        pending = []
+        held += piece
+        for stop in stops:
+            at = held.find(stop)
+            if at >= 0:
+                if held[:at]:
+                    yield held[:at]
+                return
+        keep = max((k for s in stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+        if len(held) > keep:
+            yield held[: len(held) - keep]
+            held = held[len(held) - keep :]
+    if pending:
+        held += tokenizer.decode(pending, skip_special_tokens=False)
+    if held:
+        yield held

@@ -1,0 +1,129 @@
+"""One compact Llama-family decoder: Llama / SmolLM2 and Qwen2 (q/k/v bias), grouped-query attention.
+
+The model knows nothing about caching policy: each layer hands its queries, keys and values to the KV arena,
+which stores them and computes attention (see ``cache/arena.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .cache.arena import KVArena
+from .config import ModelConfig
+from .linear import make_linear
+
+
+@dataclass
+class DecoderLayer:
+    """Weights of one block. ``qkv`` maps ``[T, hidden]`` to ``[T, (n_heads + 2 n_kv) head_dim]``;
+    ``gate_up`` maps ``[T, hidden]`` to ``[T, 2 intermediate]``."""
+
+    attn_norm: torch.Tensor
+    qkv: object
+    o_proj: object
+    mlp_norm: torch.Tensor
+    gate_up: object
+    down: object
+
+
+class Transformer:
+    """A decoder-only transformer with weights in ``dtype`` (float32 or bfloat16)."""
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype, weights: str = "dense"):
+        """Build from a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight`` …).
+
+        ``weights`` selects the format of the large projections (see ``linear.py``); norms and the embedding stay
+        in ``dtype``.
+        """
+        self.config = config
+        self.dtype = dtype
+        self.weights_format = weights
+
+        def tensor(name: str) -> torch.Tensor:
+            return state[name].to(dtype)
+
+        def fused(names: list[str], bias: bool) -> object:
+            w = torch.cat([state[n + ".weight"] for n in names], dim=0)
+            b = torch.cat([state[n + ".bias"] for n in names], dim=0) if bias else None
+            return make_linear(w, b, dtype, weights)
+
+        self.embed = tensor("model.embed_tokens.weight")
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
+            self.layers.append(
+                DecoderLayer(
+                    attn_norm=tensor(p + "input_layernorm.weight"),
+                    qkv=fused(attn, config.attention_bias),
+                    o_proj=fused([p + "self_attn.o_proj"], False),
+                    mlp_norm=tensor(p + "post_attention_layernorm.weight"),
+                    gate_up=fused([p + "mlp.gate_proj", p + "mlp.up_proj"], False),
+                    down=fused([p + "mlp.down_proj"], False),
+                )
+            )
+        self.norm = tensor("model.norm.weight")
+        head = state.get("lm_head.weight")
+        if head is None or config.tie_word_embeddings:
+            head = state["model.embed_tokens.weight"]
+        self.lm_head = make_linear(head, None, dtype, weights)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of all weights as stored for computation."""
+        total = self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes
+        for layer in self.layers:
+            total += layer.attn_norm.nbytes + layer.mlp_norm.nbytes
+            total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        if self.config.tie_word_embeddings and self.weights_format == "dense":
+            total -= self.lm_head.nbytes  # the head shares the embedding's storage
+        return total
+
+    def bytes_read_per_token(self) -> int:
+        """Weight bytes one decode step streams from memory (every projection plus the head; one embedding row)."""
+        total = self.lm_head.nbytes
+        for layer in self.layers:
+            total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        return total
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False
+    ) -> torch.Tensor:
+        """Run ``tokens: [T]`` (int64) through the model, staging them in ``cache`` (commit is the caller's job).
+
+        Args:
+            tokens: the new tokens, in order.
+            cache: the KV arena; the rows stay in flight until ``cache.commit``.
+            per_block: evict once at the end of the block (prefill chunks) instead of after every row.
+            last_only: compute logits for the last row only (prefill).
+
+        Returns:
+            ``[T, vocab]`` float32 logits (``[1, vocab]`` with ``last_only``).
+        """
+        cfg = self.config
+        n_rows = tokens.shape[0]
+        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = n_heads * hd, n_kv * hd
+        x = self.embed[tokens]
+        cache.begin(n_rows, per_block=per_block)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(n_rows, n_heads, hd).transpose(0, 1)
+            k = k.view(n_rows, n_kv, hd).transpose(0, 1)
+            v = v.view(n_rows, n_kv, hd).transpose(0, 1)
+            x = x + layer.o_proj(cache.attend(index, q, k, v))
+            gate, up = layer.gate_up(self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        cache.end()
+        if last_only:
+            x = x[-1:]
+        return self.lm_head(self._rms_norm(x, self.norm)).float()

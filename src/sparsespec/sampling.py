@@ -1,0 +1,65 @@
+"""Logits → probabilities (temperature, top-k, top-p) and sampling with an explicit ``torch.Generator``.
+
+Temperature 0 means greedy: the warped distribution is one-hot on the argmax, so the same code serves greedy and
+stochastic decoding, and speculative verification with one-hot distributions reduces to "accept iff argmax".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a distribution. ``top_k = 0`` and ``top_p = 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise UserError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}.")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be 0 (off) or a positive number of tokens, got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (applied in that order, as Hugging Face does).
+
+    Args:
+        logits: ``[..., vocab]`` float32.
+
+    Returns:
+        ``[..., vocab]`` float32 probabilities summing to 1 over the last axis.
+    """
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p  # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from ``probs: [vocab]``."""
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,263 @@
+"""Speculative decoding, exact: draft-then-verify with rejection sampling (Leviathan et al. 2023, Algorithm 1).
+
+Notation as in the paper: ``p`` is the target's distribution, ``q`` the draft's. Each round:
+
+1. the draft proposes γ tokens x₁…x_γ autoregressively, sampling from q (its rows stay in flight in its arena);
+2. the target scores the pending token and all γ proposals in one forward pass, giving p₁…p_{γ+1};
+3. xᵢ is accepted with probability min(1, p(xᵢ)/q(xᵢ)); at the first rejection a token is drawn from
+   normalize(max(0, p − q)); if all γ pass, a bonus token is drawn from p_{γ+1};
+4. both arenas commit the accepted rows and roll back the rest — scores and evictions included — so each equals
+   the arena of an autoregressive run over the accepted text.
+
+Because the target's arena replays evictions row by row (see ``cache/arena.py``), row i of the verification pass
+sees exactly the cache that autoregressive step i would see, so the output follows exactly the distribution that
+autoregressive decoding with the same cache policy defines (and greedy output is identical token for token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from .cache.arena import KVArena
+from .errors import UserError
+from .generate import prefill
+from .model import Transformer
+from .sampling import SamplingParams, sample, warp
+
+GAMMA_MAX = 12
+
+
+def draft_inflight_rows(gamma_max: int = GAMMA_MAX) -> int:
+    """Rows a draft arena must hold in flight: a backlog of accepted tokens plus up to γ_max − 1 proposals."""
+    return 2 * gamma_max + 2
+
+
+def target_inflight_rows(gamma_max: int = GAMMA_MAX) -> int:
+    """Rows a target arena must hold in flight: the pending token plus up to γ_max proposals."""
+    return gamma_max + 1
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """Raise :class:`UserError` naming the first difference if draft and target do not share a vocabulary."""
+    if target_vocab != draft_vocab:
+        raise UserError(
+            f"The draft's vocabulary has {draft_vocab} entries and the target's {target_vocab}; "
+            "speculative decoding needs the same vocabulary."
+        )
+    if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
+        return
+    target_ids, draft_ids = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_ids != draft_ids:
+        differing = sorted(set(target_ids.items()) ^ set(draft_ids.items()), key=lambda kv: kv[1])[0]
+        raise UserError(
+            f"Draft and target tokenizers differ (e.g. token {differing[0]!r} has id {differing[1]} in only one "
+            "of them); speculative decoding needs the same vocabulary."
+        )
+
+
+def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
+    """Expected tokens per target pass with per-token acceptance ``alpha``: (1 − α^(γ+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Expected wall-time gain over autoregressive decoding: (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    return expected_tokens_per_pass(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+class AdaptiveGamma:
+    """Chooses γ each round from the observed acceptance and the measured draft / target cost ratio.
+
+    Acceptance α is estimated as accepted / (accepted + rejections), with exponentially decaying counts (so it
+    follows a change of text); the cost ratio c from decaying averages of the draft's time per proposal and the
+    target's time per verification. γ maximises :func:`expected_speedup`; when no γ ≥ 1 beats plain decoding,
+    γ = 0 (the target decodes alone) except for an occasional probe round with γ = 1 that keeps the estimates
+    fresh.
+    """
+
+    def __init__(self, initial: int = 4, gamma_max: int = GAMMA_MAX, decay: float = 0.9, probe_every: int = 8):
+        self.gamma = initial
+        self.gamma_max = gamma_max
+        self.decay = decay
+        self.probe_every = probe_every
+        self._accepted = 2.0  # prior: α ≈ 0.67 until measured
+        self._trials = 3.0
+        self._draft_s = 0.0
+        self._target_s = 0.0
+        self._timed = False
+        self._rounds_without_draft = 0
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._trials
+
+    @property
+    def cost_ratio(self) -> float:
+        return self._draft_s / self._target_s if self._timed and self._target_s > 0 else 0.5
+
+    def update(self, drafted: int, accepted: int, draft_s_per_token: float | None, target_s: float) -> None:
+        """Record one round: ``drafted`` proposals, ``accepted`` of them, and the measured times."""
+        if drafted:
+            rejected = 1 if accepted < drafted else 0
+            self._accepted = self.decay * self._accepted + accepted
+            self._trials = self.decay * self._trials + accepted + rejected
+        if draft_s_per_token is not None:
+            if not self._timed:
+                self._draft_s, self._target_s, self._timed = draft_s_per_token, target_s, True
+            else:
+                self._draft_s = self.decay * self._draft_s + (1 - self.decay) * draft_s_per_token
+                self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s
+        best = max(range(1, self.gamma_max + 1), key=lambda g: expected_speedup(self.alpha, g, self.cost_ratio))
+        if expected_speedup(self.alpha, best, self.cost_ratio) > 1.0:
+            self.gamma, self._rounds_without_draft = best, 0
+        else:
+            self._rounds_without_draft += 1
+            self.gamma = 1 if self._rounds_without_draft % self.probe_every == 0 else 0
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative run."""
+
+    target_passes: int = 0
+    draft_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    gammas: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def draft_target_cost_ratio(self) -> float:
+        """Seconds per draft forward pass over seconds per target verification pass."""
+        if not self.draft_passes or not self.target_passes:
+            return 0.0
+        return (self.draft_seconds / self.draft_passes) / (self.target_seconds / self.target_passes)
+
+
+def _accept(
+    p: torch.Tensor, q: list[torch.Tensor], drafts: list[int], generator: torch.Generator | None, greedy: bool
+) -> tuple[int, int]:
+    """Rejection sampling over one block. ``p: [γ+1, vocab]``, ``q``: γ tensors ``[vocab]``.
+
+    Returns ``(accepted, next_token)``: how many proposals pass and the token that follows them (the correction
+    drawn from normalize(max(0, p − q)) at the first rejection, or the bonus token from the last row of p).
+    """
+    for i, x in enumerate(drafts):
+        if greedy:
+            ok = bool(p[i, x] == 1.0)
+        else:
+            ratio = p[i, x] / q[i][x]
+            ok = bool(torch.rand((), generator=generator) < ratio)
+        if not ok:
+            residual = (p[i] - q[i]).clamp_(min=0.0)
+            total = residual.sum()
+            return i, sample(residual / total if total > 0 else p[i], generator)
+    return len(drafts), sample(p[len(drafts)], generator)
+
+
+def speculative_tokens(
+    target: Transformer,
+    target_cache: KVArena,
+    draft: Transformer,
+    draft_cache: KVArena,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    gamma: int | AdaptiveGamma,
+    generator: torch.Generator | None = None,
+    eos_ids: Iterable[int] = (),
+    prefill_chunk: int = 512,
+    stats: SpeculativeStats | None = None,
+) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` token ids decoded speculatively (stops after an EOS id).
+
+    ``gamma`` is a fixed number of proposals per round (≥ 1) or an :class:`AdaptiveGamma`. The arenas must allow
+    :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target itself (self-speculation) with its own arena.
+    """
+    if isinstance(gamma, int) and gamma < 1:
+        raise UserError(f"--gamma must be at least 1 (got {gamma}).")
+    gamma_cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
+    if target_cache.max_inflight < target_inflight_rows(gamma_cap):
+        raise ValueError("the target arena cannot hold a verification block of this γ")
+    if draft_cache.max_inflight < draft_inflight_rows(gamma_cap):
+        raise ValueError("the draft arena cannot hold the rows this γ keeps in flight")
+    stats = stats if stats is not None else SpeculativeStats()
+    eos = set(eos_ids)
+    *context, last = prompt_ids
+    prefill(target, target_cache, context, prefill_chunk)
+    prefill(draft, draft_cache, context, prefill_chunk)
+    target_pending = [last]  # accepted tokens the target has not been fed yet
+    draft_pending = [last]  # the same for the draft (two tokens after a fully accepted round)
+    generated = 0
+    while generated < max_new_tokens:
+        g = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
+        g = min(g, max_new_tokens - generated - 1)
+
+        # 1. Draft γ proposals; they stay in flight in the draft's arena.
+        started = time.perf_counter()
+        drafts: list[int] = []
+        q: list[torch.Tensor] = []
+        feed = draft_pending
+        for _ in range(g):
+            logits = draft.forward(torch.tensor(feed), draft_cache)[-1]
+            q.append(warp(logits, sampling))
+            drafts.append(sample(q[-1], generator))
+            feed = drafts[-1:]
+        draft_fed = len(draft_pending) + g - 1 if g else 0
+        draft_seconds = time.perf_counter() - started
+
+        # 2. One target pass over the pending token(s) and all proposals.
+        started = time.perf_counter()
+        logits = target.forward(torch.tensor(target_pending + drafts), target_cache)
+        p = warp(logits[len(target_pending) - 1 :], sampling)
+        accepted, next_token = _accept(p, q, drafts, generator, sampling.greedy)
+        target_seconds = time.perf_counter() - started
+
+        # 3. Commit what was accepted; roll back the rest.
+        target_cache.commit(len(target_pending) + accepted)
+        target_pending = [next_token]
+        stream = draft_pending + drafts[:accepted] + [next_token]
+        kept = min(draft_fed, len(draft_pending) + accepted)
+        draft_cache.commit(kept)
+        draft_pending = stream[kept:]
+        if len(draft_pending) + gamma_cap - 1 > draft_cache.max_inflight:
+            # The draft sat out several rounds (adaptive γ = 0): feed it the backlog now.
+            backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
+            for start in range(0, len(backlog), draft_cache.max_inflight):
+                chunk = backlog[start : start + draft_cache.max_inflight]
+                draft.forward(torch.tensor(chunk), draft_cache)
+                draft_cache.commit(len(chunk))
+
+        stats.target_passes += 1
+        stats.draft_passes += g
+        stats.drafted += g
+        stats.accepted += accepted
+        stats.draft_seconds += draft_seconds
+        stats.target_seconds += target_seconds
+        stats.gammas.append(g)
+        if isinstance(gamma, AdaptiveGamma):
+            gamma.update(g, accepted, draft_seconds / g if g else None, target_seconds)
+
+        for token in drafts[:accepted] + [next_token]:
+            generated += 1
+            stats.new_tokens += 1
+            yield token
+            if token in eos or generated >= max_new_tokens:
+                return

@@ -1,0 +1,378 @@
+"""The edge simulator: formulas against hand-computed cases, device profiles, the simulate command, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsespec.config import ModelConfig
+from sparsespec.edge import (
+    DeviceProfile,
+    best_budget,
+    best_gamma,
+    best_gamma_on_device,
+    expected_tokens_per_pass,
+    forward_pass,
+    list_profiles,
+    load_profile,
+    predict,
+    predict_autoregressive,
+    predict_speculative,
+    save_profile,
+    speculative_speedup,
+)
+from sparsespec.edge.commands import add_simulate_arguments, run_simulate, simulate
+from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters
+from sparsespec.errors import UserError
+
+SHIPPED = {
+    "host",
+    "jetson-agx-orin-64gb",
+    "jetson-orin-nano-8gb",
+    "jetson-orin-nano-8gb-super",
+    "jetson-orin-nx-16gb",
+    "raspberry-pi-5",
+}
+
+
+def toy_model(**changes) -> ModelConfig:
+    """2 layers, hidden 8, 2 query heads sharing 1 KV head of width 4, vocab 16, tied embeddings."""
+    fields = dict(
+        architecture="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+def toy_device(**changes) -> DeviceProfile:
+    """DRAM 1000 B/s, SRAM 1000 bytes at 10000 B/s (all of it for KV), 1e6 FLOP/s, 0.5 s per forward."""
+    fields = dict(
+        name="toy",
+        description="toy device",
+        compute_unit="toy",
+        memory_bytes=10**9,
+        dram_bandwidth=1000.0,
+        sram_level="toy SRAM",
+        sram_bytes=1000,
+        sram_bandwidth=10000.0,
+        peak_flops={"bf16": 1e6, "fp32": 5e5},
+        overhead_s=0.5,
+        per_layer_overhead_s=0.0,
+        dram_efficiency=1.0,
+        sram_kv_fraction=1.0,
+    )
+    fields.update(changes)
+    return DeviceProfile(**fields)
+
+
+# --- speculative-decoding formulas ---------------------------------------------------------------------------
+
+
+def test_expected_tokens_per_pass_hand_values():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(0.5, 3) == pytest.approx((1 - 0.5**4) / 0.5) == pytest.approx(1.875)
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.7, 0) == 1.0
+    # continuous at α → 1
+    assert expected_tokens_per_pass(1 - 1e-9, 4) == pytest.approx(5.0, rel=1e-6)
+
+
+def test_speculative_speedup_formula():
+    assert speculative_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    assert speculative_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+    assert speculative_speedup(0.0, 4, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("alpha,gamma", [(-0.1, 2), (1.5, 2), (0.5, -1), (0.5, 1.5)])
+def test_formula_inputs_checked(alpha, gamma):
+    with pytest.raises(UserError):
+        expected_tokens_per_pass(alpha, gamma)
+
+
+def test_best_gamma_sensible():
+    # α = 0.8, c = 0.05: the speedup peaks at γ = 8 (3.09×; γ=7: 3.08, γ=9: 3.08)
+    assert best_gamma(0.8, 0.05) == 8
+    brute = max(range(17), key=lambda g: speculative_speedup(0.8, g, 0.05))
+    assert best_gamma(0.8, 0.05) == brute
+    assert best_gamma(0.0, 0.1) == 0  # nothing is ever accepted: do not speculate
+    assert best_gamma(0.9, 1.0) == 0  # a draft as slow as the target never pays
+    assert best_gamma(1.0, 0.0, max_gamma=10) == 10  # free, perfect draft: as long as allowed
+    # better drafts and cheaper drafts never shorten the best draft length
+    assert best_gamma(0.9, 0.05) >= best_gamma(0.8, 0.05) >= best_gamma(0.6, 0.05)
+    assert best_gamma(0.8, 0.02) >= best_gamma(0.8, 0.05) >= best_gamma(0.8, 0.2)
+
+
+# --- roofline -------------------------------------------------------------------------------------------------
+
+
+def test_toy_sizes_by_hand():
+    m = toy_model()
+    # embedding 16·8 = 128; per layer: q 64 + k,v 2·32 + o 64 + MLP 3·8·16 = 384 + norms 2·8 → 592; final norm 8
+    assert m.num_parameters() == 128 + 2 * 592 + 8 == 1320
+    assert streamed_parameters(m) == 1320  # tied: the embedding is the head and is read whole
+    assert streamed_parameters(toy_model(tie_word_embeddings=False)) == 1320  # +128 head, −128 gathered table
+    assert kv_bytes_per_token(m, "bf16") == 2 * 2 * 1 * 4 * 2 == 32 == m.kv_bytes_per_token
+    assert kv_bytes_per_token(m, "fp32") == 64
+
+
+def test_roofline_time_by_hand_kv_in_sram():
+    cost = forward_pass(toy_model(), toy_device(), tokens=1, kv_entries=10)
+    # KV: 11 slots × 32 B = 352 B ≤ 1000 B → SRAM.
+    assert cost.kv_in_sram
+    assert cost.dram_bytes == {"weights": 2640.0, "kv": 0.0}  # 1320 params × 2 B
+    # activations: 2 B × 1 token × 2 layers × (4·8 + 3·16) = 320 B
+    assert cost.sram_bytes == {"kv": 352.0, "activations": 320.0}
+    assert cost.memory_s == pytest.approx(2640 / 1000 + 672 / 10000)  # 2.7072 s
+    # FLOPs: 2·1320·1 + 4·L2·H2·d4·N10·T1 = 2640 + 640
+    assert cost.flops == 3280
+    assert cost.compute_s == pytest.approx(3280 / 1e6)
+    assert cost.bound == "memory"
+    assert cost.time_s == pytest.approx(2.7072 + 0.5)
+
+
+def test_roofline_kv_spills_to_dram():
+    cost = forward_pass(toy_model(), toy_device(), tokens=1, kv_entries=40)
+    # 41 slots × 32 B = 1312 B > 1000 B → the cache streams from DRAM
+    assert not cost.kv_in_sram
+    assert cost.dram_bytes == {"weights": 2640.0, "kv": 1312.0}
+    assert cost.sram_bytes["kv"] == 0.0
+    assert cost.time_s == pytest.approx((2640 + 1312) / 1000 + 320 / 10000 + 0.5)
+
+
+def test_kv_fits_sram_switch_at_the_budget():
+    dev = toy_device()
+    # 31 entries + 1 staged = 32 slots × 32 B = 1024 B > 1000; 30 + 1 = 31 slots = 992 B fits
+    assert forward_pass(toy_model(), dev, tokens=1, kv_entries=30).kv_in_sram
+    assert not forward_pass(toy_model(), dev, tokens=1, kv_entries=31).kv_in_sram
+    # half the SRAM kept for KV moves the switch
+    assert not forward_pass(toy_model(), toy_device(sram_kv_fraction=0.5), tokens=1, kv_entries=30).kv_in_sram
+    sparse = predict_autoregressive(toy_model(), dev, context=1000, budget=16)
+    full = predict_autoregressive(toy_model(), dev, context=1000)
+    assert sparse.kv_in_sram and not full.kv_in_sram
+    assert sparse.tokens_per_second > full.tokens_per_second
+
+
+def test_compute_bound_and_overheads():
+    dev = toy_device(peak_flops={"bf16": 100.0}, overhead_s=0.25, per_layer_overhead_s=0.125)
+    cost = forward_pass(toy_model(), dev, tokens=4, kv_entries=0)
+    assert cost.bound == "compute"
+    assert cost.flops == 2 * 1320 * 4
+    assert cost.time_s == pytest.approx(2 * 1320 * 4 / 100 + 0.25 + 2 * 0.125)
+    # a dtype the profile lacks runs at the fp32 rate (or the lowest listed)
+    assert dev.peak("int8") == 100.0
+
+
+def test_weight_formats_and_efficiency():
+    m = toy_model()
+    dev = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30})
+    t = {w: forward_pass(m, dev, tokens=1, kv_entries=0, weights=w).time_s for w in ("bf16", "int8", "int4")}
+    assert t["bf16"] == pytest.approx(1320 * 2 / 1000)
+    assert t["int8"] == pytest.approx(1320 * 34 / 32 / 1000)
+    assert t["int4"] == pytest.approx(1320 * 18 / 32 / 1000)
+    half = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30}, dram_efficiency=0.5)
+    assert forward_pass(m, half, tokens=1, kv_entries=0).time_s == pytest.approx(2 * t["bf16"])
+    with pytest.raises(UserError):
+        forward_pass(m, dev, tokens=1, kv_entries=0, weights="int3")
+
+
+def test_speculative_simulation_matches_the_speedup_formula():
+    # Weight streaming only (free SRAM and compute, no overhead, empty caches): a (γ+1)-token verification costs
+    # one target pass, so the simulated gain must equal (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+    dev = toy_device(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0, sram_bytes=10**9)
+    target = toy_model(hidden_size=16, intermediate_size=64, head_dim=8)
+    draft = toy_model()
+    for alpha, gamma in [(0.0, 3), (0.5, 3), (0.8, 5), (1.0, 4)]:
+        ar = predict_autoregressive(target, dev, context=1)
+        spec = predict_speculative(target, dev, context=1, gamma=gamma, acceptance=alpha, draft=draft)
+        c = streamed_parameters(draft) / streamed_parameters(target)
+        assert spec.cost_ratio == pytest.approx(c)
+        assert spec.tokens_per_pass == pytest.approx(expected_tokens_per_pass(alpha, gamma))
+        assert spec.tokens_per_second / ar.tokens_per_second == pytest.approx(speculative_speedup(alpha, gamma, c))
+
+
+def test_speculative_bytes_per_token_divides_weight_traffic():
+    dev = toy_device(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0, sram_bytes=10**9)
+    target = toy_model(hidden_size=16, intermediate_size=64, head_dim=8)
+    spec = predict_speculative(target, dev, context=1, gamma=3, acceptance=1.0, draft=toy_model())
+    # α = 1, γ = 3: 4 tokens per round, each round reads the target's weights once and the draft's three times
+    expected = (streamed_parameters(target) * 2 + 3 * streamed_parameters(toy_model()) * 2) / 4
+    assert spec.bytes_per_token["dram"]["weights"] == pytest.approx(expected)
+
+
+def test_modes_and_self_speculation():
+    m, dev = toy_model(), toy_device()
+    kw = dict(context=500, gamma=2, acceptance=0.7)
+    assert predict("full", m, dev, context=500, budget=8).mode == "full"
+    assert predict("sparse", m, dev, context=500, budget=8).kv_entries == 8
+    spec = predict("speculative", m, dev, draft_budget=8, **kw)
+    comb = predict("combined", m, dev, budget=16, draft_budget=8, **kw)
+    assert spec.mode == "speculative" and spec.draft == "self" and spec.kv_entries == 500
+    assert comb.mode == "combined" and comb.kv_entries == 16 and comb.draft_kv_entries == 8
+    with pytest.raises(UserError):
+        predict_speculative(m, dev, **kw)  # self-speculation needs a draft budget
+    with pytest.raises(UserError):
+        predict("nonsense", m, dev, **kw)
+
+
+def test_place_kv_prefers_the_most_read_cache():
+    assert place_kv([600, 300], [1, 4], 1000) == [True, True]
+    assert place_kv([800, 300], [1, 4], 1000) == [False, True]  # 300·4 saves more than 800·1
+    assert place_kv([800, 300], [1, 2], 1000) == [True, False]
+    assert place_kv([2000, 3000], [1, 1], 1000) == [False, False]
+
+
+def test_best_budget_by_hand():
+    m, dev = toy_model(), toy_device(sram_bytes=10_000)
+    # (N + 1)·32 ≤ 10000 → N ≤ 311 → multiple of 16: 304
+    assert best_budget(m, dev) == 304
+    assert best_budget(m, dev, multiple=1) == 311
+    assert best_budget(m, dev, staging=5, reserve_bytes=2000) == 240  # (N + 5)·32 ≤ 8000 → N ≤ 245
+    assert best_budget(m, dev, tracking_kv_bytes_per_token=32) == 144  # 64·N + 32 + 32 ≤ 10000 → 155
+    assert best_budget(m, dev, context=100) == 100
+    assert best_budget(m, toy_device(sram_bytes=100)) is None
+
+
+def test_best_gamma_on_device():
+    dev = toy_device(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0, sram_bytes=10**9)
+    target = toy_model(hidden_size=32, intermediate_size=128, head_dim=16)
+    g, pred = best_gamma_on_device(target, dev, context=1, acceptance=0.8, draft=toy_model())
+    c = streamed_parameters(toy_model()) / streamed_parameters(target)
+    assert g == best_gamma(0.8, c)
+    assert pred.tokens_per_second >= predict_autoregressive(target, dev, context=1).tokens_per_second
+    # a draft as costly as the target: plain decoding wins
+    g, pred = best_gamma_on_device(target, dev, context=1, acceptance=0.8, draft=target)
+    assert g == 0 and pred.mode == "full"
+
+
+# --- device profiles ------------------------------------------------------------------------------------------
+
+
+def test_shipped_profiles_load_and_cite_every_figure():
+    assert set(list_profiles()) == SHIPPED
+    for name in SHIPPED:
+        p = load_profile(name)
+        assert p.name == name
+        assert p.missing_sources() == [], name
+        assert p.dram_bandwidth > 1e9 and p.sram_bytes > 0 and p.peak("bf16") > 0
+    assert load_profile("jetson-orin-nano-8gb").dram_bandwidth == 68e9
+    assert load_profile("jetson-orin-nano-8gb-super").dram_bandwidth == 102e9
+    assert load_profile("jetson-orin-nx-16gb").dram_bandwidth == 102.4e9
+    assert load_profile("jetson-agx-orin-64gb").dram_bandwidth == 204.8e9
+    assert load_profile("raspberry-pi-5").dram_bandwidth == pytest.approx(17.07e9, rel=1e-3)
+    assert "sparsespec calibrate" in load_profile("host").sources["dram_bandwidth"]
+
+
+def test_unknown_device_lists_the_known_ones():
+    with pytest.raises(UserError) as err:
+        load_profile("jetson-tx9")
+    message = str(err.value)
+    assert "jetson-tx9" in message
+    for name in SHIPPED:
+        assert name in message
+
+
+def test_profile_round_trip_and_validation(tmp_path: Path):
+    dev = toy_device(sources={"memory_bytes": "test"}, caches={"l2": 512})
+    path = save_profile(dev, tmp_path / "sub" / "toy.json")
+    loaded = load_profile(path)
+    assert loaded == dev
+    assert "caches.l2" in loaded.missing_sources() and "memory_bytes" not in loaded.missing_sources()
+    bad = json.loads(path.read_text())
+    bad["dram_bandwith"] = bad.pop("dram_bandwidth")
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="unknown keys"):
+        load_profile(tmp_path / "bad.json")
+    with pytest.raises(UserError):
+        toy_device(sram_kv_fraction=0.0)
+
+
+# --- command --------------------------------------------------------------------------------------------------
+
+
+def _args(*argv: str, model=None, draft=None) -> argparse.Namespace:
+    args = add_simulate_arguments(argparse.ArgumentParser()).parse_args(["--model", "x", *argv])
+    args.model = model if model is not None else toy_model()
+    args.draft = draft
+    return args
+
+
+def test_run_simulate_json(capsys):
+    target = toy_model(hidden_size=32, intermediate_size=128, head_dim=16, num_hidden_layers=4)
+    code = run_simulate(
+        _args("--device", "jetson-orin-nano-8gb", "--json", "--context", "16384", "--acceptance", "0.9", model=target)
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "jetson-orin-nano-8gb"
+    assert set(report["modes"]) == {"full", "sparse", "speculative", "combined"}
+    assert report["draft"] == "self" and report["settings"]["draft_budget"] == 64
+    full, sparse = report["modes"]["full"], report["modes"]["sparse"]
+    assert all(m["tokens_per_second"] > 0 for m in report["modes"].values())
+    # the default budget is the largest SRAM-resident one, so sparse keeps its KV on chip and full does not
+    assert sparse["kv_in_sram"] and not full["kv_in_sram"]
+    assert sparse["kv_entries"] == report["best_budget"]["autoregressive"] == report["settings"]["budget"]
+    assert sparse["bytes_per_token"]["dram"]["kv"] == 0 < full["bytes_per_token"]["dram"]["kv"]
+    combined = report["modes"]["combined"]
+    assert combined["kv_entries"] == report["settings"]["combined_budget"] == report["best_budget"]["combined"]
+    assert combined["kv_in_sram"] and combined["draft_kv_in_sram"]
+    assert report["model_info"]["fits_memory"]
+    assert report["best_gamma"]["speculative"]["gamma"] >= 0
+
+
+def test_run_simulate_with_draft_and_all_devices(capsys):
+    target = toy_model(hidden_size=64, intermediate_size=256, head_dim=32, num_hidden_layers=4)
+    args = _args("--device", "all", "--json", "--budget", "64", "--weights", "int4", model=target, draft=toy_model())
+    assert run_simulate(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["device"] for r in out["devices"]} == SHIPPED
+    for r in out["devices"]:
+        assert r["draft"] == "draft" and r["modes"]["combined"]["kv_entries"] == 64
+
+
+def test_run_simulate_text_and_policy_full(capsys):
+    assert run_simulate(_args("--device", "raspberry-pi-5", "--policy", "full")) == 0
+    text = capsys.readouterr().out
+    assert "raspberry-pi-5" in text and "Best γ" in text and "KV in SRAM" in text
+    assert "sparse" not in text.split("KV in SRAM", 1)[1].split("Best")[0]
+    with pytest.raises(UserError):
+        run_simulate(_args("--policy", "full", "--budget", "32"))
+    with pytest.raises(UserError):
+        run_simulate(_args("--device", "nope"))
+    with pytest.raises(UserError, match="vocabulary"):
+        simulate(toy_model(), load_profile("host"), draft=toy_model(vocab_size=32))
+
+
+def test_plot_writes_png(tmp_path: Path):
+    out = tmp_path / "sweep.png"
+    target = toy_model(max_position_embeddings=512)
+    assert run_simulate(_args("--device", "host", "--plot", str(out), model=target)) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_edge_imports_no_torch():
+    src = Path(__file__).resolve().parents[1] / "src"
+    code = (
+        "import sys, sparsespec.edge, sparsespec.edge.profile, sparsespec.edge.roofline, sparsespec.edge.commands; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
