@@ -11,20 +11,15 @@ from .model import Transformer
 from .sampling import SamplingParams, sample, warp
 
 
-def prefill(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> torch.Tensor:
-    """Feed ``token_ids`` in chunks of ``chunk``, committing (and evicting) after each; return the last logits.
+def prefill(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> None:
+    """Feed ``token_ids`` in chunks of ``chunk``, committing (and evicting) after each.
 
     Peak KV memory is the arena's budget plus one chunk, whatever the prompt length.
-
-    Returns:
-        ``[vocab]`` float32 logits predicting the token after ``token_ids``.
     """
-    logits = None
     for start in range(0, len(token_ids), chunk):
         block = torch.tensor(token_ids[start : start + chunk], dtype=torch.long)
-        logits = model.forward(block, cache, per_block=True, last_only=True)
+        model.forward(block, cache, per_block=True, last_only=True)
         cache.commit(len(block))
-    return logits[-1]
 
 
 def generate_tokens(
@@ -38,16 +33,21 @@ def generate_tokens(
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` new token ids, one forward pass each, stopping after an EOS id."""
+    """Yield up to ``max_new_tokens`` new token ids, one forward pass each, stopping after an EOS id.
+
+    The prompt's last token is fed like a generated one (a single row), so that this loop and speculative
+    decoding see the same cache at every step.
+    """
     eos = set(eos_ids)
-    logits = prefill(model, cache, prompt_ids, prefill_chunk)
+    *context, token = prompt_ids
+    prefill(model, cache, context, prefill_chunk)
     for step in range(max_new_tokens):
+        logits = model.forward(torch.tensor([token]), cache)[-1]
+        cache.commit(1)
         token = sample(warp(logits, sampling), generator)
         yield token
         if token in eos or step == max_new_tokens - 1:
             return
-        logits = model.forward(torch.tensor([token]), cache)[-1]
-        cache.commit(1)
 
 
 def stream_text(

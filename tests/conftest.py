@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random Llama / Qwen2 models built in-process, and the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsespec.config import ModelConfig
+from sparsespec.loading.fixtures import MODEL_FIXTURES
+from sparsespec.model import Transformer
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
+    """A 2-layer GQA decoder small enough to run thousands of steps in a test."""
+    fields = dict(
+        architecture=architecture, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=architecture == "llama",
+        attention_bias=architecture == "qwen2",
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """A Hugging Face-named float32 state dict with random weights (norm weights near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
+
+    state = {"model.embed_tokens.weight": torch.randn(config.vocab_size, h, generator=g),
+             "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = w(config.vocab_size, h) * 4
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        state[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        state[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+            state[p + f"self_attn.{name}.weight"] = w(*shape) * (3 if name in ("q_proj", "k_proj") else 1)
+        if config.attention_bias:
+            for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                state[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(size, generator=g)
+        state[p + "mlp.gate_proj.weight"] = w(i, h)
+        state[p + "mlp.up_proj.weight"] = w(i, h)
+        state[p + "mlp.down_proj.weight"] = w(h, i)
+    return state
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
+    config = tiny_config(architecture, **overrides)
+    return Transformer(config, random_state(config, seed), dtype)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The fetched SmolLM2-135M GGUF (``sparsespec fetch smollm2-135m``); skipped locally if absent, fatal on CI."""
+    path = MODEL_FIXTURES["smollm2-135m"].path
+    if not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("SmolLM2-135M is not fetched; .ci/run must run `sparsespec fetch smollm2-135m`.")
+        pytest.skip("SmolLM2-135M not fetched (run `sparsespec fetch smollm2-135m`)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_path):
+    """Our SmolLM2-135M in float32, with its tokenizer."""
+    from sparsespec.loading.load import load_model
+
+    return load_model("smollm2-135m", torch.float32)

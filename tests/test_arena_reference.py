@@ -1,0 +1,302 @@
+"""The KV arena + model against a deliberately naive reference decoder.
+
+The reference keeps a full-length float32 cache of every token ever seen (keys unrotated), a boolean ``kept`` mask
+and accumulated scores per layer and KV head over all positions, recomputes every attention mask from ``kept`` at
+every step, and applies the eviction rule written out plainly (a Python sort of the candidates by
+``(score, position)``). It shares no code with the library: not the arena, not ``choose_evictions``, not the model,
+not the RoPE helper. Both sides read the same Hugging Face-named state dict (``random_state``).
+
+Semantics implemented by the reference:
+
+* a decode row (one token) attends to the kept tokens plus itself, adds the softmax probability it gave each token
+  (summed over the query heads of the KV group) to that token's score, then evicts while more than ``budget``
+  tokens are kept: sinks (position < S) and window (position > newest - L) are protected; for policies with heavy
+  hitters the lowest score goes first (ties towards the older position); otherwise every unprotected token goes;
+* a prefill chunk (``per_block=True``): every row attends causally to (kept before the chunk + the chunk), all
+  rows add their probabilities, and eviction down to the budget happens once, after the last row;
+* positions ``original``: RoPE by true position; ``in-cache``: RoPE by the rank of each key among the tokens the
+  row sees (ordered by position), the query at rank (number of visible tokens - 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from sparsespec.cache.arena import KVArena
+from sparsespec.cache.policy import make_policy
+from sparsespec.model import Transformer
+
+from conftest import random_state, tiny_config
+
+PROMPT_LEN = 40
+CHUNK = 8
+DECODE_STEPS = 300
+BUDGET = 20
+POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid")
+MODES = ("original", "in-cache")
+REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Thousands of tiny tensor ops: one intra-op thread avoids thread hand-off costs (huge on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------- naive reference
+class NaiveDecoder:
+    """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
+
+    def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens):
+        self.cfg = config
+        self.state = {name: t.float() for name, t in state.items()}
+        self.sinks, self.heavy, self.window, self.budget = sinks, heavy, window, budget
+        self.mode = mode
+        n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # unrotated keys, indexed by position
+        self.v = torch.zeros(n_layers, n_kv, max_tokens, hd)
+        self.kept = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.bool)
+        self.scores = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.float32)
+        self.length = 0  # tokens seen so far (= next position)
+        # RoPE tables for every position the run can reach, float32 angles as in Hugging Face.
+        half = torch.arange(0, hd, 2, dtype=torch.float32) / hd
+        inv_freq = 1.0 / (config.rope_theta**half)
+        angles = torch.arange(max_tokens, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    # -- state snapshots (for blocks whose later rows get rolled back)
+    def snapshot(self):
+        return copy.deepcopy((self.k, self.v, self.kept, self.scores, self.length))
+
+    def restore(self, snap):
+        self.k, self.v, self.kept, self.scores, self.length = copy.deepcopy(snap)
+
+    # -- pieces
+    def _weight(self, name):
+        return self.state[name]
+
+    def _linear(self, x, prefix, bias):
+        y = x @ self._weight(prefix + ".weight").T
+        if bias:
+            y = y + self._weight(prefix + ".bias")
+        return y
+
+    def _rms(self, x, weight):
+        var = (x * x).mean(dim=-1, keepdim=True)
+        return x * torch.rsqrt(var + self.cfg.rms_norm_eps) * weight
+
+    def _rope(self, x, positions):
+        """Rotate rows ``x: [n, hd]`` by integer ``positions: [n]`` (rotate-half layout)."""
+        h = x.shape[-1] // 2
+        rotated = torch.cat((-x[:, h:], x[:, :h]), dim=-1)
+        return x * self.cos[positions] + rotated * self.sin[positions]
+
+    def _evict(self, layer, head, newest):
+        kept_positions = self.kept[layer, head].nonzero().flatten().tolist()
+        if self.budget is None or len(kept_positions) <= self.budget:
+            return
+        n_evict = len(kept_positions) - self.budget
+        candidates = [p for p in kept_positions if not (p < self.sinks or p > newest - self.window)]
+        if self.heavy == 0:
+            chosen = candidates
+        else:
+            scores = self.scores[layer, head]
+            chosen = sorted(candidates, key=lambda p: (float(scores[p]), p))[:n_evict]
+        for p in chosen:
+            self.kept[layer, head, p] = False
+
+    def _attention(self, layer, q, k, v, per_block):
+        """``q: [T, n_heads, hd]``, ``k, v: [T, n_kv, hd]`` for rows at positions length .. length+T-1."""
+        cfg = self.cfg
+        n_rows = q.shape[0]
+        n_kv, hd = cfg.num_key_value_heads, cfg.head_dim
+        group = cfg.num_attention_heads // n_kv
+        p0 = self.length
+        self.k[layer, :, p0 : p0 + n_rows] = k.transpose(0, 1)
+        self.v[layer, :, p0 : p0 + n_rows] = v.transpose(0, 1)
+        self.kept[layer, :, p0 : p0 + n_rows] = True
+        self.scores[layer, :, p0 : p0 + n_rows] = 0.0
+        out = torch.zeros(n_rows, cfg.num_attention_heads, hd)
+        for head in range(n_kv):
+            for i in range(n_rows):
+                p = p0 + i
+                # Visible: kept tokens up to and including this row (in a per-block chunk nothing is evicted
+                # before the chunk's end, so the same expression gives "before chunk + causal chunk part").
+                seen = self.kept[layer, head, : p + 1].nonzero().flatten()
+                if self.mode == "original":
+                    key_pos, q_pos = seen, torch.tensor([p])
+                else:
+                    key_pos, q_pos = torch.arange(len(seen)), torch.tensor([len(seen) - 1])
+                keys = self._rope(self.k[layer, head, seen], key_pos)
+                values = self.v[layer, head, seen]
+                heads = slice(head * group, (head + 1) * group)  # the query heads of this KV head
+                queries = self._rope(q[i, heads], q_pos.expand(group))
+                probs = torch.softmax((queries @ keys.T) / math.sqrt(hd), dim=-1)  # [group, visible]
+                out[i, heads] = probs @ values
+                self.scores[layer, head, seen] += probs.sum(dim=0)
+                if not per_block:
+                    self._evict(layer, head, newest=p)
+            if per_block:
+                self._evict(layer, head, newest=p0 + n_rows - 1)
+        return out.reshape(n_rows, -1)
+
+    def forward(self, tokens, per_block=False):
+        """Logits ``[T, vocab]`` for ``tokens`` (one decode row when ``per_block`` is False)."""
+        cfg = self.cfg
+        assert per_block or len(tokens) == 1
+        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_rows = len(tokens)
+        x = self._weight("model.embed_tokens.weight")[torch.tensor(tokens)]
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            h = self._rms(x, self._weight(p + "input_layernorm.weight"))
+            q = self._linear(h, p + "self_attn.q_proj", cfg.attention_bias).view(n_rows, n_heads, hd)
+            k = self._linear(h, p + "self_attn.k_proj", cfg.attention_bias).view(n_rows, n_kv, hd)
+            v = self._linear(h, p + "self_attn.v_proj", cfg.attention_bias).view(n_rows, n_kv, hd)
+            attn = self._attention(layer, q, k, v, per_block)
+            x = x + self._linear(attn, p + "self_attn.o_proj", False)
+            h = self._rms(x, self._weight(p + "post_attention_layernorm.weight"))
+            gate = self._linear(h, p + "mlp.gate_proj", False)
+            up = self._linear(h, p + "mlp.up_proj", False)
+            x = x + self._linear(gate * torch.sigmoid(gate) * up, p + "mlp.down_proj", False)
+        self.length += n_rows
+        x = self._rms(x, self._weight("model.norm.weight"))
+        head = self.state.get("lm_head.weight")
+        if head is None or cfg.tie_word_embeddings:
+            head = self._weight("model.embed_tokens.weight")
+        return x @ head.T
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _token_stream(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _assert_logits_close(actual, expected, what):
+    scale = float(expected.abs().max())
+    err = float((actual - expected).abs().max())
+    assert err <= REL_TOL * max(scale, 1.0), f"{what}: max |diff| {err:.3g} (logit scale {scale:.3g})"
+
+
+def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
+    """Committed positions per layer/head equal the reference's kept set; scores match where they are kept."""
+    n = arena.n_committed
+    for layer in range(ref.cfg.num_hidden_layers):
+        for head in range(ref.cfg.num_key_value_heads):
+            positions = arena.positions[layer, head, :n]
+            order = positions.argsort()
+            expected = ref.kept[layer, head].nonzero().flatten()
+            assert torch.equal(positions[order], expected), (
+                f"{what}: layer {layer} head {head} keeps {positions[order].tolist()}, expected {expected.tolist()}"
+            )
+            if arena.policy.needs_scores:
+                got = arena.scores[layer, head, :n][order]
+                want = ref.scores[layer, head, expected]
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"{what}: scores differ in layer {layer}"
+
+
+def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8):
+    config = tiny_config(architecture, num_hidden_layers=n_layers)
+    state = random_state(config, seed=1)
+    model = Transformer(config, state, torch.float32)
+    policy = make_policy(policy_name, None if policy_name == "full" else BUDGET)
+    arena = KVArena(
+        config, policy, dtype=torch.float32, max_tokens=total, max_block=CHUNK, max_inflight=max_inflight,
+        positions=mode,
+    )
+    ref = NaiveDecoder(
+        config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
+        mode=mode, max_tokens=total + 8,
+    )
+    return config, model, arena, ref
+
+
+def _prefill_both(model, arena, ref, prompt):
+    for start in range(0, len(prompt), CHUNK):
+        chunk = prompt[start : start + CHUNK]
+        got = model.forward(torch.tensor(chunk), arena, per_block=True)
+        arena.commit(len(chunk))
+        want = ref.forward(chunk, per_block=True)
+        _assert_logits_close(got, want, f"prefill chunk at {start}")
+        _assert_same_cache(arena, ref, f"after prefill chunk at {start}")
+
+
+# -------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+def test_decode_matches_naive_reference(policy_name, mode):
+    config, model, arena, ref = _setup("llama", policy_name, mode)
+    stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=7)
+    _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
+    for step, token in enumerate(stream[PROMPT_LEN:]):
+        got = model.forward(torch.tensor([token]), arena)[-1]
+        arena.commit(1)
+        want = ref.forward([token])[-1]
+        _assert_logits_close(got, want, f"{policy_name}/{mode} decode step {step}")
+        if step % 25 == 0 or step == DECODE_STEPS - 1:
+            _assert_same_cache(arena, ref, f"{policy_name}/{mode} after decode step {step}")
+    budget = arena.policy.budget
+    if budget is not None:
+        assert arena.n_committed == budget
+        assert int(ref.kept.sum(dim=-1).max()) == budget
+        assert arena.evicted_tokens == PROMPT_LEN + DECODE_STEPS - budget
+    else:
+        assert arena.n_committed == PROMPT_LEN + DECODE_STEPS
+
+
+@pytest.mark.parametrize(
+    ("policy_name", "mode"), [("hybrid", "original"), ("h2o", "in-cache"), ("streaming", "in-cache")]
+)
+def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode):
+    config, model, arena, ref = _setup("qwen2", policy_name, mode, n_layers=1)
+    assert config.attention_bias and not config.tie_word_embeddings
+    stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=11)
+    _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
+    for step, token in enumerate(stream[PROMPT_LEN:]):
+        got = model.forward(torch.tensor([token]), arena)[-1]
+        arena.commit(1)
+        want = ref.forward([token])[-1]
+        _assert_logits_close(got, want, f"qwen2 {policy_name}/{mode} decode step {step}")
+    _assert_same_cache(arena, ref, f"qwen2 {policy_name}/{mode} at the end")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy_name", ("window", "streaming", "h2o", "hybrid"))
+def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode):
+    """Verification-style blocks: row i of a block must equal autoregressive step i; commit(m) keeps m rows.
+
+    The reference runs every row of a block one by one, snapshotting after each, and restores the snapshot of
+    the last accepted row (teacher forcing: the next block starts at the first rejected token).
+    """
+    max_rows = 5
+    config, model, arena, ref = _setup("llama", policy_name, mode, max_inflight=max_rows, n_layers=1)
+    stream = _token_stream(PROMPT_LEN + 400, config.vocab_size, seed=3)
+    _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
+    plan = torch.Generator().manual_seed(5)
+    at = PROMPT_LEN
+    blocks = 0
+    while at < PROMPT_LEN + 250:
+        n_rows = int(torch.randint(1, max_rows + 1, (1,), generator=plan))
+        accept = int(torch.randint(0, n_rows + 1, (1,), generator=plan))
+        block = stream[at : at + n_rows]
+        got = model.forward(torch.tensor(block), arena)
+        snaps = [ref.snapshot()]
+        for i, token in enumerate(block):
+            want = ref.forward([token])[-1]
+            _assert_logits_close(got[i], want, f"{policy_name}/{mode} block {blocks} row {i}")
+            snaps.append(ref.snapshot())
+        arena.commit(accept)
+        ref.restore(snaps[accept])
+        _assert_same_cache(arena, ref, f"{policy_name}/{mode} after block {blocks} commit({accept}/{n_rows})")
+        at += accept
+        blocks += 1
+    assert arena.evicted_tokens > 0

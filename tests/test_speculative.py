@@ -1,0 +1,263 @@
+"""Speculative decoding is exact: same greedy tokens, same sampling distribution, same arenas as autoregressive."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import sparsespec.speculative as speculative
+from sparsespec.cache import KVArena, make_policy
+from sparsespec.errors import UserError
+from sparsespec.generate import generate_tokens, prefill
+from sparsespec.model import Transformer
+from sparsespec.sampling import SamplingParams, sample, warp
+from sparsespec.speculative import (
+    AdaptiveGamma,
+    SpeculativeStats,
+    check_same_vocabulary,
+    draft_inflight_rows,
+    expected_tokens_per_pass,
+    speculative_tokens,
+    target_inflight_rows,
+)
+
+from conftest import random_state, tiny_config, tiny_model
+
+POLICY_SPECS = {
+    "full": dict(),
+    "window": dict(budget=10),
+    "streaming": dict(budget=10, sinks=2),
+    "h2o": dict(budget=12, heavy=6),
+    "hybrid": dict(budget=12, sinks=2, heavy=4),
+}
+
+
+def policy(name):
+    spec = dict(POLICY_SPECS[name])
+    return make_policy(name, spec.pop("budget", None), **spec)
+
+
+def arena(model, pol, positions, max_inflight, max_tokens=1024, chunk=8):
+    return KVArena(model.config, pol, dtype=model.dtype, max_tokens=max_tokens, max_block=chunk,
+                   max_inflight=max_inflight, positions=positions)
+
+
+# Untied head and unit-scale weights: a tiny random model whose greedy text does not collapse into one token.
+TARGET_CONFIG = tiny_config("llama", tie_word_embeddings=False)
+TARGET_STATE = random_state(TARGET_CONFIG, seed=0, scale=1.0)
+
+
+def noisy_copy(noise: float, seed: int = 5) -> Transformer:
+    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    state = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in TARGET_STATE.items()}
+    return Transformer(TARGET_CONFIG, state, torch.float32)
+
+
+def prompt(n, vocab, seed=1):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ar_tokens(model, pol, positions, ids, n, sampling=SamplingParams(), generator=None):
+    cache = arena(model, pol, positions, max_inflight=1)
+    return list(generate_tokens(model, cache, ids, max_new_tokens=n, sampling=sampling, generator=generator,
+                                prefill_chunk=8))
+
+
+def spec_tokens(target, draft, pol, draft_pol, positions, ids, n, gamma, sampling=SamplingParams(),
+                generator=None, stats=None):
+    cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
+    t_cache = arena(target, pol, positions, target_inflight_rows(cap))
+    d_cache = arena(draft, draft_pol, positions, draft_inflight_rows(cap))
+    out = list(speculative_tokens(target, t_cache, draft, d_cache, ids, max_new_tokens=n, sampling=sampling,
+                                  gamma=gamma, generator=generator, prefill_chunk=8, stats=stats))
+    return out, t_cache, d_cache
+
+
+TARGET = Transformer(TARGET_CONFIG, TARGET_STATE, torch.float32)
+DRAFT = noisy_copy(noise=0.01)
+
+
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+@pytest.mark.parametrize("name", list(POLICY_SPECS))
+def test_greedy_speculative_equals_autoregressive(name, positions):
+    pol = policy(name)
+    ids = prompt(20, TARGET.config.vocab_size)
+    expected = ar_tokens(TARGET, pol, positions, ids, 256)
+    stats = SpeculativeStats()
+    got, _, _ = spec_tokens(TARGET, DRAFT, pol, make_policy("hybrid", 10, sinks=2, heavy=3), positions, ids,
+                            256, gamma=4, stats=stats)
+    assert got == expected
+    # The draft must be neither perfect nor useless, so both accept and reject paths ran.
+    assert 10 < stats.accepted < stats.drafted - 10
+    if name != "full":
+        assert pol.budget < len(ids) + 256  # eviction happened, including inside verification blocks
+
+
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_self_speculation_with_sparse_draft_is_exact(positions):
+    pol = policy("hybrid")
+    ids = prompt(30, TARGET.config.vocab_size, seed=3)
+    expected = ar_tokens(TARGET, pol, positions, ids, 256)
+    got, _, _ = spec_tokens(TARGET, TARGET, pol, make_policy("streaming", 6, sinks=1), positions, ids, 256,
+                            gamma=AdaptiveGamma())
+    assert got == expected
+
+
+def test_qwen2_target_with_random_draft():
+    target = tiny_model("qwen2", seed=2)
+    draft = tiny_model("qwen2", seed=9)  # unrelated weights: almost every proposal is rejected
+    pol = policy("hybrid")
+    ids = prompt(16, target.config.vocab_size, seed=4)
+    expected = ar_tokens(target, pol, "original", ids, 256)
+    got, _, _ = spec_tokens(target, draft, pol, policy("full"), "original", ids, 256, gamma=3)
+    assert got == expected
+
+
+def sorted_state(cache: KVArena):
+    """Committed arena contents per (layer, head), ordered by position (slot order is not part of the state)."""
+    n = cache.n_committed
+    order = cache.positions[..., :n].argsort(dim=-1)
+    gather = lambda t: t[..., :n].gather(-1, order)  # noqa: E731
+    gather_rows = lambda t: t[..., :n, :].gather(-2, order[..., None].expand(*order.shape, t.shape[-1]))  # noqa: E731
+    state = {"positions": gather(cache.positions), "keys": gather_rows(cache.keys), "values": gather_rows(cache.values)}
+    if cache.policy.needs_scores:
+        state["scores"] = gather(cache.scores)
+    return state
+
+
+def ar_arena_after(model, pol, positions, tokens, n_prompt_context):
+    """An arena fed like autoregressive decoding: prefill of the prompt context, then one row at a time."""
+    cache = arena(model, pol, positions, max_inflight=1)
+    prefill(model, cache, tokens[:n_prompt_context], 8)
+    for token in tokens[n_prompt_context:]:
+        model.forward(torch.tensor([token]), cache)
+        cache.commit(1)
+    return cache
+
+
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+@pytest.mark.parametrize("name", ["h2o", "hybrid", "streaming"])
+def test_rollback_leaves_both_arenas_as_autoregressive_runs_would(name, positions):
+    pol = policy(name)
+    draft_pol = make_policy("hybrid", 9, sinks=1, heavy=3)
+    ids = prompt(20, TARGET.config.vocab_size, seed=6)
+    generator = torch.Generator().manual_seed(0)
+    stats = SpeculativeStats()
+    out, t_cache, d_cache = spec_tokens(TARGET, DRAFT, pol, draft_pol, positions, ids, 60, gamma=5,
+                                        sampling=SamplingParams(temperature=1.0), generator=generator, stats=stats)
+    assert 0 < stats.accepted < stats.drafted  # a mix of accepts and rejects
+    text = ids + out
+    for model, pol_, cache in ((TARGET, pol, t_cache), (DRAFT, draft_pol, d_cache)):
+        fed = cache.next_position
+        reference = ar_arena_after(model, pol_, positions, text[:fed], len(ids) - 1)
+        assert cache.n_committed == reference.n_committed
+        got, want = sorted_state(cache), sorted_state(reference)
+        assert torch.equal(got["positions"], want["positions"])
+        for key in set(got) - {"positions"}:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- sampling distribution
+VOCAB = 4
+K_TOKENS = 3
+N_SAMPLES = 10_000
+SMALL = tiny_config("llama", vocab_size=VOCAB, num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+SMALL_TARGET = Transformer(SMALL, random_state(SMALL, seed=11, scale=1.0), torch.float32)
+SMALL_DRAFT = Transformer(SMALL, random_state(SMALL, seed=12, scale=1.0), torch.float32)
+SMALL_PROMPT = [1, 3, 0, 2]
+SAMPLING_CASES = {
+    "full-t1": (make_policy("full"), SamplingParams(temperature=1.0)),
+    "hybrid-top-p": (make_policy("hybrid", 3, sinks=1, heavy=1), SamplingParams(temperature=1.0, top_p=0.9)),
+}
+
+
+def exact_ar_distribution(pol, sampling):
+    """P(x1, x2, x3) under autoregressive decoding with the policy, by enumerating every prefix."""
+    probs = {}
+    for seq in itertools.product(range(VOCAB), repeat=K_TOKENS):
+        cache = arena(SMALL_TARGET, pol, "original", max_inflight=1)
+        prefill(SMALL_TARGET, cache, SMALL_PROMPT[:-1], 8)
+        p, feed = 1.0, SMALL_PROMPT[-1]
+        for token in seq:
+            logits = SMALL_TARGET.forward(torch.tensor([feed]), cache)[-1]
+            cache.commit(1)
+            p *= float(warp(logits, sampling)[token])
+            feed = token
+        probs[seq] = p
+    return probs
+
+
+def speculative_histogram(pol, sampling):
+    generator = torch.Generator().manual_seed(1234)
+    counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=K_TOKENS), 0)
+    for _ in range(N_SAMPLES):
+        out, _, _ = spec_tokens(SMALL_TARGET, SMALL_DRAFT, pol, pol, "original", SMALL_PROMPT, K_TOKENS, gamma=2,
+                                sampling=sampling, generator=generator)
+        counts[tuple(out)] += 1
+    return counts
+
+
+def chi_square_p(counts, probs):
+    keys = [k for k in counts if probs[k] * N_SAMPLES >= 5]
+    rest_observed = N_SAMPLES - sum(counts[k] for k in keys)
+    rest_expected = N_SAMPLES - sum(probs[k] * N_SAMPLES for k in keys)
+    observed = [counts[k] for k in keys] + [rest_observed]
+    expected = [probs[k] * N_SAMPLES for k in keys] + [rest_expected]
+    if rest_expected < 5:
+        assert rest_observed <= 5  # outcomes (near) impossible under the target must (almost) never appear
+        observed, expected = observed[:-1], expected[:-1]
+        scale = sum(observed) / sum(expected)
+        expected = [e * scale for e in expected]
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_speculative_sampling_matches_autoregressive_distribution(case):
+    pol, sampling = SAMPLING_CASES[case]
+    assert chi_square_p(speculative_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) > 0.01
+
+
+def test_broken_acceptance_rule_is_caught(monkeypatch):
+    """Resampling from p instead of normalize(max(0, p − q)) after a rejection biases the output: χ² sees it."""
+
+    def broken_accept(p, q, drafts, generator, greedy):
+        for i, x in enumerate(drafts):
+            if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
+                return i, sample(p[i], generator)
+        return len(drafts), sample(p[len(drafts)], generator)
+
+    monkeypatch.setattr(speculative, "_accept", broken_accept)
+    pol, sampling = SAMPLING_CASES["full-t1"]
+    assert chi_square_p(speculative_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) < 0.01
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_gamma_below_one_is_rejected():
+    with pytest.raises(UserError, match="at least 1"):
+        spec_tokens(TARGET, DRAFT, policy("full"), policy("full"), "original", [1, 2, 3], 4, gamma=0)
+
+
+def test_vocabulary_mismatch_is_rejected():
+    with pytest.raises(UserError, match="vocabulary has 50 entries and the target's 97"):
+        check_same_vocabulary(None, None, 97, 50)
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+
+
+def test_adaptive_gamma_follows_acceptance():
+    gamma = AdaptiveGamma(initial=4)
+    for _ in range(30):
+        gamma.update(gamma.gamma, gamma.gamma, 0.01, 0.1)  # everything accepted, cheap draft
+    assert gamma.gamma >= 6
+    for _ in range(30):
+        drafted = max(gamma.gamma, 1)
+        gamma.update(drafted, 0, 0.05, 0.1)  # nothing accepted
+    assert gamma.gamma in (0, 1)
