@@ -12,7 +12,9 @@ from sparsespec.config import ModelConfig
 from sparsespec.loading.fixtures import MODEL_FIXTURES
 from sparsespec.model import Transformer
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread: the tests run thousands of tiny ops, for which a second thread only adds wake-up latency
+# (badly so on a shared, loaded machine).
+torch.set_num_threads(1)
 
 
 def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:

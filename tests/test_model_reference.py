@@ -126,15 +126,17 @@ def test_tiny_incremental_decode_matches_full_sequence(tiny_pair):
         assert_logits_close(row, expected[t : t + 1])
 
 
-def test_tiny_chunked_prefill_matches_full_sequence(tiny_pair):
-    """``prefill`` in chunks of 5 (a chunk boundary mid-prompt) gives the last row of the full sequence."""
+def test_tiny_chunked_prefill_then_decode_matches_full_sequence(tiny_pair):
+    """``prefill`` in chunks of 5 (chunk boundaries mid-prompt), then one row: the full sequence's last row."""
     ours, reference = tiny_pair
     tokens = prompt_tokens(ours.config.vocab_size, n=23, seed=5)
     with torch.no_grad():
-        expected = reference(tokens[None]).logits[0, -1]
+        expected = reference(tokens[None]).logits[0, -1:]
     arena = full_arena(ours.config, len(tokens), 5)
-    logits = prefill(ours, arena, tokens.tolist(), chunk=5)
-    assert_logits_close(logits[None], expected[None])
+    prefill(ours, arena, tokens[:-1].tolist(), chunk=5)
+    assert arena.n_committed == len(tokens) - 1
+    logits = ours.forward(tokens[-1:], arena)
+    assert_logits_close(logits, expected)
 
 
 # ------------------------------------------------------------------------------------------------ SmolLM2-135M
@@ -197,36 +199,48 @@ def test_smollm2_incremental_decode_matches_transformers(smollm2_f32, smollm2_re
         assert_logits_close(row, expected[t : t + 1])
 
 
-GREEDY_PROMPTS = [
-    # Ends in an EOS after ~34 tokens when decoded greedily: checks that neither side stops there.
-    "The capital of France is Paris. The capital of Germany is",
-    "def fibonacci(n):",
-    "Once upon a time",
-]
+GREEDY_PROMPTS = {
+    # Reaches an EOS after ~34 tokens when decoded greedily: neither side may stop there.
+    "eos-inside": "The capital of France is Paris. The capital of Germany is",
+    "code": "def is_prime(n: int) -> bool:",
+    "story": "Once upon a time, in a quiet little village, there",
+}
+GREEDY_NEW_TOKENS = 64
 
 
-@pytest.mark.parametrize("prompt", GREEDY_PROMPTS, ids=["eos-inside", "code", "story"])
-def test_smollm2_greedy_64_tokens_equal_transformers_generate(smollm2_f32, smollm2_reference, prompt):
-    new_tokens = 64
-    ids = smollm2_f32.tokenizer.encode(prompt, add_special_tokens=True)
-    model = smollm2_f32.model
-    arena = full_arena(model.config, len(ids) + new_tokens, len(ids))
-    ours = list(generate_tokens(model, arena, ids, max_new_tokens=new_tokens, sampling=SamplingParams()))
-
+@pytest.fixture(scope="module")
+def transformers_greedy(smollm2_f32, smollm2_reference) -> dict[str, list[int]]:
+    """transformers' greedy ``generate`` for every prompt, in one batch (the prompts are all 12 tokens long, so
+    there is no padding and each row is computed as it would be alone)."""
+    tokenizer = smollm2_f32.tokenizer
+    ids = {name: tokenizer.encode(text, add_special_tokens=True) for name, text in GREEDY_PROMPTS.items()}
+    assert {len(v) for v in ids.values()} == {12}
+    inputs = torch.tensor(list(ids.values()))
     generation = GenerationConfig(
-        do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=smollm2_f32.tokenizer.pad_token_id
+        do_sample=False, max_new_tokens=GREEDY_NEW_TOKENS, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
     )
-    inputs = torch.tensor([ids])
     with torch.no_grad():
         output = smollm2_reference.generate(
             inputs, attention_mask=torch.ones_like(inputs), generation_config=generation
         )
-    theirs = output[0, len(ids) :].tolist()
+    assert output.shape == (len(ids), 12 + GREEDY_NEW_TOKENS), "transformers stopped early: EOS stopping is on"
+    return {name: row[12:].tolist() for name, row in zip(ids, output)}
 
-    assert len(theirs) == new_tokens, "transformers stopped early: EOS stopping is not disabled"
-    assert len(ours) == new_tokens
+
+@pytest.mark.parametrize("name", GREEDY_PROMPTS)
+def test_smollm2_greedy_64_tokens_equal_transformers_generate(smollm2_f32, transformers_greedy, name):
+    ids = smollm2_f32.tokenizer.encode(GREEDY_PROMPTS[name], add_special_tokens=True)
+    model = smollm2_f32.model
+    arena = full_arena(model.config, len(ids) + GREEDY_NEW_TOKENS, len(ids))
+    ours = list(generate_tokens(model, arena, ids, max_new_tokens=GREEDY_NEW_TOKENS, sampling=SamplingParams()))
+    theirs = transformers_greedy[name]
+
+    assert len(ours) == GREEDY_NEW_TOKENS
     first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     assert first_difference is None, (
         f"first difference at new token {first_difference}: ours {ours[first_difference]}, "
         f"transformers {theirs[first_difference]}"
     )
+    if name == "eos-inside":
+        eos = smollm2_f32.tokenizer.eos_token_id
+        assert eos in ours[:-1], "the prompt no longer reaches EOS, so EOS handling goes untested"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+TABLE_LIMIT = 1 << 15  # positions covered by cached cos/sin tables (beyond: computed per call)
+
 
 class Rope:
     """Rotates ``[heads, tokens, head_dim]`` tensors by integer positions with base ``theta``."""
@@ -29,9 +31,15 @@ class Rope:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [heads, tokens, head_dim]`` by ``positions: [tokens]`` or ``[heads, tokens]`` (int64)."""
-        cos_table, sin_table = self._tables(int(positions.max()) + 1 if positions.numel() else 0)
-        cos = cos_table[positions].to(x.dtype)
-        sin = sin_table[positions].to(x.dtype)
+        highest = int(positions.max()) + 1 if positions.numel() else 0
+        if highest <= TABLE_LIMIT:
+            cos_table, sin_table = self._tables(highest)
+            cos, sin = cos_table[positions], sin_table[positions]
+        else:  # very long runs with true positions: compute, so memory stays bounded
+            freqs = positions.float()[..., None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = self.head_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

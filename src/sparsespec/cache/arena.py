@@ -109,6 +109,7 @@ class KVArena:
         self.evicted_tokens = 0  # tokens evicted (per layer and head) by committed rows
         self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
         self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
+        self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
 
     # ----------------------------------------------------------------------------------------------- accounting
     @property
@@ -146,6 +147,7 @@ class KVArena:
                 "use a budgeted policy or a shorter prompt / fewer new tokens."
             )
         self._block = (self.n_inflight, n_rows, per_block)
+        self._per_block_inflight = per_block
 
     def end(self) -> None:
         """Close the block opened by :meth:`begin` (after the last layer)."""
@@ -168,8 +170,8 @@ class KVArena:
             raise ValueError("commit inside an open block")
         if not 0 <= n_rows <= self.n_inflight:
             raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
-        if 0 < n_rows < self.n_inflight and n_rows > self.max_inflight:
-            raise ValueError("only the first max_inflight rows can be committed partially")
+        if 0 < n_rows < self.n_inflight and (n_rows > self.max_inflight or self._per_block_inflight):
+            raise ValueError("only the first max_inflight rows of row-by-row blocks can be committed partially")
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
         if self.policy.is_full:

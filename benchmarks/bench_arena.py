@@ -1,0 +1,140 @@
+"""Budgeted vs full KV cache: decode tok/s, prefill time and RSS against context length, on real text.
+
+For each model and context length (tokens of corpus text as the prompt), runs the full cache and hybrid caches
+of the given budgets, greedy, bfloat16. Beyond the model's trained context the full cache runs with
+``force_context`` (speed only: its text is meaningless there) and budgeted caches use in-cache positions.
+Prints one JSON line per point; ``--plot`` draws tok/s and RSS against context.
+
+    python benchmarks/bench_arena.py --models smollm2-135m --contexts 1024,4096,8192,16384 --budgets 256,1024
+    python benchmarks/bench_arena.py --long-run 100000 --budgets 1024      # flat-RSS generation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from common import RESULTS_DIR, emit, machine
+
+from sparsespec.cache.policy import make_policy
+from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
+from sparsespec.generate import generate_tokens
+from sparsespec.loading.fetch import corpus_text_path
+from sparsespec.loading.load import load_model
+from sparsespec.sampling import SamplingParams
+
+
+def corpus_tokens(tokenizer, count: int) -> list[int]:
+    ids: list[int] = []
+    for name in ("paradise_lost", "hamlet"):
+        ids += tokenizer.encode(corpus_text_path(name).read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= count:
+            break
+    if len(ids) < count:
+        raise SystemExit(f"the corpus has only {len(ids)} tokens")
+    return ids[:count]
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def cache_for(policy_name: str, budget: int | None, context: int, model_context: int) -> CacheOptions:
+    if policy_name == "full":
+        return CacheOptions(make_policy("full"), "original", 512, force_context=context > model_context)
+    positions = "in-cache" if context > model_context else "original"
+    return CacheOptions(make_policy("hybrid", budget), positions, 512)
+
+
+def context_sweep(args) -> None:
+    for name in args.models.split(","):
+        loaded = load_model(name, torch.bfloat16)
+        text = corpus_tokens(loaded.tokenizer, max(args.contexts))
+        configs = [("full", None)] + [("hybrid", b) for b in args.budgets]
+        for context in args.contexts:
+            for policy_name, budget in configs:
+                cache = cache_for(policy_name, budget, context + args.new_tokens, loaded.config.max_position_embeddings)
+                stats = RunStats()
+                before = rss_mb()
+                list(run_generation(loaded, text[:context], max_new_tokens=args.new_tokens, sampling=SamplingParams(),
+                                    cache=cache, stats=stats))
+                emit({"bench": "arena_context", "model": name, "context": context, "policy": policy_name,
+                      "budget": budget, "positions": cache.positions, **stats.to_dict(),
+                      "rss_mb_before": round(before, 1), "rss_mb_after": round(rss_mb(), 1), **machine()}, args.out)
+
+
+def long_run(args) -> None:
+    """Generate ``args.long_run`` tokens with a hybrid budget, sampling RSS as it goes."""
+    name = args.models.split(",")[0]
+    loaded = load_model(name, torch.bfloat16)
+    budget = args.budgets[0]
+    cache = CacheOptions(make_policy("hybrid", budget), "in-cache", 512)
+    arena = make_arena(loaded, cache, args.long_run + 64, max_inflight=1)
+    prompt = corpus_tokens(loaded.tokenizer, 64)
+    samples = []
+    started = time.perf_counter()
+    tokens = generate_tokens(loaded.model, arena, prompt, max_new_tokens=args.long_run,
+                             sampling=SamplingParams(temperature=1.0, top_p=0.95),
+                             generator=torch.Generator().manual_seed(0))
+    for i, _ in enumerate(tokens, start=1):
+        if i % 1000 == 0:
+            samples.append({"tokens": i, "rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - started, 1)})
+            print(json.dumps(samples[-1]), flush=True)
+    warm = [s["rss_mb"] for s in samples if s["tokens"] >= 2000]
+    emit({"bench": "arena_long_run", "model": name, "budget": budget, "tokens": args.long_run,
+          "kv_cache_bytes": arena.nbytes, "rss_mb_min_after_warmup": min(warm), "rss_mb_max_after_warmup": max(warm),
+          "rss_growth_fraction": (max(warm) - min(warm)) / min(warm), "tok_s": args.long_run / samples[-1]["seconds"],
+          "samples": samples, **machine()}, args.out)
+
+
+def plot(path: Path, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if '"arena_context"' in line]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for model in sorted({r["model"] for r in rows}):
+        for label in sorted({(r["policy"], r["budget"]) for r in rows if r["model"] == model}, key=str):
+            pts = sorted((r["context"], r["tokens_per_s"], r["rss_mb_after"]) for r in rows
+                         if r["model"] == model and (r["policy"], r["budget"]) == label)
+            name = f"{model} {label[0]}" + (f" {label[1]}" if label[1] else "")
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+    axes[0].set(xscale="log", xlabel="context tokens", ylabel="decode tok/s", title="Decode speed vs context")
+    axes[1].set(xscale="log", xlabel="context tokens", ylabel="RSS after run (MB)", title="Memory vs context")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="smollm2-135m")
+    parser.add_argument("--contexts", default="1024,4096,8192,16384")
+    parser.add_argument("--budgets", default="256,1024")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--long-run", type=int, default=0, help="tokens of one long generation (0: context sweep)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "arena.jsonl")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the context sweep in --out to this PNG")
+    args = parser.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    torch.set_num_threads(args.threads)
+    if args.long_run:
+        long_run(args)
+    else:
+        context_sweep(args)
+    if args.plot:
+        plot(args.out, args.plot)
+
+
+if __name__ == "__main__":
+    main()

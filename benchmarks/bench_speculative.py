@@ -1,0 +1,108 @@
+"""Speculative vs autoregressive on the real pair (target qwen2.5-coder-1.5b, draft qwen2.5-coder-0.5b), one run.
+
+For each prompt of the project's prompt set and each mode — our autoregressive target, ours speculative with the
+given γ values, and (optionally) transformers' assisted generation on the same pair — records tok/s, acceptance,
+tokens per target pass and the draft/target cost ratio. ``--long-context N`` prefixes every prompt with N tokens
+of corpus text and compares the full-cache target with a sparse target (hybrid) plus draft.
+
+    python benchmarks/bench_speculative.py --gammas 2,4,6,auto --temperatures 0,0.7 --transformers
+    python benchmarks/bench_speculative.py --target smollm2-135m --draft self --long-context 8192 --gammas 4,auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+import torch
+
+from common import RESULTS_DIR, emit, load_transformers, machine, transformers_decode_tok_s
+
+from sparsespec.cache.policy import make_policy
+from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
+from sparsespec.eval.prompts import load_prompts
+from sparsespec.loading.fetch import corpus_text_path
+from sparsespec.loading.load import load_model
+from sparsespec.sampling import SamplingParams
+
+
+def encode(loaded, prompt: dict) -> list[int]:
+    tok = loaded.tokenizer
+    if prompt.get("chat"):
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt["text"]}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tok.encode(prompt["text"])
+
+
+def run(target, ids, new_tokens, sampling, cache, draft=None) -> RunStats:
+    stats = RunStats()
+    list(run_generation(target, ids, max_new_tokens=new_tokens, sampling=sampling, cache=cache, seed=0,
+                        draft=draft, stats=stats))
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a model, or 'self'")
+    parser.add_argument("--draft-policy", default="full")
+    parser.add_argument("--draft-budget", type=int, default=None)
+    parser.add_argument("--gammas", default="2,4,6,auto")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--kinds", default="code,prose,chat")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--long-context", type=int, default=0, help="prefix prompts with this many corpus tokens")
+    parser.add_argument("--sparse-budget", type=int, default=1024, help="target budget for the sparse runs")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' assisted generation")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "speculative.jsonl")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = load_model(args.target, torch.bfloat16)
+    if args.draft == "self":
+        draft_model = target
+    else:
+        draft_model = load_model(args.draft, torch.bfloat16)
+    draft_cache = CacheOptions(make_policy(args.draft_policy, args.draft_budget), "in-cache" if args.long_context else "original")
+    prefix: list[int] = []
+    if args.long_context:
+        text = corpus_text_path("paradise_lost").read_text(encoding="utf-8", errors="replace")
+        prefix = target.tokenizer.encode(text)[: args.long_context]
+    full = CacheOptions(force_context=True) if args.long_context else CacheOptions()
+    sparse = CacheOptions(make_policy("hybrid", args.sparse_budget), "in-cache")
+    target_caches = {"full": full, f"hybrid{args.sparse_budget}": sparse} if args.long_context else {"full": full}
+
+    for prompt in load_prompts(args.kinds.split(",")):
+        ids = prefix + encode(target, prompt)
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            sampling = SamplingParams(temperature=temperature)
+            for cache_name, cache in target_caches.items():
+                base = run(target, ids, args.new_tokens, sampling, cache)
+                common = {"prompt": prompt["id"], "kind": prompt["kind"], "temperature": temperature,
+                          "target": args.target, "target_cache": cache_name, "context": len(ids)}
+                emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict()}, args.out)
+                for gamma in args.gammas.split(","):
+                    draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
+                    stats = run(target, ids, args.new_tokens, sampling, cache, draft)
+                    emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
+                          **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,
+                          "loadavg": machine()["loadavg"]}, args.out)
+
+    if args.transformers and args.draft != "self":
+        del target, draft_model
+        gc.collect()
+        reference, tokenizer = load_transformers(args.target, torch.bfloat16)
+        assistant, _ = load_transformers(args.draft, torch.bfloat16)
+        for prompt in load_prompts(args.kinds.split(",")):
+            ids = prefix + encode(type("L", (), {"tokenizer": tokenizer})(), prompt)
+            plain = transformers_decode_tok_s(reference, ids, args.new_tokens)[0]
+            assisted = transformers_decode_tok_s(reference, ids, args.new_tokens, assistant=assistant)[0]
+            emit({"bench": "speculative", "mode": "transformers", "prompt": prompt["id"], "kind": prompt["kind"],
+                  "temperature": 0.0, "transformers_tok_s": plain, "transformers_assisted_tok_s": assisted,
+                  **machine()}, args.out)
+
+
+if __name__ == "__main__":
+    main()

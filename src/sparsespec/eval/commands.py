@@ -1,0 +1,309 @@
+"""``sparsespec ppl`` and ``sparsespec sweep``: argument definitions and runners for the CLI.
+
+``add_ppl_arguments`` / ``add_sweep_arguments`` fill an ``argparse`` (sub)parser; ``run_ppl`` / ``run_sweep`` run
+the command from the parsed arguments and return the exit status. Mistakes in the arguments raise
+:class:`~sparsespec.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+DEFAULT_PPL_WINDOW = 256
+
+
+def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tokens_default: int | None) -> None:
+    parser.add_argument("--text", required=required, default=None,
+                        help="text file, or corpus:NAME for a text of the fetched corpus (e.g. corpus:hamlet)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens_default,
+                        help="use only the first N tokens of the text" +
+                             (" (default: all)" if max_tokens_default is None else " (default: %(default)s)"))
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="tokens per forward pass while reading the text; 1 evicts after every token exactly as "
+                             "decoding does, larger chunks evict once per chunk (faster, slightly more context) "
+                             "(default: 1 for budgeted caches, --prefill-chunk for the full cache, whose results do not depend on "
+                             "the chunk)")
+    parser.add_argument("--ppl-window", type=int, default=DEFAULT_PPL_WINDOW,
+                        help="tokens per window of the perplexity summary and of the plotted moving average "
+                             "(default: %(default)s)")
+
+
+def _chunk_for(args: argparse.Namespace, policy) -> int:
+    chunk = args.chunk if args.chunk is not None else (args.prefill_chunk if policy.is_full else 1)
+    if chunk < 1:
+        raise UserError(f"--chunk must be at least 1 (got {chunk}).")
+    return chunk
+
+
+def _check_window(args: argparse.Namespace) -> None:
+    if args.ppl_window < 1:
+        raise UserError(f"--ppl-window must be at least 1 (got {args.ppl_window}).")
+
+
+# ---------------------------------------------------------------------------------------------------- ppl
+def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``sparsespec ppl``: model, cache, text and output flags."""
+    from ..cli import add_cache_arguments, add_model_arguments
+
+    add_model_arguments(parser)
+    add_cache_arguments(parser)
+    _add_text_arguments(parser, required=True, max_tokens_default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a text summary")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="write the moving-average NLL against token position to this PNG")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    """Streaming perplexity of a text through the chosen KV cache."""
+    from ..cli import cache_options, setup_torch
+    from ..engine import check_fits_context
+    from ..loading.load import load_model
+    from .perplexity import measure_perplexity, plot_nll
+    from .texts import resolve_text, text_token_ids
+
+    cache = cache_options(args)
+    chunk = _chunk_for(args, cache.policy)
+    _check_window(args)
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise UserError(f"--max-tokens must be at least 2 (got {args.max_tokens}).")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise UserError(f"--plot writes a PNG file; give a name ending in .png (got {args.plot}).")
+    resolve_text(args.text)  # fail on a missing file before loading the model
+    if args.max_tokens is not None:
+        from ..loading.source import read_config, resolve_model
+        from ..loading.load import LoadedModel
+
+        source = resolve_model(args.model)
+        shapes = LoadedModel(source.name, source, read_config(source), None, None)
+        check_fits_context(shapes, cache, args.max_tokens, "--max-tokens")
+    dtype = setup_torch(args)
+
+    started = time.perf_counter()
+    loaded = load_model(args.model, dtype, args.weights)
+    load_seconds = time.perf_counter() - started
+    ids = text_token_ids(loaded.tokenizer, args.text, args.max_tokens)
+    check_fits_context(loaded, cache, len(ids), "The text")
+    nll, summary = measure_perplexity(loaded, cache, ids, chunk, args.ppl_window, progress=not args.quiet)
+
+    result = {
+        "model": loaded.name, "text": args.text, "policy": cache.policy.name, "cache": cache.policy.describe(),
+        "budget": cache.policy.budget, "positions": cache.positions, **summary,
+        "load_seconds": round(load_seconds, 3),
+    }
+    if args.plot:
+        label = cache.policy.describe() + ("" if cache.policy.is_full else f", {cache.positions}, chunk {chunk}")
+        result["plot"] = str(plot_nll({label: nll}, args.plot, args.ppl_window))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model        {result['model']}")
+    print(f"text         {args.text}: {summary['tokens']} tokens ({summary['predicted_tokens']} predicted)")
+    print(f"cache        {result['cache']}, positions {result['positions']}, chunk {summary['chunk']}")
+    print(f"perplexity   {summary['ppl']:.4f}  (mean NLL {summary['mean_nll']:.4f} nats)")
+    windows = summary["window_ppl"]
+    if windows:
+        print(f"per {summary['window']} tokens  first {windows[0]:.3f}, last {windows[-1]:.3f}, "
+              f"min {min(windows):.3f}, max {max(windows):.3f} ({len(windows)} windows)")
+    print(f"KV cache     {summary['kv_cache_bytes']:,} bytes peak (fixed; +{summary['kv_metadata_bytes']:,} "
+          "bytes of slot metadata)")
+    print(f"time         {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tokens/s), "
+          f"load {load_seconds:.2f} s")
+    if args.plot:
+        print(f"plot         {result['plot']}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- sweep
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``sparsespec sweep``: the grid axes, what to measure, where to write."""
+    from ..cli import add_cache_arguments, add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default="none",
+                        help="comma-separated drafts: none, self, a model; NAME:BUDGET sets that draft's cache "
+                             "budget (e.g. none,self:64,self:128) (default: none)")
+    parser.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default="dense")
+    add_cache_arguments(parser, prefix="draft-")
+    parser.add_argument("--policies", default="full,hybrid", help="comma-separated cache policies (default: %(default)s)")
+    parser.add_argument("--budgets", default="256", help="comma-separated budgets (default: %(default)s)")
+    parser.add_argument("--positions", default="original",
+                        help="comma-separated position modes: original, in-cache (default: %(default)s)")
+    parser.add_argument("--gammas", default="4", help="comma-separated γ values or auto (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
+    parser.add_argument("--force-context", action="store_true",
+                        help="allow true positions beyond the model's trained context")
+    _add_text_arguments(parser, required=False, max_tokens_default=1024)
+    parser.add_argument("--prompts", default="code,prose,chat",
+                        help="prompt kinds for the speed runs: code, prose, chat or all (default: %(default)s)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of the set")
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="tokens of --text read before every prompt (a long context) (default: 0)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality", action="store_true", help="measure only perplexity (default: both)")
+    parser.add_argument("--speed", action="store_true", help="measure only speed / acceptance (default: both)")
+    parser.add_argument("--out", required=True, metavar="FILE.jsonl",
+                        help="results, one JSON line per point; points already in it are skipped")
+    parser.add_argument("--plots", default=None, metavar="DIR", help="draw the trade-off plots into this folder")
+    parser.add_argument("--plot-only", action="store_true", help="only draw --plots from the records in --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _sweep_grid(args: argparse.Namespace):
+    from ..engine import parse_gamma
+    from .sweep import build_grid, parse_budgets, parse_draft, split_list
+
+    drafts: list[str | None] = []
+    for entry in split_list(args.draft) or ["none"]:
+        if entry == "none":
+            drafts.append(None)
+        else:
+            ref, _ = parse_draft(entry)
+            if not ref:
+                raise UserError(f"Empty draft model in --draft entry {entry!r}.")
+            drafts.append(entry)
+    gammas = [parse_gamma(g) for g in split_list(args.gammas)]
+    if not gammas:
+        raise UserError("--gammas is empty; give at least one γ (a positive integer or auto).")
+    return build_grid(split_list(args.policies), parse_budgets(args.budgets), split_list(args.positions),
+                      gammas, drafts)
+
+
+def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
+    measure_quality = args.quality or not args.speed
+    measure_speed = args.speed or not args.quality
+    if measure_quality and args.text is None:
+        raise UserError("Perplexity needs --text FILE or --text corpus:NAME (or measure only --speed).")
+    if args.context_tokens < 0:
+        raise UserError(f"--context-tokens must not be negative (got {args.context_tokens}).")
+    if args.context_tokens and args.text is None:
+        raise UserError("--context-tokens takes its context from --text; give --text too.")
+    if args.new_tokens < 1:
+        raise UserError(f"--new-tokens must be at least 1 (got {args.new_tokens}).")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise UserError(f"--max-tokens must be at least 2 (got {args.max_tokens}).")
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise UserError(f"--max-prompts must be at least 1 (got {args.max_prompts}).")
+    if args.prefill_chunk < 1:
+        raise UserError(f"--prefill-chunk must be at least 1 (got {args.prefill_chunk}).")
+    if args.chunk is not None and args.chunk < 1:
+        raise UserError(f"--chunk must be at least 1 (got {args.chunk}).")
+    if not args.out.endswith(".jsonl"):
+        raise UserError(f"--out names a JSON-lines file; give a name ending in .jsonl (got {args.out}).")
+    _check_window(args)
+    return measure_quality, measure_speed
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Measure every point of the grid not yet in ``--out``, then draw ``--plots``."""
+    from .sweep import plot_sweep, read_records
+
+    if args.plot_only:
+        if not args.plots:
+            raise UserError("--plot-only needs --plots DIR.")
+        records = read_records(args.out)
+        if not records:
+            raise UserError(f"{args.out} holds no sweep records to plot.")
+        for path in plot_sweep(records, args.plots):
+            print(path)
+        return 0
+
+    measure_quality, measure_speed = _check_sweep_args(args)
+    points = _sweep_grid(args)
+    from .prompts import load_prompts, parse_kinds
+    from .texts import resolve_text
+
+    prompts = load_prompts(parse_kinds(args.prompts)) if measure_speed else []
+    if args.max_prompts is not None:
+        prompts = prompts[: args.max_prompts]
+    if measure_speed and not prompts:
+        raise UserError("No prompts selected; check --prompts.")
+    if args.text is not None:
+        resolve_text(args.text)
+
+    from ..cli import cache_options, setup_torch
+    from ..loading.load import load_model
+    from .sweep import SweepEvaluator, log_record, run_grid, setup_id
+    from .texts import text_token_ids
+
+    # The draft's cache flags are checked now, not when the first speculative point starts.
+    if any(p.draft for p in points):
+        _draft_cache(args, "original", None)
+    dtype = setup_torch(args)
+    target = load_model(args.model, dtype, args.weights)
+
+    text_ids = None
+    context = ""
+    if measure_quality:
+        wanted = None if args.max_tokens is None else max(args.max_tokens, args.context_tokens)
+    else:
+        wanted = args.context_tokens
+    if args.text is not None and (wanted is None or wanted > 0):
+        text_ids = text_token_ids(target.tokenizer, args.text, wanted)
+        if args.context_tokens:
+            if len(text_ids) < args.context_tokens:
+                raise UserError(f"--context-tokens {args.context_tokens} exceeds the text's {len(text_ids)} tokens.")
+            context = target.tokenizer.decode(text_ids[: args.context_tokens], skip_special_tokens=True)
+        if args.max_tokens is not None:
+            text_ids = text_ids[: args.max_tokens]
+
+    setup = {
+        "model": target.name, "dtype": args.dtype, "weights": args.weights,
+        "text": args.text, "max_tokens": len(text_ids) if measure_quality else None,
+        "chunk": args.chunk if measure_quality else None, "ppl_window": args.ppl_window if measure_quality else None,
+        "measure": [m for m, on in (("quality", measure_quality), ("speed", measure_speed)) if on],
+        "prompts": [p.id for p in prompts], "context_tokens": args.context_tokens if measure_speed else 0,
+        "new_tokens": args.new_tokens if measure_speed else None, "prefill_chunk": args.prefill_chunk,
+        "force_context": args.force_context, "seed": args.seed,
+        "draft_weights": args.draft_weights if any(p.draft for p in points) else None,
+        "draft_cache": _draft_cache_flags(args) if any(p.draft for p in points) else None,
+        "threads": args.threads,
+    }
+    loaded_drafts: dict[str, object] = {}
+
+    def load_draft(ref: str):
+        if ref not in loaded_drafts:
+            loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights)
+        return loaded_drafts[ref]
+
+    evaluator = SweepEvaluator(
+        target, text_ids=text_ids if measure_quality else None, prompts=prompts, context=context,
+        new_tokens=args.new_tokens, chunk=args.chunk, full_chunk=args.prefill_chunk, window=args.ppl_window,
+        prefill_chunk=args.prefill_chunk,
+        force_context=args.force_context, draft_cache=lambda positions, budget: _draft_cache(args, positions, budget),
+        load_draft=load_draft, quality=measure_quality, speed=measure_speed, seed=args.seed,
+        progress=not args.quiet,
+    )
+    for point in points:
+        evaluator.check(point)
+    evaluator.remember(r for r in read_records(args.out) if r.get("setup_id") == setup_id(setup))
+    print(f"sweep: {len(points)} points -> {args.out}", file=sys.stderr)
+    records = run_grid(points, args.out, evaluator, setup, on_record=log_record)
+    if args.plots:
+        for path in plot_sweep(records, args.plots):
+            print(path)
+    return 0
+
+
+def _draft_cache_flags(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, f"draft_{k}") for k in ("policy", "budget", "sinks", "heavy", "window")}
+
+
+def _draft_cache(args: argparse.Namespace, positions: str, budget: int | None):
+    """The draft's CacheOptions for one point: the ``--draft-*`` flags, the point's positions, a budget override."""
+    from ..cli import cache_options
+
+    ns = argparse.Namespace(**vars(args))
+    ns.positions = positions
+    if budget is not None:
+        ns.draft_budget = budget
+    return cache_options(ns, "draft_")

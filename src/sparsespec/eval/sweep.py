@@ -1,0 +1,607 @@
+"""The trade-off study: a grid of cache settings, each measured for quality and/or speed, one JSON line per point.
+
+Grid
+    The points are the product policy × budget × position mode × draft × γ, with the axes that do not apply
+    collapsed: the full cache has no budget and one position mode (``original``; with nothing evicted the modes
+    coincide), and a point without a draft has no γ. A draft entry is ``self``, a model reference, or either with
+    ``:BUDGET`` appended (``self:64``), which overrides the draft cache's budget for that entry.
+
+Evaluation (injectable)
+    :func:`run_grid` calls ``evaluate(point) -> dict`` for every point not yet in the output file. The real
+    evaluator, :class:`SweepEvaluator`, measures
+
+    - ``quality``: streaming perplexity of a text (see ``perplexity.py``) for the target with the point's cache
+      (independent of draft and γ, so it is computed once per cache and reused), and/or
+    - ``speed``: greedy :func:`~sparsespec.engine.run_generation` over the prompt set (EOS ignored, so every
+      prompt yields exactly the requested number of new tokens), optionally after a long context taken from the
+      text: tokens per second, acceptance, tokens per target pass, KV bytes, per prompt kind and overall.
+
+Output file (``.jsonl``, appended one line per finished point, flushed immediately)
+    Each line is an object with :data:`RECORD_FIELDS`:
+
+    ``key``           stable identity of the point: its axes plus ``setup_id``
+    ``setup_id``      short hash of ``setup``
+    ``setup``         everything besides the axes that changes the numbers (model, dtype, text, token counts, …)
+    ``policy``, ``budget``, ``positions``, ``draft``, ``gamma``   the point's axes (``budget``/``draft``/``gamma``
+                      may be null)
+    ``cache``         the target cache's description, e.g. ``hybrid(sinks=4, heavy=126, window=126)``
+    ``quality``       null or ``{ppl, mean_nll, predicted_tokens, window, window_ppl, tokens, chunk,
+                      kv_cache_bytes, kv_metadata_bytes, evicted_tokens, seconds, tokens_per_s}``
+    ``speed``         null or ``{prompts, prompt_tokens, new_tokens, tokens_per_s, prefill_seconds,
+                      decode_seconds, kv_cache_bytes, by_kind}`` plus, with a draft, ``acceptance_rate``,
+                      ``tokens_per_target_pass``, ``draft_target_cost_ratio``, ``target_passes``
+    ``rss_bytes``     resident memory of the process after the point (psutil)
+    ``rss_peak_bytes`` highest resident memory sampled while the point ran
+    ``seconds``       wall time of the point; ``finished_at`` ISO time stamp
+
+Resuming
+    Points whose ``key`` is already in the file are skipped, so an interrupted sweep continues where it stopped; a
+    different setup (another model, text length, …) gets different keys and is measured afresh. A line cut short
+    by an interruption is removed from the file and its point measured again.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from ..errors import UserError
+
+RECORD_FIELDS = (
+    "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "cache", "quality", "speed",
+    "rss_bytes", "rss_peak_bytes", "seconds", "finished_at",
+)
+
+
+# ---------------------------------------------------------------------------------------------------- grid
+@dataclass(frozen=True)
+class SweepPoint:
+    """One cell of the grid. ``budget`` is None for the full cache; ``draft``/``gamma`` None without a draft."""
+
+    policy: str
+    budget: int | None
+    positions: str
+    draft: str | None = None
+    gamma: int | str | None = None
+
+    def key(self, setup_id: str) -> str:
+        parts = [
+            self.policy,
+            f"budget={self.budget if self.budget is not None else '-'}",
+            f"positions={self.positions}",
+            f"draft={self.draft or '-'}",
+            f"gamma={self.gamma if self.gamma is not None else '-'}",
+            f"setup={setup_id}",
+        ]
+        return "|".join(parts)
+
+    def label(self) -> str:
+        text = self.policy if self.budget is None else f"{self.policy}@{self.budget}/{self.positions}"
+        if self.draft:
+            text += f" draft={self.draft} γ={self.gamma}"
+        return text
+
+
+def split_list(text: str | None) -> list[str]:
+    """``"a, b,,c"`` → ``["a", "b", "c"]``."""
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def parse_budgets(text: str) -> list[int]:
+    values = []
+    for item in split_list(text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise UserError(f"--budgets takes comma-separated integers (got {item!r}).") from None
+        if value < 1:
+            raise UserError(f"Every budget must be at least 1 (got {value}).")
+        values.append(value)
+    return values
+
+
+def parse_draft(entry: str) -> tuple[str, int | None]:
+    """``self`` → (``self``, None); ``self:64`` → (``self``, 64); ``model:128`` → (``model``, 128)."""
+    ref, sep, tail = entry.rpartition(":")
+    if sep and tail.isdigit() and ref:
+        budget = int(tail)
+        if budget < 1:
+            raise UserError(f"The draft budget in {entry!r} must be at least 1.")
+        return ref, budget
+    return entry, None
+
+
+def build_grid(
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    positions: Sequence[str],
+    gammas: Sequence[int | str] = (4,),
+    drafts: Sequence[str | None] = (None,),
+) -> list[SweepPoint]:
+    """All points of the grid, in a fixed order, with inapplicable axes collapsed and duplicates dropped.
+
+    Every budgeted point is checked with :func:`make_policy`, so a budget too small for a policy fails before
+    anything runs.
+    """
+    from ..cache.arena import POSITION_MODES
+    from ..cache.policy import make_policy
+
+    if not policies:
+        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid.")
+    for mode in positions:
+        if mode not in POSITION_MODES:
+            raise UserError(f"Unknown position mode {mode!r}; choose original and/or in-cache.")
+    if any(p != "full" for p in policies) and not budgets:
+        raise UserError("--budgets is empty; a budgeted policy needs at least one budget.")
+    if not positions:
+        raise UserError("--positions is empty; give original and/or in-cache.")
+    drafts = list(drafts) or [None]
+    gammas = list(gammas) or [4]
+    points: dict[SweepPoint, None] = {}
+    for policy, budget, mode, draft, gamma in itertools.product(policies, budgets or [None], positions, drafts, gammas):
+        if policy == "full":
+            budget, mode = None, "original"
+        else:
+            make_policy(policy, budget)
+        if draft is None:
+            gamma = None
+        points.setdefault(SweepPoint(policy, budget, mode, draft, gamma))
+    return list(points)
+
+
+def setup_id(setup: Mapping) -> str:
+    """A short stable hash of the run settings (sorted JSON)."""
+    return hashlib.sha1(json.dumps(setup, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+# ---------------------------------------------------------------------------------------------- the file
+def read_records(path: str | Path) -> list[dict]:
+    """Every complete JSON object line of a sweep file (a missing file has none; broken lines are skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "key" in record:
+            records.append(record)
+    return records
+
+
+def _drop_broken_lines(path: Path) -> None:
+    """Rewrite ``path`` without lines that are not complete records (left by an interrupted write), if any."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    good = []
+    for line in lines:
+        try:
+            ok = isinstance(json.loads(line), dict) and "key" in json.loads(line)
+        except ValueError:
+            ok = False
+        if ok:
+            good.append(line)
+    if len(good) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in good), encoding="utf-8")
+        tmp.replace(path)
+
+
+def _append_line(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        f.seek(0, 2)
+        if f.tell():
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")  # close a line that an interruption cut short
+        f.write((json.dumps(record) + "\n").encode("utf-8"))
+        f.flush()
+
+
+# ------------------------------------------------------------------------------------------------- memory
+class RssMonitor:
+    """Samples the process's resident memory in a background thread while a ``with`` block runs."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        rss = self._process.memory_info().rss
+        self.peak = max(self.peak, rss)
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "RssMonitor":
+        self.sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.current = self.sample()
+
+
+# ----------------------------------------------------------------------------------------------- running
+Evaluator = Callable[[SweepPoint], dict]
+
+
+def run_grid(
+    points: Iterable[SweepPoint],
+    out: str | Path,
+    evaluate: Evaluator,
+    setup: Mapping,
+    on_record: Callable[[dict, bool], None] | None = None,
+) -> list[dict]:
+    """Measure every point whose key is not yet in ``out``, appending one JSON line each; return this grid's records.
+
+    ``evaluate(point)`` returns ``{"cache": str, "quality": dict | None, "speed": dict | None}``; the rest of the
+    record (key, setup, axes, memory, time) is added here. ``on_record(record, reused)`` is called for every point
+    in grid order (``reused`` is True for points found in the file).
+    """
+    out = Path(out)
+    setup = dict(setup)
+    sid = setup_id(setup)
+    _drop_broken_lines(out)
+    done = {r["key"]: r for r in read_records(out)}
+    records = []
+    for point in points:
+        key = point.key(sid)
+        if key in done:
+            record = done[key]
+            if on_record:
+                on_record(record, True)
+            records.append(record)
+            continue
+        started = time.perf_counter()
+        with RssMonitor() as rss:
+            result = evaluate(point)
+        record = {
+            "key": key,
+            "setup_id": sid,
+            "setup": setup,
+            **asdict(point),
+            "cache": result.get("cache"),
+            "quality": result.get("quality"),
+            "speed": result.get("speed"),
+            "rss_bytes": rss.current,
+            "rss_peak_bytes": rss.peak,
+            "seconds": round(time.perf_counter() - started, 3),
+            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        _append_line(out, record)
+        done[key] = record
+        if on_record:
+            on_record(record, False)
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------------------- the real evaluator
+class SweepEvaluator:
+    """Measures points for one loaded target model (and drafts loaded on demand).
+
+    Args:
+        target: the loaded target model.
+        text_ids: token ids of the quality text (needed for ``quality``), already cut to ``--max-tokens``.
+        prompts: the speed prompt set (needed for ``speed``).
+        context: text read before every prompt (empty for none).
+        new_tokens: new tokens per prompt.
+        chunk: perplexity chunk (1 = exact decoding semantics); None: 1 for budgeted caches, ``full_chunk`` for
+            the full cache (whose perplexity does not depend on the chunk).
+        window: tokens per window of the perplexity summary.
+        prefill_chunk: prompt tokens per prefill pass.
+        force_context: allow true positions beyond the trained context.
+        draft_cache: ``(positions, budget override) -> CacheOptions`` of the draft.
+        load_draft: ``reference -> LoadedModel`` for draft entries other than ``self``.
+        quality, speed: what to measure.
+        seed: sampling seed (decoding is greedy; kept for completeness).
+        progress: tqdm bar while computing perplexity.
+    """
+
+    def __init__(
+        self,
+        target,
+        *,
+        text_ids: Sequence[int] | None,
+        prompts: Sequence = (),
+        context: str = "",
+        new_tokens: int = 64,
+        chunk: int | None = None,
+        full_chunk: int = 512,
+        window: int = 256,
+        prefill_chunk: int = 512,
+        force_context: bool = False,
+        draft_cache: Callable[[str, int | None], object] | None = None,
+        load_draft: Callable[[str], object] | None = None,
+        quality: bool = True,
+        speed: bool = True,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> None:
+        self.target = target
+        self.text_ids = list(text_ids) if text_ids is not None else None
+        self.prompts = list(prompts)
+        self.context = context
+        self.new_tokens = new_tokens
+        self.chunk = chunk
+        self.full_chunk = full_chunk
+        self.window = window
+        self.prefill_chunk = prefill_chunk
+        self.force_context = force_context
+        self.draft_cache = draft_cache
+        self.load_draft = load_draft
+        self.quality = quality
+        self.speed = speed
+        self.seed = seed
+        self.progress = progress
+        self._quality_memo: dict[tuple, dict] = {}
+        self._drafts: dict[str, object] = {}
+        self._prompt_ids: list[list[int]] | None = None
+        self._warmed_up = False
+
+    # -- setup
+    def cache_options(self, point: SweepPoint):
+        from ..cache.policy import make_policy
+        from ..engine import CacheOptions
+
+        policy = make_policy(point.policy, point.budget)
+        return CacheOptions(policy, point.positions, self.prefill_chunk, self.force_context)
+
+    def remember(self, records: Iterable[dict]) -> None:
+        """Reuse quality results of earlier records with the same cache (they do not depend on draft or γ)."""
+        for r in records:
+            if r.get("quality"):
+                self._quality_memo.setdefault((r["policy"], r["budget"], r["positions"]), r["quality"])
+
+    def prompt_token_ids(self) -> list[list[int]]:
+        from .prompts import prompt_ids
+
+        if self._prompt_ids is None:
+            self._prompt_ids = [prompt_ids(self.target.tokenizer, p, self.context) for p in self.prompts]
+        return self._prompt_ids
+
+    def draft(self, point: SweepPoint):
+        """``DraftOptions`` for the point, or None."""
+        from ..engine import DraftOptions
+
+        if point.draft is None:
+            return None
+        ref, budget = parse_draft(point.draft)
+        cache = self.draft_cache(point.positions, budget)
+        if ref == "self":
+            return DraftOptions(self.target, cache, point.gamma, is_self=True)
+        if ref not in self._drafts:
+            self._drafts[ref] = self.load_draft(ref)
+        return DraftOptions(self._drafts[ref], cache, point.gamma)
+
+    def check(self, point: SweepPoint) -> None:
+        """Raise :class:`UserError` now for a point that could not run (context too long for its positions)."""
+        from ..engine import check_fits_context
+
+        cache = self.cache_options(point)
+        if self.quality and self.text_ids is not None:
+            check_fits_context(self.target, cache, len(self.text_ids), "The quality text (--max-tokens)")
+        if self.speed and self.prompts:
+            longest = max(len(ids) for ids in self.prompt_token_ids()) + self.new_tokens
+            check_fits_context(self.target, cache, longest, "The longest prompt plus context and --new-tokens")
+            draft = self.draft(point)
+            if draft is not None:
+                check_fits_context(draft.model, draft.cache, longest,
+                                   "The longest prompt plus context and --new-tokens (for the draft)")
+
+    # -- measuring
+    def __call__(self, point: SweepPoint) -> dict:
+        cache = self.cache_options(point)
+        result = {"cache": cache.policy.describe(), "quality": None, "speed": None}
+        if self.quality and self.text_ids is not None:
+            memo_key = (point.policy, point.budget, point.positions)
+            if memo_key not in self._quality_memo:
+                from .perplexity import measure_perplexity
+
+                chunk = self.chunk if self.chunk is not None else (self.full_chunk if cache.policy.is_full else 1)
+                _, summary = measure_perplexity(
+                    self.target, cache, self.text_ids, chunk, self.window, progress=self.progress
+                )
+                self._quality_memo[memo_key] = summary
+            result["quality"] = self._quality_memo[memo_key]
+        if self.speed and self.prompts:
+            result["speed"] = self.measure_speed(point, cache)
+        return result
+
+    def measure_speed(self, point: SweepPoint, cache) -> dict:
+        from ..engine import RunStats, run_generation
+        from ..sampling import SamplingParams
+
+        draft = self.draft(point)
+        if not self._warmed_up:
+            # One short untimed run first, so one-time start-up costs (kernel selection, allocator growth) do not
+            # land on the first point's numbers.
+            for _ in run_generation(self.target, self.prompt_token_ids()[0], max_new_tokens=2,
+                                    sampling=SamplingParams(0.0), cache=cache, eos_ids=frozenset(), draft=draft):
+                pass
+            self._warmed_up = True
+        per_kind: dict[str, list[RunStats]] = {}
+        for prompt, ids in zip(self.prompts, self.prompt_token_ids()):
+            stats = RunStats()
+            for _ in run_generation(
+                self.target, ids, max_new_tokens=self.new_tokens, sampling=SamplingParams(0.0),
+                cache=cache, seed=self.seed, eos_ids=frozenset(), draft=draft, stats=stats,
+            ):
+                pass
+            per_kind.setdefault(prompt.kind, []).append(stats)
+        everything = [s for runs in per_kind.values() for s in runs]
+        summary = aggregate_stats(everything)
+        summary["by_kind"] = {kind: aggregate_stats(runs) for kind, runs in per_kind.items()}
+        return summary
+
+
+def aggregate_stats(runs: Sequence) -> dict:
+    """Totals over several :class:`~sparsespec.engine.RunStats`: speeds are total tokens over total time."""
+    new = sum(s.new_tokens for s in runs)
+    decode = sum(s.decode_seconds for s in runs)
+    timed = sum(max(s.new_tokens - 1, 0) for s in runs)  # tokens after each run's first (see RunStats.tokens_per_s)
+    out = {
+        "prompts": len(runs),
+        "prompt_tokens": sum(s.prompt_tokens for s in runs),
+        "new_tokens": new,
+        "tokens_per_s": round(timed / decode, 3) if decode > 0 else 0.0,
+        "prefill_seconds": round(sum(s.prefill_seconds for s in runs), 4),
+        "decode_seconds": round(decode, 4),
+        "kv_cache_bytes": max((s.kv_cache_bytes for s in runs), default=0),
+    }
+    spec = [s.speculative for s in runs if s.speculative is not None]
+    if spec:
+        drafted = sum(s.drafted for s in spec)
+        passes = sum(s.target_passes for s in spec)
+        draft_passes = sum(s.draft_passes for s in spec)
+        draft_s = sum(s.draft_seconds for s in spec)
+        target_s = sum(s.target_seconds for s in spec)
+        out.update(
+            acceptance_rate=round(sum(s.accepted for s in spec) / drafted, 4) if drafted else 0.0,
+            tokens_per_target_pass=round(sum(s.new_tokens for s in spec) / passes, 4) if passes else 0.0,
+            target_passes=passes,
+            draft_target_cost_ratio=round((draft_s / draft_passes) / (target_s / passes), 4)
+            if draft_passes and passes and target_s > 0 else 0.0,
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- plots
+def _series_label(record: dict, with_draft: bool) -> str:
+    label = record["policy"] if record["policy"] == "full" else f"{record['policy']} ({record['positions']})"
+    if with_draft and record.get("draft"):
+        label += f", draft {record['draft']} γ={record['gamma']}"
+    return label
+
+
+def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: dict, log_x: str | bool) -> Path:
+    """One figure: lines for ``series`` ({label: [(x, y)]}) and dashed horizontal lines for ``flat`` ({label: y}).
+
+    ``log_x="budget"`` draws a base-2 axis ticked at the budgets; ``True`` a plain log axis.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    for i, (label, y) in enumerate(flat.items()):
+        ax.axhline(y, linestyle="--", linewidth=1, color=f"C{(len(series) + i) % 10}", label=label)
+    xs = sorted({x for pts in series.values() for x, _ in pts})
+    if log_x == "budget" and xs and xs[0] > 0:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+    elif log_x and xs and xs[0] > 0:
+        ax.set_xscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if series or flat:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
+    """Draw the trade-off plots that ``records`` have data for into ``folder``; return the files written.
+
+    ``ppl_vs_budget.png`` (perplexity per policy), ``tokps_vs_budget.png`` (decode speed),
+    ``acceptance_vs_budget.png`` (acceptance against the target's budget, runs with a draft) and
+    ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers). The full cache appears as a dashed
+    line (it has no budget) in the budget plots and as one point in the bytes plot.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def collect(metric: Callable[[dict], float | None], with_draft: bool, x_of=lambda r: r["budget"]):
+        series: dict[str, dict] = {}
+        flat: dict[str, float] = {}
+        for r in records:
+            y = metric(r)
+            if y is None:
+                continue
+            label = _series_label(r, with_draft)
+            if r["policy"] == "full" and x_of(r) is None:
+                flat.setdefault(label, y)
+            else:
+                series.setdefault(label, {}).setdefault(x_of(r), y)
+        return {k: list(v.items()) for k, v in series.items()}, flat
+
+    def kv_mib(r):
+        nbytes = (r.get("quality") or {}).get("kv_cache_bytes")
+        return None if nbytes is None else nbytes / 2**20
+
+    def quality(key):
+        return lambda r: (r.get("quality") or {}).get(key)
+
+    def speed(key, draft_only=False):
+        return lambda r: None if draft_only and not r.get("draft") else (r.get("speed") or {}).get(key)
+
+    plots = [
+        ("ppl_vs_budget.png", "Perplexity vs KV budget", "budget (tokens per layer and KV head)", "perplexity",
+         *collect(quality("ppl"), False), "budget"),
+        ("tokps_vs_budget.png", "Decode speed vs KV budget", "budget (tokens per layer and KV head)", "tokens / s",
+         *collect(speed("tokens_per_s"), True), "budget"),
+        ("acceptance_vs_budget.png", "Draft acceptance vs target KV budget", "target budget (tokens)",
+         "acceptance rate", *collect(speed("acceptance_rate", draft_only=True), True), "budget"),
+        ("ppl_vs_kv_bytes.png", "Perplexity vs KV cache memory", "KV cache MiB (keys + values, all layers)",
+         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), True),
+    ]
+    for name, title, xlabel, ylabel, series, flat, log_x in plots:
+        if series or flat:
+            written.append(_draw(folder / name, title, xlabel, ylabel, series, flat, log_x))
+    return written
+
+
+def describe_record(record: dict) -> str:
+    """A one-line human summary of a record (what the CLI prints per point)."""
+    parts = [SweepPoint(record["policy"], record["budget"], record["positions"], record["draft"],
+                        record["gamma"]).label()]
+    q, s = record.get("quality"), record.get("speed")
+    if q:
+        parts.append(f"ppl {q['ppl']:.3f}")
+        parts.append(f"kv {q['kv_cache_bytes'] / 2**20:.1f} MiB")
+    if s:
+        parts.append(f"{s['tokens_per_s']:.1f} tok/s")
+        if "acceptance_rate" in s:
+            parts.append(f"acc {s['acceptance_rate']:.2f}, {s['tokens_per_target_pass']:.2f} tok/pass")
+    parts.append(f"peak rss {record['rss_peak_bytes'] / 2**20:.0f} MiB")
+    return ", ".join(parts)
+
+
+def log_record(record: dict, reused: bool) -> None:
+    print(("[kept] " if reused else "") + describe_record(record), file=sys.stderr, flush=True)

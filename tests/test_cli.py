@@ -1,0 +1,434 @@
+"""The ``sparsespec generate`` command, in-process: user mistakes give exit code 2 and one clear sentence on
+stderr, never a traceback; good runs print what they promise (streamed text, or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_state, tiny_config
+from sparsespec.cli import main
+from sparsespec.errors import UserError
+
+PROMPT = "The capital of France is"
+LONG_PROMPT = (
+    "In the small harbour town the fishermen rose before dawn, mended their nets by lantern light, and argued "
+    "about the weather, the price of herring, and whether the old lighthouse keeper would ever retire."
+)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_user_error(result: tuple[int, str, str], *words: str) -> str:
+    """Exit code 2, nothing on stdout, and one ``sparsespec: error:`` line on stderr that names ``words``."""
+    code, out, err = result
+    assert "Traceback" not in err
+    assert code == 2, f"exit code {code}, stderr {err!r}"
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    line = lines[0]
+    assert line.startswith("sparsespec: error: ")
+    for word in words:
+        assert word.lower() in line.lower(), f"{word!r} not in {line!r}"
+    return line
+
+
+@pytest.fixture
+def cached_smollm2(monkeypatch, smollm2_f32):
+    """Make ``--model smollm2-135m --dtype float32`` reuse the session's loaded model (loading takes seconds);
+    every other model reference is loaded for real."""
+    import sparsespec.loading.load as load
+
+    real_load = load.load_model
+
+    def load_model(ref, dtype=torch.bfloat16, weights="dense", tokenizer=True):
+        if ref == "smollm2-135m" and dtype == torch.float32 and weights == "dense" and tokenizer:
+            return smollm2_f32
+        return real_load(ref, dtype, weights, tokenizer)
+
+    monkeypatch.setattr(load, "load_model", load_model)
+    return smollm2_f32
+
+
+# ------------------------------------------------------------------------------------------ files written here
+def write_gguf(path: Path, arch: str = "llama", *, heads: int = 2, vocab: int = 16) -> Path:
+    """A complete one-layer GGUF (hidden 8, GQA 2:1, float32 tensors) without tokenizer metadata."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (vocab, 8), "output_norm.weight": (8,),
+        "blk.0.attn_norm.weight": (8,), "blk.0.ffn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8), "blk.0.attn_v.weight": (4, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16),
+    }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def word_tokenizer(words: list[str]):
+    """A whitespace word-level fast tokenizer whose ids are the positions in ``words``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0])
+
+
+def write_hf_folder(folder: Path, **config_overrides) -> Path:
+    """A tiny Llama as a Hugging Face folder: config.json, model.safetensors and a 97-word tokenizer."""
+    from safetensors.torch import save_file
+
+    config = tiny_config("llama")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(random_state(config), str(folder / "model.safetensors"))
+    hf = dict(
+        model_type="llama", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=True,
+    )
+    hf.update(config_overrides)
+    (folder / "config.json").write_text(json.dumps(hf))
+    word_tokenizer(["[UNK]"] + [f"w{i}" for i in range(1, config.vocab_size)]).save_pretrained(str(folder))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ model errors
+def test_unknown_model_name(capsys):
+    assert_user_error(run_cli(capsys, "generate", "--model", "llama-9000", "--prompt", PROMPT),
+                      "unknown model", "llama-9000", "smollm2-135m")
+
+
+def test_missing_gguf_path(capsys, tmp_path):
+    missing = tmp_path / "nowhere.gguf"
+    assert_user_error(run_cli(capsys, "generate", "--model", str(missing), "--prompt", PROMPT),
+                      str(missing), "does not exist")
+
+
+def test_folder_without_config(capsys, tmp_path):
+    assert_user_error(run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", PROMPT), "config.json")
+
+
+def test_truncated_real_gguf(capsys, tmp_path, smollm2_path):
+    """The first megabyte of SmolLM2: the metadata (the vocabulary alone is larger) is cut off."""
+    truncated = tmp_path / "smollm2-head.gguf"
+    with open(smollm2_path, "rb") as source:
+        truncated.write_bytes(source.read(1_000_000))
+    assert_user_error(run_cli(capsys, "generate", "--model", str(truncated), "--prompt", PROMPT),
+                      str(truncated), "not a readable GGUF file", "truncated or corrupt")
+
+
+@pytest.mark.parametrize("keep", ["half", "all-but-64-bytes", "header-only"])
+def test_truncated_tiny_gguf(capsys, tmp_path, keep):
+    """A complete GGUF cut inside its tensor data (or right after the magic)."""
+    data = write_gguf(tmp_path / "full.gguf").read_bytes()
+    size = {"half": len(data) // 2, "all-but-64-bytes": len(data) - 64, "header-only": 8}[keep]
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[:size])
+    assert_user_error(run_cli(capsys, "generate", "--model", str(truncated), "--prompt", PROMPT),
+                      "truncated or corrupt")
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8))],
+                         ids=["empty", "magic-only", "random"])
+def test_corrupt_gguf(capsys, tmp_path, content):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(content)
+    assert_user_error(run_cli(capsys, "generate", "--model", str(corrupt), "--prompt", PROMPT),
+                      "not a readable GGUF file")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mamba"])
+def test_unsupported_gguf_architecture(capsys, tmp_path, arch):
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch)
+    assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT),
+                      "unsupported architecture", repr(arch), "llama", "qwen2")
+
+
+def test_gguf_without_tokenizer(capsys, tmp_path):
+    path = write_gguf(tmp_path / "no-tokenizer.gguf")
+    assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT, "--dtype", "float32"),
+                      "cannot build a tokenizer", str(path))
+
+
+def test_hf_folder_with_unsupported_model_type(capsys, tmp_path):
+    folder = write_hf_folder(tmp_path / "gpt2", model_type="gpt2")
+    assert_user_error(run_cli(capsys, "generate", "--model", str(folder), "--prompt", "w1 w2"),
+                      "unsupported architecture", "gpt2")
+
+
+@pytest.mark.xfail(strict=True, reason="GGUF head_count 0: ZeroDivisionError in ModelConfig.from_gguf_metadata "
+                   "(config.py, `hidden // heads` evaluated as the default of rope.dimension_count)")
+def test_gguf_with_zero_heads(capsys, tmp_path):
+    path = write_gguf(tmp_path / "zero-heads.gguf", heads=0)
+    assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT), "head")
+
+
+@pytest.mark.xfail(strict=True, reason="config.json values of the wrong kind escape ModelConfig.from_hf_folder, "
+                   "which only catches OSError, JSONDecodeError and KeyError")
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(num_attention_heads=0, head_dim=None), dict(vocab_size="ninety-seven")],
+    ids=["zero-heads", "text-vocab-size"],
+)
+def test_hf_folder_with_bad_config_values(capsys, tmp_path, overrides):
+    folder = write_hf_folder(tmp_path / "bad", **overrides)
+    assert_user_error(run_cli(capsys, "generate", "--model", str(folder), "--prompt", "w1 w2"), "config")
+
+
+@pytest.mark.xfail(strict=True, reason="config.json that is not a JSON object: AttributeError in "
+                   "ModelConfig.from_hf_dict (`cfg.get`)")
+def test_hf_folder_with_non_object_config(capsys, tmp_path):
+    folder = write_hf_folder(tmp_path / "list")
+    (folder / "config.json").write_text("[1, 2, 3]")
+    assert_user_error(run_cli(capsys, "generate", "--model", str(folder), "--prompt", "w1 w2"), "config")
+
+
+@pytest.mark.xfail(strict=True, reason="weights whose shapes contradict config.json load without a check and "
+                   "fail in Transformer.forward (model.py, qkv.split) with a RuntimeError")
+def test_hf_folder_whose_weights_contradict_config(capsys, tmp_path):
+    folder = write_hf_folder(tmp_path / "mismatch", head_dim=16)  # the weights were made for head_dim 8
+    assert_user_error(run_cli(capsys, "generate", "--model", str(folder), "--prompt", "w1 w2", "--dtype", "float32"),
+                      "shape")
+
+
+# ------------------------------------------------------------------------------------------------ prompt errors
+@pytest.mark.parametrize("prompt_args", [[], ["--prompt", ""], ["--prompt", "  \n\t "]], ids=["none", "empty", "blank"])
+def test_empty_prompt(capsys, prompt_args):
+    assert_user_error(run_cli(capsys, "generate", *prompt_args), "prompt is empty")
+
+
+def test_empty_prompt_file(capsys, tmp_path):
+    empty = tmp_path / "prompt.txt"
+    empty.write_text("\n")
+    assert_user_error(run_cli(capsys, "generate", "--prompt-file", str(empty)), "prompt is empty")
+
+
+def test_missing_prompt_file(capsys, tmp_path):
+    missing = tmp_path / "prompt.txt"
+    assert_user_error(run_cli(capsys, "generate", "--prompt-file", str(missing)),
+                      "cannot read --prompt-file", str(missing), "no such file")
+
+
+@pytest.mark.xfail(strict=True, reason="cli.py cmd_generate reads --prompt-file as UTF-8 and only catches "
+                   "OSError, so a non-UTF-8 file raises UnicodeDecodeError")
+def test_prompt_file_not_utf8(capsys, tmp_path):
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(b"\xff\xfe\x00caf\xe9\x80")
+    assert_user_error(run_cli(capsys, "generate", "--prompt-file", str(binary)), "--prompt-file", "utf-8")
+
+
+def test_prompt_plus_new_tokens_beyond_context(capsys, cached_smollm2):
+    line = assert_user_error(
+        run_cli(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "9000", "--dtype", "float32"),
+        "exceeds", "smollm2-135m", "context of 8192 tokens",
+    )
+    n_prompt = len(cached_smollm2.tokenizer.encode(PROMPT, add_special_tokens=True))
+    assert f"({n_prompt + 9000} tokens)" in line
+
+
+def test_budget_beyond_context(capsys, cached_smollm2):
+    assert_user_error(
+        run_cli(capsys, "generate", "--prompt", PROMPT, "--policy", "window", "--budget", "9000", "-n", "4",
+                "--dtype", "float32"),
+        "--budget 9000", "context of 8192",
+    )
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_new_tokens_below_one(capsys, cached_smollm2, value):
+    assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, "-n", value, "--dtype", "float32"),
+                      "--max-new-tokens", "at least 1")
+
+
+# ------------------------------------------------------------------------------------------------ flag errors
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--temperature", "-1"], ["--temperature", "-1.0"]),
+        (["--top-p", "0"], ["--top-p", "(0, 1]", "0.0"]),
+        (["--top-p", "1.5"], ["--top-p", "1.5"]),
+        (["--top-k", "-3"], ["--top-k", "-3"]),
+        (["--draft", "self", "--gamma", "0"], ["--gamma", "at least 1"]),
+        (["--draft", "self", "--gamma", "many"], ["--gamma", "'many'"]),
+        (["--policy", "hybrid", "--budget", "2"], ["budget of 2"]),
+        (["--policy", "hybrid", "--budget", "5"], ["budget of 5", "heavy hitters"]),
+        (["--policy", "lru", "--budget", "64"], ["unknown cache policy", "'lru'", "hybrid"]),
+        (["--policy", "window"], ["'window'", "needs --budget"]),
+        (["--policy", "window", "--window", "-4"], ["--window", "negative", "-4"]),
+        (["--policy", "window", "--budget", "-8"], ["--budget", "negative"]),
+        (["--policy", "streaming", "--budget", "16", "--heavy", "4"], ["keeps no heavy hitters"]),
+        (["--policy", "hybrid", "--budget", "10", "--sinks", "4", "--heavy", "3", "--window", "2"],
+         ["does not match --budget 10"]),
+        (["--prefill-chunk", "0"], ["--prefill-chunk", "at least 1"]),
+        (["--threads", "0"], ["--threads", "at least 1"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("--") else None,
+)
+def test_invalid_flags(capsys, flags, words):
+    """Rejected before any model is loaded (so also where no model is fetched)."""
+    assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, *flags), *words)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--draft-budget", "2"], ["budget of 2"]),
+        (["--draft-policy", "lru"], ["unknown cache policy", "'lru'"]),
+        (["--draft-window", "-1", "--draft-budget", "16"], ["--window", "negative"]),
+    ],
+    ids=["budget-2", "policy-lru", "window--1"],
+)
+def test_invalid_draft_cache_flags(capsys, cached_smollm2, flags, words):
+    """The draft's cache flags (checked once the target is loaded)."""
+    assert_user_error(
+        run_cli(capsys, "generate", "--prompt", PROMPT, "--dtype", "float32", "--draft", "self", *flags), *words
+    )
+
+
+# ----------------------------------------------------------------------------------------- draft vocabularies
+def test_draft_with_other_vocabulary(capsys, tmp_path, cached_smollm2):
+    draft = write_hf_folder(tmp_path / "tiny-draft")
+    assert_user_error(
+        run_cli(capsys, "generate", "--prompt", PROMPT, "-n", "4", "--dtype", "float32", "--draft", str(draft)),
+        "vocabulary has 97 entries", "49152", "same vocabulary",
+    )
+
+
+def test_check_same_vocabulary_sizes():
+    from sparsespec.speculative import check_same_vocabulary
+
+    with pytest.raises(UserError, match="97 entries and the target's 49152"):
+        check_same_vocabulary(None, None, 49152, 97)
+
+
+def test_check_same_vocabulary_tokens():
+    """Equal sizes, one token spelled differently: the message names it."""
+    from sparsespec.speculative import check_same_vocabulary
+
+    target = word_tokenizer(["<unk>", "alpha", "beta", "gamma"])
+    draft = word_tokenizer(["<unk>", "alpha", "BETA", "gamma"])
+    check_same_vocabulary(target, word_tokenizer(["<unk>", "alpha", "beta", "gamma"]), 4, 4)
+    check_same_vocabulary(target, target, 4, 4)
+    with pytest.raises(UserError) as info:
+        check_same_vocabulary(target, draft, 4, 4)
+    message = str(info.value)
+    assert "id 2" in message and ("'beta'" in message or "'BETA'" in message)
+    assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------------------- good runs
+JSON_KEYS = {"text", "new_tokens", "prompt_tokens", "tokens_per_s", "kv_cache_bytes", "evicted_tokens",
+             "policy", "budget", "model"}
+
+
+def parse_json_output(out: str) -> dict:
+    lines = out.splitlines()
+    assert len(lines) == 1, f"expected one JSON line, got {out!r}"
+    return json.loads(lines[0])
+
+
+def test_generate_json_loads_the_real_model(capsys, smollm2_path):
+    """No cached model here: fixture name → GGUF → weights and tokenizer, as a user runs it."""
+    code, out, err = run_cli(capsys, "generate", "--model", "smollm2-135m", "--prompt", PROMPT, "-n", "8",
+                             "--json", "--dtype", "float32", "--threads", "2", "--ignore-eos")
+    assert code == 0, err
+    assert "Traceback" not in err
+    result = parse_json_output(out)
+    assert JSON_KEYS <= result.keys()
+    assert result["new_tokens"] == 8
+    assert result["prompt_tokens"] == 5
+    assert isinstance(result["text"], str) and result["text"].strip()
+    assert result["tokens_per_s"] > 0
+    assert result["kv_cache_bytes"] > 0
+    assert result["model"] == "smollm2-135m"
+    assert result["policy"] == "full" and result["budget"] is None and result["evicted_tokens"] == 0
+
+
+_PLAIN_RUNS: dict[str, dict] = {}
+
+
+def plain_greedy_json(capsys, prompt: str) -> dict:
+    """``generate --json`` of 8 greedy tokens with the full cache (deterministic, so run once per prompt)."""
+    if prompt not in _PLAIN_RUNS:
+        code, out, err = run_cli(capsys, "generate", "--prompt", prompt, "-n", "8", "--dtype", "float32",
+                                 "--ignore-eos", "--json")
+        assert code == 0, err
+        _PLAIN_RUNS[prompt] = parse_json_output(out)
+    return _PLAIN_RUNS[prompt]
+
+
+def test_streaming_prints_the_same_text_as_json(capsys, cached_smollm2):
+    text = plain_greedy_json(capsys, PROMPT)["text"]
+    code, out, err = run_cli(capsys, "generate", "--prompt", PROMPT, "-n", "8", "--dtype", "float32", "--ignore-eos")
+    assert code == 0, err
+    assert out == text + "\n"
+    assert err.splitlines() == [err.strip()]
+    assert err.startswith("[5 prompt tokens, 8 new tokens, ") and err.rstrip().endswith("tok/s]")
+
+
+def test_stop_string_ends_the_text(capsys, cached_smollm2):
+    text = plain_greedy_json(capsys, PROMPT)["text"]
+    stop = text.strip()[1:4]  # a piece from inside the continuation
+    code, out, err = run_cli(capsys, "generate", "--prompt", PROMPT, "-n", "8", "--dtype", "float32",
+                             "--ignore-eos", "--json", "--stop", stop)
+    assert code == 0, err
+    assert parse_json_output(out)["text"] == text[: text.index(stop)]
+
+
+def test_hybrid_policy_json_reports_budget_and_evictions(capsys, cached_smollm2):
+    code, out, err = run_cli(capsys, "generate", "--prompt", LONG_PROMPT, "-n", "8", "--dtype", "float32",
+                             "--ignore-eos", "--json", "--policy", "hybrid", "--budget", "32")
+    assert code == 0, err
+    hybrid = parse_json_output(out)
+    assert JSON_KEYS <= hybrid.keys()
+    assert hybrid["policy"] == "hybrid" and hybrid["budget"] == 32 and hybrid["new_tokens"] == 8
+    assert hybrid["prompt_tokens"] > 32
+    # All tokens but the last generated one went through the cache; everything beyond the budget left it.
+    assert hybrid["evicted_tokens"] == hybrid["prompt_tokens"] + 8 - 1 - 32
+
+    full = plain_greedy_json(capsys, LONG_PROMPT)
+    assert full["policy"] == "full" and full["evicted_tokens"] == 0
+    assert hybrid["kv_cache_bytes"] < full["kv_cache_bytes"]
+
+
+def test_self_speculative_greedy_text_equals_plain_greedy(capsys, cached_smollm2):
+    """Exact speculative decoding: with greedy sampling the draft cannot change the output."""
+    plain = plain_greedy_json(capsys, LONG_PROMPT)
+    code, out, err = run_cli(capsys, "generate", "--prompt", LONG_PROMPT, "-n", "8", "--dtype", "float32",
+                             "--ignore-eos", "--json", "--draft", "self", "--gamma", "3", "--draft-budget", "16")
+    assert code == 0, err
+    speculative = parse_json_output(out)
+    assert speculative["text"] == plain["text"]
+    assert speculative["new_tokens"] == 8
+    assert speculative["draft"] == "self" and speculative["gamma"] == 3
+    assert speculative["draft_policy"] == "hybrid" and speculative["draft_budget"] == 16
+    assert 0.0 <= speculative["acceptance_rate"] <= 1.0

@@ -1,0 +1,322 @@
+"""The evaluation harness: streaming perplexity, the prompt set, the resumable sweep, the ppl/sweep arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from sparsespec.cache.arena import KVArena
+from sparsespec.cache.policy import make_policy
+from sparsespec.errors import UserError
+from sparsespec.eval.commands import add_ppl_arguments, add_sweep_arguments, run_ppl, run_sweep
+from sparsespec.eval.perplexity import (
+    moving_average,
+    nll_from_logits,
+    perplexity,
+    plot_nll,
+    streaming_nll,
+    window_perplexities,
+)
+from sparsespec.eval.prompts import KINDS, load_prompts, parse_kinds
+from sparsespec.eval.sweep import (
+    RECORD_FIELDS,
+    SweepPoint,
+    aggregate_stats,
+    build_grid,
+    parse_draft,
+    plot_sweep,
+    read_records,
+    run_grid,
+    setup_id,
+)
+
+N_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def token_ids(model):
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, model.config.vocab_size, (N_TOKENS,), generator=g).tolist()
+
+
+def arena_for(model, policy, chunk, positions="original", max_tokens=N_TOKENS):
+    return KVArena(model.config, policy, dtype=torch.float32, max_tokens=max_tokens, max_block=chunk,
+                   positions=positions)
+
+
+def autoregressive_nll(model, policy, token_ids, positions):
+    """Per-token NLLs of a plain decoding loop: one token per forward pass, committed after each."""
+    arena = arena_for(model, policy, 1, positions)
+    out = []
+    for i in range(len(token_ids) - 1):
+        logits = model.forward(torch.tensor([token_ids[i]]), arena)
+        arena.commit(1)
+        out.append(-torch.log_softmax(logits[0].double(), dim=-1)[token_ids[i + 1]])
+    return torch.stack(out)
+
+
+# ------------------------------------------------------------------------------------------- perplexity
+@pytest.mark.parametrize("chunk", [1, 13, N_TOKENS])
+def test_full_cache_streaming_nll_equals_one_full_pass(model, token_ids, chunk):
+    full = make_policy("full")
+    logits = model.forward(torch.tensor(token_ids), arena_for(model, full, N_TOKENS))
+    reference = nll_from_logits(logits, token_ids)
+    nll = streaming_nll(model, arena_for(model, full, chunk), token_ids, chunk)
+    assert nll.dtype == torch.float64 and nll.shape == (N_TOKENS - 1,)
+    # Only float32 summation order differs between chunkings (NLLs here are ~30 nats).
+    torch.testing.assert_close(nll, reference, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_chunk_one_is_autoregressive_decoding_and_larger_chunks_differ(model, token_ids, positions):
+    policy = make_policy("hybrid", 24)
+    reference = autoregressive_nll(model, policy, token_ids, positions)
+    exact = streaming_nll(model, arena_for(model, policy, 1, positions), token_ids, 1)
+    torch.testing.assert_close(exact, reference, rtol=0, atol=1e-6)
+
+    chunked = streaming_nll(model, arena_for(model, policy, 16, positions), token_ids, 16)
+    # Before the budget fills, nothing is evicted, so the chunked run agrees there ...
+    torch.testing.assert_close(chunked[:24], reference[:24], rtol=1e-6, atol=1e-4)
+    # ... afterwards, tokens inside a chunk see up to 15 extra entries and evictions are chosen per chunk.
+    later = (chunked[24:] - reference[24:]).abs()
+    assert later.max() > 1e-2
+    assert int((later > 1e-3).sum()) > 20
+
+
+def test_streaming_nll_rejects_chunks_larger_than_the_arena_block(model, token_ids):
+    with pytest.raises(ValueError, match="max_block"):
+        streaming_nll(model, arena_for(model, make_policy("hybrid", 24), 4), token_ids, 8)
+
+
+def test_summary_helpers():
+    nll = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64)
+    assert perplexity(nll) == pytest.approx(math.exp(3.0))
+    assert window_perplexities(nll, 2) == pytest.approx([math.exp(1.5), math.exp(3.5), math.exp(5.0)])
+    torch.testing.assert_close(moving_average(nll, 2), torch.tensor([1.0, 1.5, 2.5, 3.5, 4.5], dtype=torch.float64))
+    assert math.isnan(perplexity(torch.empty(0)))
+
+
+def test_plot_nll_writes_a_png(tmp_path):
+    path = plot_nll({"a": torch.rand(50), "b": torch.rand(40)}, tmp_path / "nll.png", window=8)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def test_prompt_set_has_the_required_kinds():
+    prompts = load_prompts()
+    counts = {kind: sum(p.kind == kind for p in prompts) for kind in KINDS}
+    assert counts["code"] >= 6 and counts["prose"] >= 6 and counts["chat"] >= 3
+    assert all(p.chat == (p.kind == "chat") for p in prompts)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.text.strip() for p in prompts)
+    assert {p.kind for p in load_prompts(["code", "chat"])} == {"code", "chat"}
+    assert parse_kinds("all") is None and parse_kinds("code, prose") == ("code", "prose")
+    with pytest.raises(UserError, match="Unknown prompt kind"):
+        parse_kinds("code,poetry")
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+def test_grid_collapses_axes_that_do_not_apply():
+    points = build_grid(["full", "hybrid"], [32, 64], ["original", "in-cache"], [2, "auto"], [None, "self:16"])
+    full = [p for p in points if p.policy == "full"]
+    assert {(p.budget, p.positions) for p in full} == {(None, "original")}
+    assert {(p.draft, p.gamma) for p in full} == {(None, None), ("self:16", 2), ("self:16", "auto")}
+    assert len(points) == 3 + 2 * 2 * 3
+    assert len({p.key("x") for p in points}) == len(points)
+    assert parse_draft("self:16") == ("self", 16) and parse_draft("self") == ("self", None)
+    with pytest.raises(UserError):
+        build_grid(["hybrid"], [3], ["original"])  # too small for 4 sinks plus a window
+    with pytest.raises(UserError):
+        build_grid(["hybrid"], [32], ["sideways"])
+
+
+def fake_result(point: SweepPoint) -> dict:
+    budget = point.budget or 1000
+    return {
+        "cache": point.policy,
+        "quality": {"ppl": 10 + 1000 / budget, "kv_cache_bytes": budget * 64},
+        "speed": {"tokens_per_s": 50 - budget / 100,
+                  **({"acceptance_rate": 0.5 + budget / 4000, "tokens_per_target_pass": 2.0} if point.draft else {})},
+    }
+
+
+def test_sweep_resumes_and_writes_each_key_once(tmp_path):
+    out = tmp_path / "sweep.jsonl"
+    points = build_grid(["full", "hybrid", "streaming"], [32, 64], ["original", "in-cache"], [4], [None, "self"])
+    setup = {"model": "tiny", "max_tokens": 100}
+    calls: list[SweepPoint] = []
+
+    def evaluate(point):
+        calls.append(point)
+        return fake_result(point)
+
+    first = run_grid(points, out, evaluate, setup)
+    assert len(calls) == len(points) == len(first)
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(points)
+
+    # An interrupted run: two complete lines and a third cut short.
+    out.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
+    calls.clear()
+    seen = []
+    records = run_grid(points, out, evaluate, setup, on_record=lambda r, reused: seen.append(reused))
+    assert calls == points[2:]
+    assert seen == [True, True] + [False] * (len(points) - 2)
+    final = read_records(out)
+    keys = [r["key"] for r in final]
+    assert sorted(keys) == sorted(p.key(setup_id(setup)) for p in points)
+    assert len(keys) == len(set(keys))
+    assert [r["key"] for r in records] == [p.key(setup_id(setup)) for p in points]
+
+    # Nothing left to do; a different setup measures everything again under new keys.
+    calls.clear()
+    run_grid(points, out, evaluate, setup)
+    assert calls == []
+    run_grid(points[:1], out, evaluate, {**setup, "max_tokens": 200})
+    assert calls == points[:1]
+
+    for line in out.read_text().splitlines()[2:]:
+        record = json.loads(line)
+        assert tuple(record) == RECORD_FIELDS
+        assert record["setup_id"] == setup_id(record["setup"])
+        assert record["key"].endswith(record["setup_id"])
+        assert record["policy"] in ("full", "hybrid", "streaming")
+        assert record["budget"] is None or isinstance(record["budget"], int)
+        assert record["positions"] in ("original", "in-cache")
+        assert record["gamma"] is None if record["draft"] is None else record["gamma"] == 4
+        assert record["rss_peak_bytes"] >= record["rss_bytes"] > 0
+        assert record["seconds"] >= 0 and record["finished_at"]
+        assert isinstance(record["quality"], dict) and isinstance(record["speed"], dict)
+
+
+def test_sweep_plots(tmp_path):
+    points = build_grid(["full", "hybrid"], [32, 64, 128], ["original"], [4], [None, "self"])
+    records = run_grid(points, tmp_path / "s.jsonl", fake_result, {"m": 1})
+    written = plot_sweep(records, tmp_path / "plots")
+    assert sorted(p.name for p in written) == [
+        "acceptance_vs_budget.png", "ppl_vs_budget.png", "ppl_vs_kv_bytes.png", "tokps_vs_budget.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_aggregate_stats_weights_by_tokens():
+    from sparsespec.engine import RunStats
+    from sparsespec.speculative import SpeculativeStats
+
+    a = RunStats(prompt_tokens=10, new_tokens=11, decode_seconds=1.0, kv_cache_bytes=100,
+                 speculative=SpeculativeStats(target_passes=5, draft_passes=8, drafted=8, accepted=6, new_tokens=11,
+                                              draft_seconds=0.4, target_seconds=1.0))
+    b = RunStats(prompt_tokens=20, new_tokens=31, decode_seconds=2.0, kv_cache_bytes=100,
+                 speculative=SpeculativeStats(target_passes=10, draft_passes=32, drafted=32, accepted=14,
+                                              new_tokens=31, draft_seconds=1.6, target_seconds=2.0))
+    out = aggregate_stats([a, b])
+    assert out["tokens_per_s"] == pytest.approx(40 / 3.0, abs=1e-3)
+    assert out["acceptance_rate"] == pytest.approx(20 / 40)
+    assert out["tokens_per_target_pass"] == pytest.approx(42 / 15)
+    assert out["draft_target_cost_ratio"] == pytest.approx((2.0 / 40) / (3.0 / 15))
+    assert out["prompt_tokens"] == 30 and out["new_tokens"] == 42
+
+
+# ------------------------------------------------------------------------------------------- arguments
+def parse(adder, argv):
+    parser = argparse.ArgumentParser()
+    adder(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--text", "/nonexistent/file.txt"], "does not exist"),
+        (["--text", "corpus:"], "needs a text name"),
+        (["--text", "corpus:no_such_play_xyz"], "corpus"),
+        (["--text", "FILE", "--max-tokens", "1"], "at least 2"),
+        (["--text", "FILE", "--chunk", "0"], "--chunk"),
+        (["--text", "FILE", "--plot", "out.svg"], ".png"),
+        (["--text", "FILE", "--policy", "hybrid"], "needs --budget"),
+    ],
+)
+def test_ppl_argument_errors(tmp_path, argv, message):
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.")
+    argv = [str(text) if a == "FILE" else a for a in argv]
+    with pytest.raises(UserError, match=message):
+        run_ppl(parse(add_ppl_arguments, ["--model", "unused-model"] + argv))
+
+
+def test_ppl_max_tokens_beyond_context_is_refused_before_loading(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 97, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    }))
+    (folder / "model.safetensors").write_bytes(b"")  # never read: the check comes first
+    text = tmp_path / "t.txt"
+    text.write_text("word " * 50)
+    base = ["--model", str(folder), "--text", str(text), "--max-tokens", "500"]
+    with pytest.raises(UserError, match="context of 128"):
+        run_ppl(parse(add_ppl_arguments, base))
+    with pytest.raises(UserError, match="context of 128"):
+        run_ppl(parse(add_ppl_arguments, base + ["--policy", "hybrid", "--budget", "32"]))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--out", "x.jsonl", "--quality"], "needs --text"),
+        (["--out", "x.json", "--speed"], ".jsonl"),
+        (["--out", "x.jsonl", "--speed", "--context-tokens", "10"], "give --text too"),
+        (["--out", "x.jsonl", "--speed", "--new-tokens", "0"], "--new-tokens"),
+        (["--out", "x.jsonl", "--speed", "--budgets", "32,abc"], "integers"),
+        (["--out", "x.jsonl", "--speed", "--gammas", "0"], "--gamma"),
+        (["--out", "x.jsonl", "--speed", "--positions", "diagonal"], "position mode"),
+        (["--out", "x.jsonl", "--speed", "--prompts", "poetry"], "prompt kind"),
+        (["--out", "missing.jsonl", "--plot-only", "--plots", "DIR"], "no sweep records"),
+        (["--out", "x.jsonl", "--plot-only"], "needs --plots"),
+        (["--out", "x.jsonl", "--speed", "--draft", "self", "--draft-policy", "window", "--draft-heavy", "3"],
+         "heavy hitters"),
+    ],
+)
+def test_sweep_argument_errors(tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tmp_path / "plots") if a == "DIR" else a for a in argv]
+    with pytest.raises(UserError, match=message):
+        run_sweep(parse(add_sweep_arguments, ["--model", "unused-model"] + argv))
+
+
+def test_sweep_plot_only_draws_from_the_file(tmp_path, capsys):
+    out = tmp_path / "s.jsonl"
+    run_grid(build_grid(["full", "hybrid"], [32, 64], ["original"]), out, fake_result, {"m": 1})
+    assert run_sweep(parse(add_sweep_arguments, ["--out", str(out), "--plot-only", "--plots", str(tmp_path / "p")])) == 0
+    assert "ppl_vs_budget.png" in capsys.readouterr().out
+
+
+# -------------------------------------------------------------------------------------------- real model
+def test_smollm2_streaming_perplexity_smoke(smollm2_f32):
+    from sparsespec.engine import CacheOptions
+    from sparsespec.eval.perplexity import measure_perplexity
+    from sparsespec.eval.texts import text_token_ids
+    from sparsespec.loading.fetch import corpus_names
+
+    if "hamlet" not in corpus_names():
+        pytest.skip("the text corpus is not fetched (run `sparsespec fetch corpus`)")
+    ids = text_token_ids(smollm2_f32.tokenizer, "corpus:hamlet", 200)
+    assert len(ids) == 200
+    _, summary = measure_perplexity(smollm2_f32, CacheOptions(make_policy("hybrid", 64)), ids, 64, window=64)
+    cfg = smollm2_f32.config
+    assert 2.0 < summary["ppl"] < 100.0  # a trained model on English verse, not a random one (~49k)
+    assert summary["predicted_tokens"] == 199 and len(summary["window_ppl"]) == 4
+    assert summary["evicted_tokens"] > 0
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
+    assert summary["kv_cache_bytes"] == (64 + 64) * per_token  # budget + one chunk of staging
