@@ -278,7 +278,8 @@ class KVArena:
         values = self.values[layer][:, :stop]
 
         if not self.policy.needs_scores:
-            head_mask = mask.repeat_interleave(group, dim=0)[None]
+            # A single row of the full cache sees every slot: no mask needed (the common decode step).
+            head_mask = None if self.policy.is_full and n_rows == 1 else mask.repeat_interleave(group, dim=0)[None]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=head_mask, enable_gqa=True)
             out = out[0]
         else:
