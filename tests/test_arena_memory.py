@@ -50,12 +50,12 @@ def test_buffers_have_the_promised_size(name, budget, max_block, max_inflight, d
     itemsize = torch.tensor([], dtype=dtype).element_size()
     assert arena.nbytes == 2 * n_layers * n_kv * capacity * hd * itemsize
     # Bookkeeping per slot: int64 position + int32 eviction mark; with heavy hitters, float32 scores, the
-    # committed copy, and one snapshot per in-flight row.
+    # committed copy, and one snapshot per in-flight row that a partial commit can end on.
     slots = n_layers * n_kv * capacity
-    per_slot = 8 + 4 + ((2 + max_inflight) * 4 if policy.needs_scores else 0)
+    per_slot = 8 + 4 + ((2 + max_inflight - 1) * 4 if policy.needs_scores else 0)
     assert arena.metadata_nbytes == slots * per_slot
     for key, tensor in _buffers(arena).items():
-        lead = (max_inflight,) if key == "row_scores" else ()
+        lead = (max_inflight - 1,) if key == "row_scores" else ()
         assert tensor.shape[: len(lead) + 3] == (*lead, n_layers, n_kv, capacity), key
 
 

@@ -98,7 +98,6 @@ HAND_PROBS = torch.tensor([0.3, 0.05, 0.5, 0.15])
     "top_p, kept",
     [
         (0.4, [2]),  # 0.5 alone reaches 0.4
-        (0.5, [2]),  # reaching p exactly is enough
         (0.75, [2, 0]),  # 0.5 < 0.75 <= 0.8
         (0.85, [2, 0, 3]),  # 0.8 < 0.85 <= 0.95
         (0.99, [2, 0, 3, 1]),  # needs everything

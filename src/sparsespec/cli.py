@@ -8,6 +8,8 @@ import sys
 
 from .errors import UserError
 
+DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
+
 
 # --------------------------------------------------------------------------------------------- shared flags
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
@@ -22,8 +24,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
 def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """Cache flags; ``prefix="draft-"`` gives the draft's copies (``--draft-policy`` …)."""
     p = f"--{prefix}"
-    parser.add_argument(f"{p}policy", default=None if prefix else "full",
-                        help="full | window | streaming | h2o | hybrid" + (" (default: hybrid)" if prefix else ""))
+    parser.add_argument(f"{p}policy", default=None,
+                        help="full | window | streaming | h2o | hybrid (default: "
+                        + ("hybrid, budget 64)" if prefix else "full, or hybrid when a budget or size is given)"))
     parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
     parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")
     parser.add_argument(f"{p}heavy", type=int, default=None, help="heavy hitters kept")
@@ -43,15 +46,13 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
 
     name = getattr(args, f"{prefix}policy")
     budget = getattr(args, f"{prefix}budget")
-    if prefix and name is None:
-        name = "hybrid"
-        if budget is None and args.draft_sinks is None:
-            budget = 64
-    policy = make_policy(
-        name, budget,
-        sinks=getattr(args, f"{prefix}sinks"), heavy=getattr(args, f"{prefix}heavy"),
-        window=getattr(args, f"{prefix}window"),
-    )
+    sizes = {part: getattr(args, f"{prefix}{part}") for part in ("sinks", "heavy", "window")}
+    sized = budget is not None or any(v is not None for v in sizes.values())
+    if name is None:
+        name = "hybrid" if prefix or sized else "full"
+        if prefix and not sized:
+            budget = DEFAULT_DRAFT_BUDGET
+    policy = make_policy(name, budget, **sizes)
     return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context)
 
 
@@ -91,18 +92,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = open(args.prompt_file, encoding="utf-8").read()
         except OSError as exc:
             raise UserError(f"Cannot read --prompt-file {args.prompt_file}: {exc.strerror}.") from None
+        except UnicodeDecodeError:
+            raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
     if prompt is None or not prompt.strip():
         raise UserError("The prompt is empty; pass --prompt TEXT (or --prompt-file FILE).")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cache = cache_options(args)
     gamma = parse_gamma(args.gamma) if args.draft else None
+    draft_cache = cache_options(args, "draft_") if args.draft else None
     dtype = setup_torch(args)
 
     started = time.perf_counter()
     target = load_model(args.model, dtype, args.weights)
     draft = None
     if args.draft:
-        draft_cache = cache_options(args, "draft_")
         if args.draft == "self":
             draft = DraftOptions(target, draft_cache, gamma, is_self=True)
         else:
@@ -189,7 +192,18 @@ def _register_simulate(sub) -> None:
     p.set_defaults(func=run_simulate)
 
 
-_EXTRA_COMMANDS = [_register_simulate]
+def _register_eval(sub) -> None:
+    from .eval.commands import add_ppl_arguments, add_sweep_arguments, run_ppl, run_sweep
+
+    p = sub.add_parser("ppl", help="streaming perplexity of a text through a KV cache policy")
+    add_ppl_arguments(p)
+    p.set_defaults(func=run_ppl)
+    p = sub.add_parser("sweep", help="trade-off study over policies, budgets, positions, drafts and γ (resumable)")
+    add_sweep_arguments(p)
+    p.set_defaults(func=run_sweep)
+
+
+_EXTRA_COMMANDS = [_register_simulate, _register_eval]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,11 @@ class ModelConfig:
     attention_bias: bool
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise UserError(f"The model config gives {name} = {getattr(self, name)}; it must be at least 1.")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UserError(
                 f"Unsupported architecture {self.architecture!r}; sparsespec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -78,6 +83,8 @@ class ModelConfig:
             raise UserError(f"Unsupported architecture {model_type or 'unknown'!r}; sparsespec runs llama and qwen2.")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        if heads < 1:
+            raise UserError(f"The model config gives num_attention_heads = {heads}; it must be at least 1.")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -98,9 +105,12 @@ class ModelConfig:
     def from_hf_folder(cls, folder: Path) -> "ModelConfig":
         path = Path(folder) / "config.json"
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise UserError(f"Cannot read a model config from {path}: {exc}.") from None
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("it is not a JSON object")
+            return cls.from_hf_dict(data)
+        except (OSError, ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+            raise UserError(f"Cannot read a model config from {path}: {exc!s}.") from None
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
@@ -120,6 +130,8 @@ class ModelConfig:
 
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
+        if heads < 1:
+            raise UserError(f"The GGUF file gives {arch}.attention.head_count = {heads}; it must be at least 1.")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])

@@ -99,7 +99,8 @@ class KVArena:
         if policy.needs_scores:
             self.scores = torch.zeros(shape, dtype=torch.float32)
             self.committed_scores = torch.zeros(shape, dtype=torch.float32)
-            self.row_scores = torch.zeros(max_inflight, *shape, dtype=torch.float32)
+            # Scores after each in-flight row that a partial commit can end on (never the last possible row).
+            self.row_scores = torch.zeros(max(max_inflight - 1, 0), *shape, dtype=torch.float32)
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
         self._slot_index = torch.arange(self.capacity)
@@ -170,7 +171,7 @@ class KVArena:
             raise ValueError("commit inside an open block")
         if not 0 <= n_rows <= self.n_inflight:
             raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
-        if 0 < n_rows < self.n_inflight and (n_rows > self.max_inflight or self._per_block_inflight):
+        if 0 < n_rows < self.n_inflight and (n_rows >= self.max_inflight or self._per_block_inflight):
             raise ValueError("only the first max_inflight rows of row-by-row blocks can be committed partially")
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
@@ -242,8 +243,9 @@ class KVArena:
 
         budget = self.policy.budget
         visible_before = self.n_visible
-        evicts_within_block = budget is not None and not per_block and visible_before + n_rows > budget
-        if evicts_within_block:
+        # A single row is its own block: evicting after it is the same as evicting after the block.
+        evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        if evicts_between_rows:
             out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before)
         else:
             out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block)
@@ -265,7 +267,8 @@ class KVArena:
         return self.rope.rotate(keys, self._ranks(layer, visible))
 
     def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block):
-        """All rows at once: no eviction happens between rows (full cache, room to spare, or a prefill chunk)."""
+        """All rows at once: no eviction happens between rows (full cache, room to spare, a single row, or a prefill
+        chunk); eviction down to the budget, if needed, happens after the last row."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -292,13 +295,12 @@ class KVArena:
             scores = self.scores[layer][:, :stop]
             if not per_block:
                 cumulative = received.cumsum(dim=1)
-                for i in range(n_rows):
-                    if first + i < self.max_inflight:
-                        self.row_scores[first + i, layer][:, :stop] = scores + cumulative[:, i]
+                for i in range(min(n_rows, self.max_inflight - 1 - first)):
+                    self.row_scores[first + i, layer][:, :stop] = scores + cumulative[:, i]
             scores += received.sum(dim=1)
 
         budget = self.policy.budget
-        if per_block and budget is not None and visible_before + n_rows > budget:
+        if budget is not None and visible_before + n_rows > budget:
             scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
             evict = choose_evictions(
                 scores, self.positions[layer][:, :stop], visible, int(new_positions[-1]), self.policy,
@@ -345,7 +347,7 @@ class KVArena:
             evicted_at.masked_fill_(evict, first + i)
             visible &= ~evict
             n_visible = min(n_visible, budget)
-            if scores is not None and first + i < self.max_inflight:
+            if scores is not None and first + i < self.max_inflight - 1:
                 self.row_scores[first + i, layer][:, :stop] = scores
         out = torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
         return out.view(n_heads, n_rows, hd)

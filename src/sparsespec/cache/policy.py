@@ -73,6 +73,8 @@ def make_policy(
         if value is not None and value < 0:
             raise UserError(f"--{label} must not be negative (got {value}).")
     if name == "full":
+        if budget is not None or sinks or heavy or window:
+            raise UserError("Policy 'full' keeps every token; drop --budget/--sinks/--heavy/--window or choose a budgeted policy.")
         return CachePolicy("full")
 
     uses = {
@@ -103,6 +105,8 @@ def make_policy(
 
     if w < 1:
         raise UserError(f"Policy {name!r} needs a window of at least 1 token (budget {budget}, sinks {s}, heavy {h}).")
+    if budget is not None and s + w > budget:
+        raise UserError(f"--sinks {s} + --window {w} exceed --budget {budget}.")
     if h < 0 or (has_heavy and h == 0):
         raise UserError(f"A budget of {budget} leaves no room for heavy hitters after {s} sinks and a window of {w}.")
     if budget is not None and policy.budget != budget:

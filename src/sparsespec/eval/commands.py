@@ -27,8 +27,8 @@ def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tok
     parser.add_argument("--chunk", type=int, default=None,
                         help="tokens per forward pass while reading the text; 1 evicts after every token exactly as "
                              "decoding does, larger chunks evict once per chunk (faster, slightly more context) "
-                             "(default: 1 for budgeted caches, --prefill-chunk for the full cache, whose results do not depend on "
-                             "the chunk)")
+                             "(default: 1 for budgeted caches, --prefill-chunk for the full cache, whose results "
+                             "do not depend on the chunk)")
     parser.add_argument("--ppl-window", type=int, default=DEFAULT_PPL_WINDOW,
                         help="tokens per window of the perplexity summary and of the plotted moving average "
                              "(default: %(default)s)")
@@ -95,7 +95,8 @@ def run_ppl(args: argparse.Namespace) -> int:
 
     result = {
         "model": loaded.name, "text": args.text, "policy": cache.policy.name, "cache": cache.policy.describe(),
-        "budget": cache.policy.budget, "positions": cache.positions, **summary,
+        "budget": cache.policy.budget, "positions": "original" if cache.policy.is_full else cache.positions,
+        **summary,
         "load_seconds": round(load_seconds, 3),
     }
     if args.plot:
@@ -132,7 +133,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "budget (e.g. none,self:64,self:128) (default: none)")
     parser.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default="dense")
     add_cache_arguments(parser, prefix="draft-")
-    parser.add_argument("--policies", default="full,hybrid", help="comma-separated cache policies (default: %(default)s)")
+    parser.add_argument("--policies", default="full,hybrid",
+                        help="comma-separated cache policies (default: %(default)s)")
     parser.add_argument("--budgets", default="256", help="comma-separated budgets (default: %(default)s)")
     parser.add_argument("--positions", default="original",
                         help="comma-separated position modes: original, in-cache (default: %(default)s)")

@@ -61,7 +61,8 @@ def prompt_ids(tokenizer, prompt: Prompt, context: str = "") -> list[int]:
     text = f"{context}\n\n{prompt.text}" if context else prompt.text
     if prompt.chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("The model's tokenizer has no chat template; leave chat prompts out (--prompts code,prose).")
+            raise UserError(
+                "The model's tokenizer has no chat template; leave chat prompts out (--prompts code,prose).")
         return list(tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
     return list(tokenizer.encode(text, add_special_tokens=True))

@@ -579,7 +579,7 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
         ("acceptance_vs_budget.png", "Draft acceptance vs target KV budget", "target budget (tokens)",
          "acceptance rate", *collect(speed("acceptance_rate", draft_only=True), True), "budget"),
         ("ppl_vs_kv_bytes.png", "Perplexity vs KV cache memory", "KV cache MiB (keys + values, all layers)",
-         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), True),
+         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), False),
     ]
     for name, title, xlabel, ylabel, series, flat, log_x in plots:
         if series or flat:
