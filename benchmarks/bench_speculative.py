@@ -21,18 +21,10 @@ from common import RESULTS_DIR, emit, load_transformers, machine, transformers_d
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
-from sparsespec.eval.prompts import load_prompts
+from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.loading.fetch import corpus_text_path
 from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
-
-
-def encode(loaded, prompt: dict) -> list[int]:
-    tok = loaded.tokenizer
-    if prompt.get("chat"):
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt["text"]}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False))
-    return tok.encode(prompt["text"])
 
 
 def run(target, ids, new_tokens, sampling, cache, draft=None) -> RunStats:
@@ -66,21 +58,21 @@ def main() -> None:
     else:
         draft_model = load_model(args.draft, torch.bfloat16)
     draft_cache = CacheOptions(make_policy(args.draft_policy, args.draft_budget), "in-cache" if args.long_context else "original")
-    prefix: list[int] = []
+    context = ""
     if args.long_context:
         text = corpus_text_path("paradise_lost").read_text(encoding="utf-8", errors="replace")
-        prefix = target.tokenizer.encode(text)[: args.long_context]
+        context = target.tokenizer.decode(target.tokenizer.encode(text)[: args.long_context])
     full = CacheOptions(force_context=True) if args.long_context else CacheOptions()
     sparse = CacheOptions(make_policy("hybrid", args.sparse_budget), "in-cache")
     target_caches = {"full": full, f"hybrid{args.sparse_budget}": sparse} if args.long_context else {"full": full}
 
     for prompt in load_prompts(args.kinds.split(",")):
-        ids = prefix + encode(target, prompt)
+        ids = prompt_ids(target.tokenizer, prompt, context)
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             sampling = SamplingParams(temperature=temperature)
             for cache_name, cache in target_caches.items():
                 base = run(target, ids, args.new_tokens, sampling, cache)
-                common = {"prompt": prompt["id"], "kind": prompt["kind"], "temperature": temperature,
+                common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
                           "target": args.target, "target_cache": cache_name, "context": len(ids)}
                 emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict()}, args.out)
                 for gamma in args.gammas.split(","):
@@ -96,10 +88,10 @@ def main() -> None:
         reference, tokenizer = load_transformers(args.target, torch.bfloat16)
         assistant, _ = load_transformers(args.draft, torch.bfloat16)
         for prompt in load_prompts(args.kinds.split(",")):
-            ids = prefix + encode(type("L", (), {"tokenizer": tokenizer})(), prompt)
+            ids = prompt_ids(tokenizer, prompt, context)
             plain = transformers_decode_tok_s(reference, ids, args.new_tokens)[0]
             assisted = transformers_decode_tok_s(reference, ids, args.new_tokens, assistant=assistant)[0]
-            emit({"bench": "speculative", "mode": "transformers", "prompt": prompt["id"], "kind": prompt["kind"],
+            emit({"bench": "speculative", "mode": "transformers", "prompt": prompt.id, "kind": prompt.kind,
                   "temperature": 0.0, "transformers_tok_s": plain, "transformers_assisted_tok_s": assisted,
                   **machine()}, args.out)
 

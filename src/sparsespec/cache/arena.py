@@ -175,9 +175,7 @@ class KVArena:
             raise ValueError("only the first max_inflight rows of row-by-row blocks can be committed partially")
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
-        if self.policy.is_full:
-            pass  # nothing was evicted: dropped rows are simply written over later
-        else:
+        if not self.policy.is_full:  # the full cache evicts nothing: dropped rows are simply written over later
             self._compact(n_rows, extent, survivors)
         self.evicted_tokens += extent - survivors
         self.n_committed = survivors
