@@ -8,6 +8,7 @@ import sys
 
 from .errors import UserError
 
+WEIGHT_CHOICES = ("auto", "dense", "bf16", "int8", "int4")
 DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
 
 
@@ -16,8 +17,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     parser.add_argument("--model", "-m", default=default_model,
                         help="fixture name, .gguf file or Hugging Face folder (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
-    parser.add_argument("--weights", choices=("dense", "int8", "int4"), default="dense",
-                        help="weight format of the target's projections (dense = --dtype)")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                        help="weight format of the projections: dense (= bf16: in --dtype), int8, int4, or auto "
+                        "(target int8, draft int4); default: auto with bfloat16, dense with float32")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
 
@@ -65,6 +67,10 @@ def setup_torch(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     from .loading.load import DTYPES
 
+    if args.weights is None:  # float32 is for exactness: keep its weights dense unless asked otherwise
+        args.weights = "auto" if args.dtype == "bfloat16" else "dense"
+    if getattr(args, "draft_weights", "") is None:
+        args.draft_weights = args.weights
     return DTYPES[args.dtype]
 
 
@@ -103,13 +109,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
-    target = load_model(args.model, dtype, args.weights)
+    target = load_model(args.model, dtype, args.weights, role="target")
     draft = None
     if args.draft:
         if args.draft == "self":
             draft = DraftOptions(target, draft_cache, gamma, is_self=True)
         else:
-            draft = DraftOptions(load_model(args.draft, dtype, args.draft_weights), draft_cache, gamma)
+            draft = DraftOptions(load_model(args.draft, dtype, args.draft_weights, role="draft"), draft_cache, gamma)
     load_seconds = time.perf_counter() - started
 
     tokenizer = target.tokenizer
@@ -174,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
-    p.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default="dense")
+    p.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
+                   help="the draft's weight format (default: as --weights)")
     p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto'")
     add_cache_arguments(p, prefix="draft-")
     p.set_defaults(func=cmd_generate)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import WEIGHT_CHOICES
 from ..errors import UserError
 
 DEFAULT_PPL_WINDOW = 256
@@ -87,7 +88,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
-    loaded = load_model(args.model, dtype, args.weights)
+    loaded = load_model(args.model, dtype, args.weights, role="target")
     load_seconds = time.perf_counter() - started
     ids = text_token_ids(loaded.tokenizer, args.text, args.max_tokens)
     check_fits_context(loaded, cache, len(ids), "The text")
@@ -131,7 +132,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--draft", default="none",
                         help="comma-separated drafts: none, self, a model; NAME:BUDGET sets that draft's cache "
                              "budget (e.g. none,self:64,self:128) (default: none)")
-    parser.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default="dense")
+    parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
+                        help="the drafts' weight format (default: as --weights)")
     add_cache_arguments(parser, prefix="draft-")
     parser.add_argument("--policies", default="full,hybrid",
                         help="comma-separated cache policies (default: %(default)s)")
@@ -241,7 +243,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if any(p.draft for p in points):
         _draft_cache(args, "original", None)
     dtype = setup_torch(args)
-    target = load_model(args.model, dtype, args.weights)
+    target = load_model(args.model, dtype, args.weights, role="target")
 
     text_ids = None
     context = ""
