@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .cache.arena import KVArena
 from .config import ModelConfig
-from .linear import make_linear
+from .linear import default_linear_options, make_linear, resolve_format
 
 
 @dataclass
@@ -33,23 +33,45 @@ class DecoderLayer:
 class Transformer:
     """A decoder-only transformer with weights in ``dtype`` (float32 or bfloat16)."""
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype, weights: str = "dense"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        weights: str = "dense",
+        *,
+        role: str = "target",
+        linear_options: Mapping | None = None,
+        linears: Mapping[str, object] | None = None,
+    ):
         """Build from a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight`` …).
 
-        ``weights`` selects the format of the large projections (see ``linear.py``); norms and the embedding stay
-        in ``dtype``.
+        ``weights`` selects the format of the large projections (see ``linear.py``): ``dense`` (alias ``bf16``),
+        ``int8``, ``int4``, or ``auto`` (chosen by ``role``, ``"target"`` or ``"draft"``; see
+        :func:`~sparsespec.linear.auto_format`). Norms and the embedding stay in ``dtype``. ``linear_options`` go
+        to :func:`~sparsespec.linear.make_linear` (default: :func:`~sparsespec.linear.default_linear_options`).
+
+        ``linears`` holds projections built beforehand (the on-disk tensor cache), keyed ``layers.{i}.qkv``,
+        ``layers.{i}.o_proj``, ``layers.{i}.gate_up``, ``layers.{i}.down`` and ``lm_head``; those are used as
+        they are and ``state`` needs only the norms and the embedding. :meth:`linear_items` lists them under the
+        same keys.
         """
         self.config = config
         self.dtype = dtype
+        weights = resolve_format(weights, role)
         self.weights_format = weights
+        options = dict(default_linear_options(weights, dtype) if linear_options is None else linear_options)
+        prebuilt = dict(linears or {})
 
         def tensor(name: str) -> torch.Tensor:
             return state[name].to(dtype)
 
-        def fused(names: list[str], bias: bool) -> object:
+        def fused(key: str, names: list[str], bias: bool) -> object:
+            if key in prebuilt:
+                return prebuilt[key]
             w = torch.cat([state[n + ".weight"] for n in names], dim=0)
             b = torch.cat([state[n + ".bias"] for n in names], dim=0) if bias else None
-            return make_linear(w, b, dtype, weights)
+            return make_linear(w, b, dtype, weights, **options)
 
         self.embed = tensor("model.embed_tokens.weight")
         self.layers: list[DecoderLayer] = []
@@ -59,18 +81,32 @@ class Transformer:
             self.layers.append(
                 DecoderLayer(
                     attn_norm=tensor(p + "input_layernorm.weight"),
-                    qkv=fused(attn, config.attention_bias),
-                    o_proj=fused([p + "self_attn.o_proj"], False),
+                    qkv=fused(f"layers.{i}.qkv", attn, config.attention_bias),
+                    o_proj=fused(f"layers.{i}.o_proj", [p + "self_attn.o_proj"], False),
                     mlp_norm=tensor(p + "post_attention_layernorm.weight"),
-                    gate_up=fused([p + "mlp.gate_proj", p + "mlp.up_proj"], False),
-                    down=fused([p + "mlp.down_proj"], False),
+                    gate_up=fused(f"layers.{i}.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"], False),
+                    down=fused(f"layers.{i}.down", [p + "mlp.down_proj"], False),
                 )
             )
         self.norm = tensor("model.norm.weight")
         head = state.get("lm_head.weight")
-        if head is None or config.tie_word_embeddings:
-            head = state["model.embed_tokens.weight"]
-        self.lm_head = make_linear(head, None, dtype, weights)
+        if "lm_head" in prebuilt:
+            self.lm_head = prebuilt["lm_head"]
+        elif (head is None or config.tie_word_embeddings) and weights == "dense":
+            self.lm_head = make_linear(self.embed, None, dtype, weights)  # shares the embedding's storage
+        else:
+            if head is None or config.tie_word_embeddings:
+                head = state["model.embed_tokens.weight"]
+            self.lm_head = make_linear(head, None, dtype, weights, **options)
+
+    def linear_items(self) -> list[tuple[str, object]]:
+        """Every projection with its key for the ``linears`` argument of :class:`Transformer`, in model order."""
+        items = []
+        for i, layer in enumerate(self.layers):
+            for part in ("qkv", "o_proj", "gate_up", "down"):
+                items.append((f"layers.{i}.{part}", getattr(layer, part)))
+        items.append(("lm_head", self.lm_head))
+        return items
 
     @property
     def weight_nbytes(self) -> int:
