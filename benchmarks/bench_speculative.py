@@ -27,6 +27,14 @@ from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
+def select_prompts(kinds: str, per_kind: str) -> list:
+    """The first N prompts of each kind (e.g. 4 code, 4 prose, 2 chat)."""
+    chosen = []
+    for kind, count in zip(kinds.split(","), per_kind.split(",")):
+        chosen += load_prompts([kind])[: int(count)]
+    return chosen
+
+
 def run(target, ids, new_tokens, sampling, cache, draft=None) -> RunStats:
     stats = RunStats()
     list(run_generation(target, ids, max_new_tokens=new_tokens, sampling=sampling, cache=cache, seed=0,
@@ -38,11 +46,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a model, or 'self'")
+    parser.add_argument("--target-weights", default="dense", help="dense, int8, int4 or auto")
+    parser.add_argument("--draft-weights", default="dense", help="dense, int8, int4 or auto")
     parser.add_argument("--draft-policy", default="full")
     parser.add_argument("--draft-budget", type=int, default=None)
     parser.add_argument("--gammas", default="2,4,6,auto")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--kinds", default="code,prose,chat")
+    parser.add_argument("--per-kind", default="4,4,2", help="prompts taken from each kind, in --kinds order")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-context", type=int, default=0, help="prefix prompts with this many corpus tokens")
     parser.add_argument("--sparse-budget", type=int, default=1024, help="target budget for the sparse runs")
@@ -52,11 +63,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, torch.bfloat16)
+    target = load_model(args.target, torch.bfloat16, args.target_weights, role="target")
     if args.draft == "self":
         draft_model = target
     else:
-        draft_model = load_model(args.draft, torch.bfloat16)
+        draft_model = load_model(args.draft, torch.bfloat16, args.draft_weights, role="draft")
     draft_cache = CacheOptions(make_policy(args.draft_policy, args.draft_budget), "in-cache" if args.long_context else "original")
     context = ""
     if args.long_context:
@@ -66,14 +77,16 @@ def main() -> None:
     sparse = CacheOptions(make_policy("hybrid", args.sparse_budget), "in-cache")
     target_caches = {"full": full, f"hybrid{args.sparse_budget}": sparse} if args.long_context else {"full": full}
 
-    for prompt in load_prompts(args.kinds.split(",")):
+    prompts = select_prompts(args.kinds, args.per_kind)
+    for prompt in prompts:
         ids = prompt_ids(target.tokenizer, prompt, context)
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             sampling = SamplingParams(temperature=temperature)
             for cache_name, cache in target_caches.items():
                 base = run(target, ids, args.new_tokens, sampling, cache)
                 common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
-                          "target": args.target, "target_cache": cache_name, "context": len(ids)}
+                          "target": args.target, "target_weights": args.target_weights,
+                          "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids)}
                 emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict()}, args.out)
                 for gamma in args.gammas.split(","):
                     draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
@@ -87,7 +100,7 @@ def main() -> None:
         gc.collect()
         reference, tokenizer = load_transformers(args.target, torch.bfloat16)
         assistant, _ = load_transformers(args.draft, torch.bfloat16)
-        for prompt in load_prompts(args.kinds.split(",")):
+        for prompt in prompts:
             ids = prompt_ids(tokenizer, prompt, context)
             plain = transformers_decode_tok_s(reference, ids, args.new_tokens)[0]
             assisted = transformers_decode_tok_s(reference, ids, args.new_tokens, assistant=assistant)[0]
