@@ -102,13 +102,14 @@ def plot(path: Path, out_png: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for model in sorted({r["model"] for r in rows}):
         for label in sorted({(r["policy"], r["budget"]) for r in rows if r["model"] == model}, key=str):
-            pts = sorted((r["context"], r["tokens_per_s"], r["rss_mb_after"]) for r in rows
+            pts = sorted((r["context"], r["tokens_per_s"], r["kv_cache_bytes"] / 2**20) for r in rows
                          if r["model"] == model and (r["policy"], r["budget"]) == label)
             name = f"{model} {label[0]}" + (f" {label[1]}" if label[1] else "")
             axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
             axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
     axes[0].set(xscale="log", xlabel="context tokens", ylabel="decode tok/s", title="Decode speed vs context")
-    axes[1].set(xscale="log", xlabel="context tokens", ylabel="RSS after run (MB)", title="Memory vs context")
+    axes[1].set(xscale="log", yscale="log", xlabel="context tokens", ylabel="KV cache buffers (MiB)",
+                title="KV memory vs context")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
@@ -124,10 +125,13 @@ def main() -> None:
     parser.add_argument("--long-run", type=int, default=0, help="tokens of one long generation (0: context sweep)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "arena.jsonl")
     parser.add_argument("--plot", type=Path, default=None, help="draw the context sweep in --out to this PNG")
+    parser.add_argument("--plot-only", action="store_true", help="only redraw --plot from --out")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.budgets = [int(b) for b in args.budgets.split(",")]
     torch.set_num_threads(args.threads)
+    if args.plot_only:
+        return plot(args.out, args.plot)
     if args.long_run:
         long_run(args)
     else:

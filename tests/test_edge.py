@@ -41,6 +41,12 @@ SHIPPED = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _empty_user_profiles(tmp_path, monkeypatch):
+    """Profiles looked up by name see an empty user folder, whatever this machine has calibrated."""
+    monkeypatch.setenv("SPARSESPEC_HOME", str(tmp_path / "sparsespec-home"))
+
+
 def toy_model(**changes) -> ModelConfig:
     """2 layers, hidden 8, 2 query heads sharing 1 KV head of width 4, vocab 16, tied embeddings."""
     fields = dict(
@@ -180,6 +186,61 @@ def test_compute_bound_and_overheads():
     assert dev.peak("int8") == 100.0
 
 
+def test_engine_terms_by_hand():
+    # Free SRAM and compute, so only weights, the engine terms and the overheads count.
+    dev = toy_device(
+        sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.5, per_layer_overhead_s=0.125,
+        extra_row_flops=1000.0, per_row_layer_overhead_s=0.01, evict_layer_overhead_s=0.02,
+        evict_row_layer_overhead_s=0.005, per_vocab_overhead_s=0.001,
+        attention_flops={"single": 100.0, "multi": 200.0, "evicting": 50.0},
+    )
+    m = toy_model()  # L=2, H=2, d=4, vocab 16, 1320 streamed parameters: 2640 B of weights → 2.64 s
+    fixed = 0.5 + 2 * 0.125 + 16 * 0.001
+    one = forward_pass(m, dev, tokens=1, kv_entries=10)
+    assert one.attention_s == pytest.approx(4 * 2 * 2 * 4 * 10 / 100)  # 640 FLOP on the single-row path
+    assert one.extra_rows_s == 0.0
+    assert one.overhead_s == pytest.approx(fixed)
+    assert one.time_s == pytest.approx(2.64 + 6.4 + fixed)
+    three = forward_pass(m, dev, tokens=3, kv_entries=10)
+    assert three.extra_rows_s == pytest.approx(2 * 2 * 1320 / 1000)  # two extra rows of 2·P FLOPs
+    assert three.attention_s == pytest.approx(4 * 2 * 2 * 4 * 10 * 3 / 200)  # multi-row path
+    assert three.overhead_s == pytest.approx(fixed + 2 * 2 * 0.01)
+    assert three.time_s == pytest.approx(2.64 + 5.28 + 9.6 + fixed + 0.04)
+    evicting = forward_pass(m, dev, tokens=1, kv_entries=10, evicting=True)
+    assert evicting.attention_s == pytest.approx(640 / 50)
+    assert evicting.overhead_s == pytest.approx(fixed + 2 * 0.02)
+    # a 3-row pass over an evicting cache: the first row's eviction cost per layer, then the cheaper further rows
+    evicting3 = forward_pass(m, dev, tokens=3, kv_entries=10, evicting=True)
+    assert evicting3.attention_s == pytest.approx(1920 / 50)
+    assert evicting3.overhead_s == pytest.approx(fixed + 2 * 2 * 0.01 + 2 * (0.02 + 2 * 0.005))
+    # a profile without the engine figures leaves the plain roofline
+    plain = forward_pass(m, toy_device(), tokens=3, kv_entries=10, evicting=True)
+    assert plain.extra_rows_s == plain.attention_s == 0.0 and plain.overhead_s == 0.5
+
+
+def test_budgeted_cache_evicts_once_full():
+    dev = toy_device(evict_layer_overhead_s=0.25)
+    m = toy_model()
+    assert predict_autoregressive(m, dev, context=100, budget=16).passes["target"].evicting
+    assert not predict_autoregressive(m, dev, context=10, budget=16).passes["target"].evicting
+    assert not predict_autoregressive(m, dev, context=100).passes["target"].evicting
+    spec = predict_speculative(m, dev, context=100, gamma=2, acceptance=0.5, draft_budget=8)
+    assert spec.passes["draft"].evicting and not spec.passes["target"].evicting
+    comb = predict_speculative(m, dev, context=100, gamma=2, acceptance=0.5, budget=32, draft=toy_model())
+    assert comb.passes["target"].evicting and comb.passes["draft"].evicting  # the draft follows the target's budget
+
+
+def test_measured_tokens_per_pass_replaces_the_formula():
+    dev, m = toy_device(), toy_model()
+    base = predict_speculative(m, dev, context=50, gamma=4, acceptance=0.5, draft_budget=8)
+    measured = predict_speculative(m, dev, context=50, gamma=4, acceptance=0.5, draft_budget=8, tokens_per_pass=3.0)
+    assert base.tokens_per_pass == pytest.approx(expected_tokens_per_pass(0.5, 4))
+    assert measured.tokens_per_pass == 3.0
+    assert measured.tokens_per_second == pytest.approx(base.tokens_per_second * 3.0 / base.tokens_per_pass)
+    with pytest.raises(UserError):
+        predict_speculative(m, dev, context=50, gamma=4, acceptance=0.5, draft_budget=8, tokens_per_pass=6.0)
+
+
 def test_weight_formats_and_efficiency():
     m = toy_model()
     dev = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30})
@@ -302,6 +363,32 @@ def test_profile_round_trip_and_validation(tmp_path: Path):
         load_profile(tmp_path / "bad.json")
     with pytest.raises(UserError):
         toy_device(sram_kv_fraction=0.0)
+
+
+def test_engine_figures_validated_and_cited(tmp_path: Path):
+    dev = toy_device(extra_row_flops=1e9, attention_flops={"single": 1e9}, sources={"attention_flops.single": "x"})
+    assert "extra_row_flops" in dev.missing_sources() and "attention_flops.single" not in dev.missing_sources()
+    assert "evict_layer_overhead_s" not in dev.figures()  # None: not given, not a figure
+    assert load_profile(save_profile(dev, tmp_path / "d.json")) == dev
+    with pytest.raises(UserError, match="attention_flops.paged"):
+        toy_device(attention_flops={"paged": 1e9})
+    with pytest.raises(UserError):
+        toy_device(evict_layer_overhead_s=-1.0)
+    with pytest.raises(UserError):
+        toy_device(extra_row_flops=0.0)
+
+
+def test_user_profiles_come_first(tmp_path: Path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPARSESPEC_HOME", str(home))
+    packaged = load_profile("host")
+    assert "Placeholder" in packaged.sources["dram_bandwidth"]
+    save_profile(toy_device(name="host"), home / "devices" / "host.json")
+    save_profile(toy_device(name="bench-box"), home / "devices" / "bench-box.json")
+    assert load_profile("host").name == "host" and load_profile("host").dram_bandwidth == 1000.0
+    assert load_profile("bench-box").name == "bench-box"
+    assert set(list_profiles()) == SHIPPED  # the packaged names; a user file overrides, it does not add
+    assert load_profile("jetson-orin-nano-8gb").dram_bandwidth == 68e9
 
 
 # --- command --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The ``sparsespec`` command: fetch, generate, ppl, sweep, bench, simulate, calibrate."""
+"""The ``sparsespec`` command: fetch, generate, ppl, sweep, simulate, calibrate."""
 
 from __future__ import annotations
 
@@ -210,7 +210,15 @@ def _register_eval(sub) -> None:
     p.set_defaults(func=run_sweep)
 
 
-_EXTRA_COMMANDS = [_register_simulate, _register_eval]
+def _register_calibrate(sub) -> None:
+    from .calibrate import add_calibrate_arguments, run_calibrate
+
+    p = sub.add_parser("calibrate", help="measure this machine and write the simulator's host profile")
+    add_calibrate_arguments(p)
+    p.set_defaults(func=run_calibrate)
+
+
+_EXTRA_COMMANDS = [_register_simulate, _register_eval, _register_calibrate]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument(
         "--device",
         default="host",
-        help=f"device profile name ({', '.join(list_profiles())}), a profile .json path, or 'all' (default: host)",
+        help=f"device profile name ({', '.join(list_profiles())}), a profile .json path, or 'all' (default: host: "
+        "this machine as `sparsespec calibrate` measured it, else placeholder figures)",
     )
     parser.add_argument("--model", required=True, help="target model: fixture name, .gguf file or Hugging Face folder")
     parser.add_argument(

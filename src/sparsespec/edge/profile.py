@@ -4,6 +4,11 @@ Each profile is one JSON file under ``edge/devices/`` (or any path the user give
 its source in ``sources`` (keyed by field name, ``peak_flops.bf16`` / ``caches.gpu_l2`` for mapping entries), and a
 figure that is an estimate says so and why. Units are SI: bytes, bytes per second, FLOP per second, seconds.
 
+Profiles looked up by name come first from the user's folder ``$SPARSESPEC_HOME/devices/`` (default
+``~/.cache/sparsespec/devices/``), then from the packaged ``edge/devices/``. ``sparsespec calibrate`` writes its
+measurements of this machine to ``host.json`` in the user's folder, so ``load_profile("host")`` returns the
+calibrated profile once there is one and the packaged placeholder before that.
+
 Torch-free.
 """
 
@@ -16,8 +21,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import UserError
+from ..loading.fixtures import cache_dir
 
 DEVICES_DIR = Path(__file__).with_name("devices")
+
+# Paths of the engine's attention that a profile may give a measured FLOP rate for (see DeviceProfile).
+ATTENTION_PATHS = ("single", "multi", "evicting")
+
+
+def user_devices_dir() -> Path:
+    """The user's profile folder, searched before the packaged one: ``$SPARSESPEC_HOME/devices``."""
+    return cache_dir() / "devices"
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,23 @@ class DeviceProfile:
     same cache. ``dram_efficiency`` is the fraction of ``dram_bandwidth`` the decode kernels achieve (1.0 when only
     the vendor's peak is known: predictions are then upper bounds). ``caches`` holds other cache sizes for reference;
     the model does not use them.
+
+    Costs of the decoding engine beyond the roofline (seconds unless noted): ``overhead_s`` per forward pass (the
+    step's fixed work: launching the pass, sampling, committing), ``per_layer_overhead_s`` per layer and pass.
+    Optional figures (``None`` = not known, counted as zero; see :func:`..roofline.forward_pass`):
+
+    - ``extra_row_flops``: FLOP/s at which a pass processes the matrix products of its rows after the first, on top
+      of streaming the weights once (a verification pass of γ+1 rows; small-M matrix products run far below peak);
+    - ``per_row_layer_overhead_s``: per layer, each row after the first (masks and bookkeeping of multi-row
+      attention);
+    - ``evict_layer_overhead_s``: per layer, once per pass, while a budgeted cache is full and evicts (attention
+      row by row and the eviction choice), and ``evict_row_layer_overhead_s`` per layer for each further row of such
+      a pass;
+    - ``per_vocab_overhead_s``: per vocabulary entry and forward pass (turning the logits into a distribution and
+      drawing a token);
+    - ``attention_flops``: FLOP/s that the engine's attention kernels reach per cached entry, by path: ``single``
+      (one row over the full cache), ``multi`` (several rows over the full cache, masked), ``evicting`` (rows of a
+      full budgeted cache, one after another). Empty: attention costs only its bytes and its FLOPs at peak.
     """
 
     name: str
@@ -44,6 +75,12 @@ class DeviceProfile:
     per_layer_overhead_s: float = 0.0
     dram_efficiency: float = 1.0
     sram_kv_fraction: float = 1.0
+    extra_row_flops: float | None = None
+    per_row_layer_overhead_s: float | None = None
+    evict_layer_overhead_s: float | None = None
+    evict_row_layer_overhead_s: float | None = None
+    per_vocab_overhead_s: float | None = None
+    attention_flops: Mapping[str, float] = field(default_factory=dict)
     caches: Mapping[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
     note: str = ""
@@ -56,6 +93,14 @@ class DeviceProfile:
         for key in ("sram_bytes", "overhead_s", "per_layer_overhead_s"):
             if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
                 raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0.")
+        optional = ("per_row_layer_overhead_s", "evict_layer_overhead_s", "evict_row_layer_overhead_s",
+                    "per_vocab_overhead_s")
+        for key in optional:
+            value = getattr(self, key)
+            if value is not None and (not _is_number(value) or value < 0):
+                raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0 (or null).")
+        if self.extra_row_flops is not None and (not _is_number(self.extra_row_flops) or self.extra_row_flops <= 0):
+            raise UserError(f"Device profile {self.name!r}: extra_row_flops must be a positive number (or null).")
         for key in ("dram_efficiency", "sram_kv_fraction"):
             value = getattr(self, key)
             if not _is_number(value) or not 0 < value <= 1:
@@ -65,6 +110,13 @@ class DeviceProfile:
         for dtype, value in self.peak_flops.items():
             if not _is_number(value) or value <= 0:
                 raise UserError(f"Device profile {self.name!r}: peak_flops.{dtype} must be a positive number.")
+        for path, value in self.attention_flops.items():
+            if path not in ATTENTION_PATHS:
+                raise UserError(
+                    f"Device profile {self.name!r}: attention_flops.{path} is not one of {', '.join(ATTENTION_PATHS)}."
+                )
+            if not _is_number(value) or value <= 0:
+                raise UserError(f"Device profile {self.name!r}: attention_flops.{path} must be a positive number.")
 
     @property
     def effective_dram_bandwidth(self) -> float:
@@ -102,6 +154,7 @@ class DeviceProfile:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["peak_flops"] = dict(self.peak_flops)
+        data["attention_flops"] = dict(self.attention_flops)
         data["caches"] = dict(self.caches)
         data["sources"] = dict(self.sources)
         return data
@@ -128,18 +181,30 @@ def _is_number(value: Any) -> bool:
 
 
 def list_profiles() -> list[str]:
-    """Names of the device profiles shipped with sparsespec, sorted."""
+    """Names of the device profiles shipped with sparsespec, sorted (a user profile may override any of them)."""
     return sorted(path.stem for path in DEVICES_DIR.glob("*.json"))
 
 
-def load_profile(name_or_path: str | Path) -> DeviceProfile:
-    """Load a shipped profile by name (``jetson-orin-nano-8gb``) or any profile JSON file by path.
+def profile_path(name: str) -> Path | None:
+    """Where the profile called ``name`` lives: the user's folder first, then the packaged one; None if neither."""
+    if not name or "/" in name or "\\" in name or name.endswith(".json"):
+        return None
+    for folder in (user_devices_dir(), DEVICES_DIR):
+        path = folder / f"{name}.json"
+        if path.is_file():
+            return path
+    return None
 
-    Raises :class:`UserError` for an unknown name, listing the known ones.
+
+def load_profile(name_or_path: str | Path) -> DeviceProfile:
+    """Load a profile by name (``jetson-orin-nano-8gb``, ``host``) or any profile JSON file by path.
+
+    A name is looked up in :func:`user_devices_dir` first (where ``sparsespec calibrate`` writes ``host.json``),
+    then among the packaged profiles. Raises :class:`UserError` for an unknown name, listing the known ones.
     """
     text = str(name_or_path)
-    path = DEVICES_DIR / f"{text}.json"
-    if not path.is_file():
+    path = profile_path(text)
+    if path is None:
         candidate = Path(text).expanduser()
         if candidate.is_file():
             path = candidate

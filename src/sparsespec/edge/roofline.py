@@ -6,10 +6,24 @@ One forward pass of ``T`` new tokens over a KV cache of ``N`` entries moves, per
   the device's SRAM budget;
 - SRAM: the KV cache when its ``(N + T)`` slots fit ``sram_bytes × sram_kv_fraction``, plus the activations.
 
-KV traffic is ``N`` entries read and ``T`` entries written, at ``kv_bytes_per_token`` for the cache dtype. The pass
-does ``2·P·T`` FLOPs in the matrix products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
+KV traffic is ``N`` entries read and ``T`` entries written, at ``kv_bytes_per_token`` for the cache dtype (``N`` is
+what the arena keeps visible: the whole context for the full cache, the budget for a budgeted one). The streamed
+weights are every projection and the output head (a tied head streams the embedding table), which is what
+``Transformer.bytes_read_per_token`` reports plus the norm vectors. The pass does ``2·P·T`` FLOPs in the matrix
+products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
 
-    time = max(Σ_level bytes_level / bandwidth_level, FLOPs / peak) + overhead_s + L · per_layer_overhead_s.
+    time = max(memory + extra_rows + attention, FLOPs / peak) + overhead
+    memory     = Σ_level bytes_level / bandwidth_level
+    extra_rows = (T − 1) · 2·P / extra_row_flops
+    attention  = 4·L·H·d·N·T / attention_flops[path]      (path: single, multi or evicting)
+    overhead   = overhead_s + L · per_layer_overhead_s + V · per_vocab_overhead_s
+                 + (T − 1) · L · per_row_layer_overhead_s
+                 + [cache full and evicting] · L · (evict_layer_overhead_s + (T − 1) · evict_row_layer_overhead_s)
+
+so a verification pass of γ+1 rows costs one pass of weight traffic plus a per-extra-row cost. ``extra_row_flops``,
+``attention_flops`` and the per-row overheads describe the decoding engine more than the chip: ``sparsespec
+calibrate`` measures them for sparsespec's own engine on this machine; profiles without them count them as zero
+(attention then costs its KV bytes, and its FLOPs at peak).
 
 Decoding modes build on that pass:
 
@@ -20,7 +34,8 @@ Decoding modes build on that pass:
 - ``combined``: speculative with a budgeted target cache (and a budgeted draft cache).
 
 Without a separate draft model, speculation is self-speculation: the target's own weights with a small sparse cache
-drafts for the target. Target and draft KV caches compete for the same SRAM budget (see :func:`place_kv`).
+drafts for the target, so every draft step streams the full weights. Target and draft KV caches compete for the
+same SRAM budget (see :func:`place_kv`).
 
 Torch-free.
 """
@@ -82,11 +97,14 @@ def activation_bytes(model: ModelConfig, tokens: int) -> float:
     return ACTIVATION_BYTES * tokens * model.num_hidden_layers * per_layer
 
 
+def attention_flops(model: ModelConfig, tokens: int, kv_entries: int) -> float:
+    """``4·L·H·d·N·T``: QKᵀ and PV of ``tokens`` rows over ``kv_entries`` cached entries, all layers."""
+    return 4.0 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * kv_entries * tokens
+
+
 def forward_flops(model: ModelConfig, tokens: int, kv_entries: int) -> float:
     """``2·P·T`` matrix-product FLOPs plus ``4·L·H·d·N·T`` attention FLOPs."""
-    dense = 2.0 * streamed_parameters(model) * tokens
-    attention = 4.0 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * kv_entries * tokens
-    return dense + attention
+    return 2.0 * streamed_parameters(model) * tokens + attention_flops(model, tokens, kv_entries)
 
 
 def kv_fits_sram(model: ModelConfig, device: DeviceProfile, slots: int, kv_dtype: str = "bf16") -> bool:
@@ -110,15 +128,23 @@ class PassCost:
     memory_s: float
     compute_s: float
     overhead_s: float
+    extra_rows_s: float = 0.0
+    attention_s: float = 0.0
+    evicting: bool = False
+
+    @property
+    def streaming_s(self) -> float:
+        """The memory side of the roofline: bytes moved, plus the extra rows' and attention kernels' own time."""
+        return self.memory_s + self.extra_rows_s + self.attention_s
 
     @property
     def time_s(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.overhead_s
+        return max(self.streaming_s, self.compute_s) + self.overhead_s
 
     @property
     def bound(self) -> str:
         """``"memory"`` or ``"compute"``: which side of the roofline sets the pass time."""
-        return "memory" if self.memory_s >= self.compute_s else "compute"
+        return "memory" if self.streaming_s >= self.compute_s else "compute"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,7 +156,10 @@ class PassCost:
             "flops": self.flops,
             "memory_s": self.memory_s,
             "compute_s": self.compute_s,
+            "extra_rows_s": self.extra_rows_s,
+            "attention_s": self.attention_s,
             "overhead_s": self.overhead_s,
+            "evicting": self.evicting,
             "time_s": self.time_s,
             "bound": self.bound,
         }
@@ -146,12 +175,15 @@ def forward_pass(
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
     kv_in_sram: bool | None = None,
+    evicting: bool = False,
 ) -> PassCost:
     """Roofline cost of one forward of ``tokens`` new tokens over ``kv_entries`` cached ones.
 
     ``kv_in_sram=None`` decides residency from the cache's ``kv_entries + tokens`` slots and the SRAM budget; pass
     True/False to force it (used when several caches share the budget). Weight-only quantized formats compute at
-    ``compute_dtype`` (the weights are widened before the products).
+    ``compute_dtype`` (the weights are widened before the products). ``evicting``: the cache is a full budgeted
+    one, so every row evicts (adds ``evict_layer_overhead_s`` per layer, and ``evict_row_layer_overhead_s`` per
+    layer for each row after the first).
     """
     if tokens < 1 or kv_entries < 0:
         raise UserError("A forward pass needs at least one token and a non-negative cache size.")
@@ -164,8 +196,25 @@ def forward_pass(
     memory_s = sum(dram.values()) / device.effective_dram_bandwidth + sum(sram.values()) / device.sram_bandwidth
     flops = forward_flops(model, tokens, kv_entries)
     compute_s = flops / device.peak(compute_dtype)
-    overhead_s = device.overhead_s + model.num_hidden_layers * device.per_layer_overhead_s
-    return PassCost(tokens, kv_entries, kv_in_sram, dram, sram, flops, memory_s, compute_s, overhead_s)
+    layers = model.num_hidden_layers
+    extra = tokens - 1
+    extra_rows_s = 0.0
+    if extra and device.extra_row_flops:
+        extra_rows_s = extra * 2.0 * streamed_parameters(model) / device.extra_row_flops
+    path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
+    attention_s = 0.0
+    if device.attention_flops.get(path):
+        attention_s = attention_flops(model, tokens, kv_entries) / device.attention_flops[path]
+    overhead_s = device.overhead_s + layers * device.per_layer_overhead_s
+    overhead_s += model.vocab_size * (device.per_vocab_overhead_s or 0.0)
+    overhead_s += extra * layers * (device.per_row_layer_overhead_s or 0.0)
+    if evicting:
+        overhead_s += layers * (device.evict_layer_overhead_s or 0.0)
+        overhead_s += extra * layers * (device.evict_row_layer_overhead_s or 0.0)
+    return PassCost(
+        tokens, kv_entries, kv_in_sram, dram, sram, flops, memory_s, compute_s, overhead_s, extra_rows_s, attention_s,
+        evicting,
+    )
 
 
 # --- speculative decoding formulas ------------------------------------------------------------------------------
@@ -316,11 +365,15 @@ def predict_autoregressive(
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
 ) -> Prediction:
-    """One token per 1-token pass: mode ``full`` (``budget=None``, ``N = context``) or ``sparse`` (``N = budget``)."""
+    """One token per 1-token pass: mode ``full`` (``budget=None``, ``N = context``) or ``sparse`` (``N = budget``).
+
+    A budgeted cache that the context fills (``context >= budget``) evicts on every step.
+    """
     _check_context(context, budget)
     entries = context if budget is None else min(budget, context)
     cost = forward_pass(
-        model, device, tokens=1, kv_entries=entries, weights=weights, kv_dtype=kv_dtype, compute_dtype=compute_dtype
+        model, device, tokens=1, kv_entries=entries, weights=weights, kv_dtype=kv_dtype, compute_dtype=compute_dtype,
+        evicting=_evicts(budget, context),
     )
     return Prediction(
         mode="full" if budget is None else "sparse",
@@ -334,6 +387,11 @@ def predict_autoregressive(
         bytes_per_token=_bytes_per_token([(1.0, cost)], 1.0),
         passes={"target": cost},
     )
+
+
+def _evicts(budget: int | None, context: int) -> bool:
+    """Whether a cache of ``budget`` entries (None: full) is full at ``context`` tokens, so each new row evicts."""
+    return budget is not None and context >= budget
 
 
 def predict_sparse(model: ModelConfig, device: DeviceProfile, *, context: int, budget: int, **kw: Any) -> Prediction:
@@ -355,17 +413,22 @@ def predict_speculative(
     draft_weights: str | None = None,
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
+    tokens_per_pass: float | None = None,
 ) -> Prediction:
     """Draft-then-verify: per round, γ 1-token draft passes and one (γ+1)-token target pass.
 
     ``budget=None`` keeps the target's full cache (mode ``speculative``); a budget makes it ``combined``.
-    ``draft=None`` is self-speculation (the target's weights with a ``draft_budget``-entry cache; required then).
-    A separate draft keeps ``draft_budget`` entries if given, else the same cache size as the target.
+    ``draft=None`` is self-speculation (the target's weights with a ``draft_budget``-entry cache; required then):
+    each draft step streams the target's full weights. A separate draft keeps ``draft_budget`` entries if given,
+    else the same cache size as the target. ``tokens_per_pass`` replaces the i.i.d. formula
+    :func:`expected_tokens_per_pass` with a measured mean (tokens per target pass, in ``[1, γ+1]``).
     """
     _check_context(context, budget)
     _check_alpha_gamma(acceptance, gamma)
     if gamma < 1:
         raise UserError("Speculative decoding needs γ >= 1 drafted tokens per round.")
+    if tokens_per_pass is not None and not 1.0 <= tokens_per_pass <= gamma + 1:
+        raise UserError(f"Tokens per target pass must lie in [1, γ+1] = [1, {gamma + 1}], got {tokens_per_pass}.")
     if draft is None and draft_budget is None:
         raise UserError("Self-speculation (no draft model) needs a draft cache budget.")
     if draft_budget is not None and draft_budget < 1:
@@ -374,6 +437,7 @@ def predict_speculative(
     draft_weights = draft_weights or weights
     entries = context if budget is None else min(budget, context)
     draft_entries = min(draft_budget, context) if draft_budget is not None else entries
+    draft_evicts = _evicts(draft_budget if draft_budget is not None else budget, context)
 
     # Target and draft caches share the SRAM budget: the target (γ+1 staged slots) is read once per round,
     # the draft (1 staged slot) γ times.
@@ -384,8 +448,10 @@ def predict_speculative(
     target_in_sram, draft_in_sram = place_kv(sizes, [1.0, float(gamma)], device.sram_kv_budget)
 
     common = dict(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
+    target_evicts = _evicts(budget, context)
     verify = forward_pass(
-        target, device, tokens=gamma + 1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram, **common
+        target, device, tokens=gamma + 1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram,
+        evicting=target_evicts, **common,
     )
     draft_cost = forward_pass(
         draft_model,
@@ -394,12 +460,14 @@ def predict_speculative(
         kv_entries=draft_entries,
         weights=draft_weights,
         kv_in_sram=draft_in_sram,
+        evicting=draft_evicts,
         **common,
     )
     single = forward_pass(
-        target, device, tokens=1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram, **common
+        target, device, tokens=1, kv_entries=entries, weights=weights, kv_in_sram=target_in_sram,
+        evicting=target_evicts, **common,
     )
-    tokens = expected_tokens_per_pass(acceptance, gamma)
+    tokens = expected_tokens_per_pass(acceptance, gamma) if tokens_per_pass is None else float(tokens_per_pass)
     round_s = gamma * draft_cost.time_s + verify.time_s
     return Prediction(
         mode="speculative" if budget is None else "combined",
