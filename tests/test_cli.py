@@ -50,10 +50,10 @@ def cached_smollm2(monkeypatch, smollm2_f32):
 
     real_load = load.load_model
 
-    def load_model(ref, dtype=torch.bfloat16, weights="dense", tokenizer=True):
+    def load_model(ref, dtype=torch.bfloat16, weights="dense", tokenizer=True, **options):
         if ref == "smollm2-135m" and dtype == torch.float32 and weights == "dense" and tokenizer:
             return smollm2_f32
-        return real_load(ref, dtype, weights, tokenizer)
+        return real_load(ref, dtype, weights, tokenizer, **options)
 
     monkeypatch.setattr(load, "load_model", load_model)
     return smollm2_f32
