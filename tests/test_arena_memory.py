@@ -16,15 +16,6 @@ from conftest import tiny_config, tiny_model
 POLICIES = [("window", 24), ("streaming", 24), ("h2o", 24), ("hybrid", 24), ("full", None)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Thousands of tiny tensor ops: one intra-op thread avoids thread hand-off costs (huge on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _buffers(arena: KVArena) -> dict[str, torch.Tensor]:
     names = ["keys", "values", "positions", "evicted_at"]
     if arena.policy.needs_scores:

@@ -30,15 +30,6 @@ MAX_INFLIGHT = 6  # most decode rows in flight before a commit
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Many tiny tensor ops: one intra-op thread avoids thread hand-off costs (huge on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------- strategies
 @st.composite
 def policies(draw, names=("full", "window", "streaming", "h2o", "hybrid")):

@@ -41,15 +41,6 @@ MODES = ("original", "in-cache")
 REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Thousands of tiny tensor ops: one intra-op thread avoids thread hand-off costs (huge on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --------------------------------------------------------------------------------------------- naive reference
 class NaiveDecoder:
     """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
