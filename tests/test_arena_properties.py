@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from ..cli import WEIGHT_CHOICES
 from ..errors import UserError
@@ -234,7 +233,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.text is not None:
         resolve_text(args.text)
 
-    from ..cli import cache_options, setup_torch
+    from ..cli import setup_torch
     from ..loading.load import load_model
     from .sweep import SweepEvaluator, log_record, run_grid, setup_id
     from .texts import text_token_ids

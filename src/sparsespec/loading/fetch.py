@@ -40,7 +40,6 @@ from sparsespec.loading.fixtures import (
     MODEL_FIXTURES,
     ModelFixture,
     WheelPart,
-    cache_dir,
     corpus_dir,
 )
 
