@@ -19,10 +19,11 @@ from sparsespec.speculative import (
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
-    expected_tokens_per_pass,
     speculative_tokens,
     target_inflight_rows,
 )
+
+from sparsespec.edge.roofline import expected_tokens_per_pass
 
 from conftest import random_state, tiny_config, tiny_model
 

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .cache.arena import KVArena
+from .edge.roofline import speculative_speedup
 from .errors import UserError
 from .generate import prefill
 from .model import Transformer
@@ -59,24 +60,12 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, 
         )
 
 
-def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """Expected tokens per target pass with per-token acceptance ``alpha``: (1 − α^(γ+1)) / (1 − α)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Expected wall-time gain over autoregressive decoding: (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
-    return expected_tokens_per_pass(alpha, gamma) / (gamma * cost_ratio + 1.0)
-
-
 class AdaptiveGamma:
     """Chooses γ each round from the observed acceptance and the measured draft / target cost ratio.
 
     Acceptance α is estimated as accepted / (accepted + rejections), with exponentially decaying counts (so it
     follows a change of text); the cost ratio c from decaying averages of the draft's time per proposal and the
-    target's time per verification. γ maximises :func:`expected_speedup`; when no γ ≥ 1 beats plain decoding,
+    target's time per verification. γ maximises :func:`~sparsespec.edge.roofline.speculative_speedup`; when no γ ≥ 1 beats plain decoding,
     γ = 0 (the target decodes alone) except for an occasional probe round with γ = 1 that keeps the estimates
     fresh.
     """
@@ -113,8 +102,8 @@ class AdaptiveGamma:
             else:
                 self._draft_s = self.decay * self._draft_s + (1 - self.decay) * draft_s_per_token
                 self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s
-        best = max(range(1, self.gamma_max + 1), key=lambda g: expected_speedup(self.alpha, g, self.cost_ratio))
-        if expected_speedup(self.alpha, best, self.cost_ratio) > 1.0:
+        best = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(self.alpha, g, self.cost_ratio))
+        if speculative_speedup(self.alpha, best, self.cost_ratio) > 1.0:
             self.gamma, self._rounds_without_draft = best, 0
         else:
             self._rounds_without_draft += 1
