@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-context", type=int, default=0, help="prefix prompts with this many corpus tokens")
     parser.add_argument("--sparse-budget", type=int, default=1024, help="target budget for the sparse runs")
+    parser.add_argument("--speculate-on", default="all",
+                        help="target caches the speculative modes run on: all, full or sparse (the full cache's "
+                             "autoregressive baseline always runs; at long context 'sparse' saves its slow prefills)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' assisted generation")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "speculative.jsonl")
@@ -88,6 +91,8 @@ def main() -> None:
                           "target": args.target, "target_weights": args.target_weights,
                           "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids)}
                 emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict()}, args.out)
+                if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
+                    continue
                 for gamma in args.gammas.split(","):
                     draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
                     stats = run(target, ids, args.new_tokens, sampling, cache, draft)

@@ -225,7 +225,7 @@ def test_speculative_sampling_matches_autoregressive_distribution(case):
 def test_broken_acceptance_rule_is_caught(monkeypatch):
     """Resampling from p instead of normalize(max(0, p − q)) after a rejection biases the output: χ² sees it."""
 
-    def broken_accept(p, q, drafts, generator, greedy):
+    def broken_accept(p, q, drafts, generator):
         for i, x in enumerate(drafts):
             if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
                 return i, sample(p[i], generator)

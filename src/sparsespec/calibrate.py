@@ -405,34 +405,32 @@ def decode_step_seconds(model, policy, context: int, steps: int) -> float:
 
 
 def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> float:
-    """Seconds of the fastest ``rows``-row pass (forward, warp of every row, rollback) over ``context`` tokens."""
+    """Seconds of the fastest ``rows``-row pass (forward, greedy choice of every row, rollback) over ``context``
+    tokens, as a greedy verification pass does it."""
     import torch
 
     from .generate import prefill
-    from .sampling import SamplingParams, sample, warp
 
     arena = _arena(model, policy, context + rows + 2, rows + 1)
     prefill(model, arena, [(5 * i + 1) % model.config.vocab_size for i in range(context)], 64)
     block = torch.tensor([(3 * i + 2) % model.config.vocab_size for i in range(rows)])
-    greedy = SamplingParams()
 
     def step() -> None:
-        probs = warp(model.forward(block, arena), greedy)
-        sample(probs[-1], None)
+        model.forward(block, arena).argmax(dim=-1).tolist()
         arena.commit(0)
 
     return min(time_calls(step, trials=steps))
 
 
 def sampling_seconds(vocab: int, *, trials: int = 5, min_seconds: float = 0.05) -> float:
-    """Seconds to turn one row of float32 logits over ``vocab`` entries into a greedy draw (best trial)."""
+    """Seconds to turn one row of float32 logits over ``vocab`` entries into the greedy token (best trial)."""
     import torch
 
-    from .sampling import SamplingParams, sample, warp
+    from .sampling import SamplingParams, next_token
 
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
     greedy = SamplingParams()
-    return min(time_calls(lambda: sample(warp(logits, greedy), None), trials=trials, min_seconds=min_seconds))
+    return min(time_calls(lambda: next_token(logits, greedy, None), trials=trials, min_seconds=min_seconds))
 
 
 def attention_seconds(
@@ -737,7 +735,7 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         "evict_row_layer_overhead_s": f"{stamp}: slope per layer of ({settings.rows}-row pass over the full hybrid "
                                       f"cache − over the full cache), less evict_layer_overhead_s, over "
                                       f"{settings.rows - 1} extra rows, for {probe}.",
-        "per_vocab_overhead_s": f"{stamp}: greedy warp + sample of one row of logits, slope between vocabularies of "
+        "per_vocab_overhead_s": f"{stamp}: greedy choice (argmax) over one row of logits, slope between vocabularies of "
                                 f"{settings.vocab_sizes[0]} and {settings.vocab_sizes[1]} entries.",
     }
     if cal.extra_row_flops is not None:

@@ -8,7 +8,7 @@ import torch
 
 from .cache.arena import KVArena
 from .model import Transformer
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, next_token
 
 
 def prefill(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> None:
@@ -44,7 +44,7 @@ def generate_tokens(
     for step in range(max_new_tokens):
         logits = model.forward(torch.tensor([token]), cache)[-1]
         cache.commit(1)
-        token = sample(warp(logits, sampling), generator)
+        token = next_token(logits, sampling, generator)
         yield token
         if token in eos or step == max_new_tokens - 1:
             return

@@ -1,7 +1,9 @@
 """Logits → probabilities (temperature, top-k, top-p) and sampling with an explicit ``torch.Generator``.
 
-Temperature 0 means greedy: the warped distribution is one-hot on the argmax, so the same code serves greedy and
-stochastic decoding, and speculative verification with one-hot distributions reduces to "accept iff argmax".
+Temperature 0 means greedy: the warped distribution is one-hot on the argmax, and speculative verification with
+one-hot distributions reduces to "accept iff argmax". The decode loops take the argmax directly
+(:func:`next_token`): a draw from a one-hot distribution over a 150k vocabulary costs ~3 ms on a small CPU, the
+argmax 0.1 ms.
 """
 
 from __future__ import annotations
@@ -63,3 +65,10 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from ``probs: [vocab]``."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token id from ``logits: [vocab]``: the argmax when greedy, else a draw from :func:`warp`."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(warp(logits, params), generator)

@@ -140,7 +140,7 @@ class SpeculativeStats:
 
 
 def _accept(
-    p: torch.Tensor, q: list[torch.Tensor], drafts: list[int], generator: torch.Generator | None, greedy: bool
+    p: torch.Tensor, q: list[torch.Tensor], drafts: list[int], generator: torch.Generator | None
 ) -> tuple[int, int]:
     """Rejection sampling over one block. ``p: [γ+1, vocab]``, ``q``: γ tensors ``[vocab]``.
 
@@ -148,16 +148,22 @@ def _accept(
     drawn from normalize(max(0, p − q)) at the first rejection, or the bonus token from the last row of p).
     """
     for i, x in enumerate(drafts):
-        if greedy:
-            ok = bool(p[i, x] == 1.0)
-        else:
-            ratio = p[i, x] / q[i][x]
-            ok = bool(torch.rand((), generator=generator) < ratio)
-        if not ok:
+        if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
             residual = (p[i] - q[i]).clamp_(min=0.0)
             total = residual.sum()
             return i, sample(residual / total if total > 0 else p[i], generator)
     return len(drafts), sample(p[len(drafts)], generator)
+
+
+def _accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    """:func:`_accept` for temperature 0, where p and q are one-hot: proposals pass while they equal the target's
+    argmax, and the next token is the argmax of the first row that disagrees (or of the bonus row).
+
+    ``target_logits: [γ+1, vocab]``, the rows that score the proposals and the bonus position.
+    """
+    choices = target_logits.argmax(dim=-1).tolist()
+    accepted = next((i for i, (x, c) in enumerate(zip(drafts, choices)) if x != c), len(drafts))
+    return accepted, choices[accepted]
 
 
 def speculative_tokens(
@@ -206,8 +212,11 @@ def speculative_tokens(
         feed = draft_pending
         for _ in range(g):
             logits = draft.forward(torch.tensor(feed), draft_cache)[-1]
-            q.append(warp(logits, sampling))
-            drafts.append(sample(q[-1], generator))
+            if sampling.greedy:
+                drafts.append(int(logits.argmax()))
+            else:
+                q.append(warp(logits, sampling))
+                drafts.append(sample(q[-1], generator))
             feed = drafts[-1:]
         draft_fed = len(draft_pending) + g - 1 if g else 0
         draft_seconds = time.perf_counter() - started
@@ -215,8 +224,10 @@ def speculative_tokens(
         # 2. One target pass over the pending token(s) and all proposals.
         started = time.perf_counter()
         logits = target.forward(torch.tensor(target_pending + drafts), target_cache)
-        p = warp(logits[len(target_pending) - 1 :], sampling)
-        accepted, next_token = _accept(p, q, drafts, generator, sampling.greedy)
+        if sampling.greedy:
+            accepted, next_token = _accept_greedy(logits[len(target_pending) - 1 :], drafts)
+        else:
+            accepted, next_token = _accept(warp(logits[len(target_pending) - 1 :], sampling), q, drafts, generator)
         target_seconds = time.perf_counter() - started
 
         # 3. Commit what was accepted; roll back the rest.

@@ -55,8 +55,8 @@ class DeviceProfile:
     - ``evict_layer_overhead_s``: per layer, once per pass, while a budgeted cache is full and evicts (attention
       row by row and the eviction choice), and ``evict_row_layer_overhead_s`` per layer for each further row of such
       a pass;
-    - ``per_vocab_overhead_s``: per vocabulary entry and forward pass (turning the logits into a distribution and
-      drawing a token);
+    - ``per_vocab_overhead_s``: per vocabulary entry and forward pass (choosing the token from the logits; measured
+      greedy, an argmax);
     - ``attention_flops``: FLOP/s that the engine's attention kernels reach per cached entry, by path: ``single``
       (one row over the full cache), ``multi`` (several rows over the full cache, masked), ``evicting`` (rows of a
       full budgeted cache, one after another). Empty: attention costs only its bytes and its FLOPs at peak.
