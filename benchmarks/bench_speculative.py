@@ -90,7 +90,8 @@ def main() -> None:
                 common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
                           "target": args.target, "target_weights": args.target_weights,
                           "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids)}
-                emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict()}, args.out)
+                emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict(), **machine()},
+                     args.out)
                 if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
                     continue
                 for gamma in args.gammas.split(","):
@@ -98,7 +99,7 @@ def main() -> None:
                     stats = run(target, ids, args.new_tokens, sampling, cache, draft)
                     emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
                           **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,
-                          "loadavg": machine()["loadavg"]}, args.out)
+                          **machine()}, args.out)
 
     if args.transformers and args.draft != "self":
         del target, draft_model
@@ -110,7 +111,7 @@ def main() -> None:
             plain = transformers_decode_tok_s(reference, ids, args.new_tokens)[0]
             assisted = transformers_decode_tok_s(reference, ids, args.new_tokens, assistant=assistant)[0]
             emit({"bench": "speculative", "mode": "transformers", "prompt": prompt.id, "kind": prompt.kind,
-                  "temperature": 0.0, "transformers_tok_s": plain, "transformers_assisted_tok_s": assisted,
+                  "temperature": 0.0, "target": args.target, "context": len(ids), "transformers_tok_s": plain, "transformers_assisted_tok_s": assisted,
                   **machine()}, args.out)
 
 

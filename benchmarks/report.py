@@ -1,22 +1,29 @@
 """Markdown tables from the JSON lines in ``benchmarks/results/`` (pasted into RESULTS.md).
 
-    python benchmarks/report.py engine|arena|speculative
+    python benchmarks/report.py engine|arena|speculative [--since "2026-11-30 07:20"]
+
+``--since`` keeps only the records written at or after that UTC time (records carry ``date``), so a table shows
+one run rather than every run appended to the file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 
 
+SINCE = ""  # set from --since
+
+
 def rows(name: str) -> list[dict]:
     path = RESULTS / f"{name}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if not SINCE or r.get("date", "") >= SINCE]
 
 
 def table(header: list[str], body: list[list]) -> str:
@@ -48,31 +55,53 @@ def arena() -> str:
             continue
         label = r["policy"] + (f" {r['budget']}" if r["budget"] else "")
         body.append([r["model"], r["context"], label, r["positions"], f"{r['tokens_per_s']:.1f}",
-                     f"{r['prefill_seconds']:.1f}", f"{r['kv_cache_bytes'] / 2**20:.1f}", r["rss_mb_after"]])
-    return table(["model", "context", "cache", "positions", "decode tok/s", "prefill s", "KV MiB", "RSS MiB"], body)
+                     f"{r['prefill_seconds']:.1f}", f"{r['kv_cache_bytes'] / 2**20:.1f}", r.get("rss_mb_peak", "—"),
+                     r.get("rss_mb_peak_growth", "—"), r["loadavg"]])
+    return table(["model", "context", "cache", "positions", "decode tok/s", "prefill s", "KV MiB", "peak RSS MiB",
+                  "peak RSS growth MiB", "load"], body)
 
 
 def speculative() -> str:
+    """Medians per (target, its cache, context, temperature, mode, prompt kind, weight formats)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows("speculative"):
+        setting = (r.get("target", "qwen2.5-coder-1.5b"), r.get("target_cache", "full"), r.get("context", 0) // 1024,
+                   r.get("temperature", 0.0))
         if r.get("mode") == "transformers":
-            groups[("transformers", r["kind"], "", "")].append(r)
+            groups[(*setting, "transformers", r["kind"], "bf16", "bf16")].append(r)
         else:
-            groups[(r["mode"], r["kind"], r.get("target_weights", "dense"), r.get("draft_weights", "dense"))].append(r)
+            groups[(*setting, r["mode"], r["kind"], r.get("target_weights", "dense"),
+                    r.get("draft_weights", "dense"))].append(r)
     body = []
-    for (mode, kind, tw, dw), rs in sorted(groups.items()):
+    for (target, cache, kilo, temperature, mode, kind, tw, dw), rs in sorted(groups.items()):
+        setting = [target, cache, f"{kilo}k" if kilo else "short", temperature]
         if mode == "transformers":
-            body.append([mode, kind, "bf16", "bf16", f"{statistics.median(r['transformers_tok_s'] for r in rs):.1f}",
-                         f"assisted {statistics.median(r['transformers_assisted_tok_s'] for r in rs):.1f}", "", "", len(rs)])
+            body.append([*setting, mode, kind, tw, dw,
+                         f"{statistics.median(r['transformers_tok_s'] for r in rs):.1f}",
+                         f"assisted {statistics.median(r['transformers_assisted_tok_s'] for r in rs):.1f}",
+                         "", "", "", len(rs)])
             continue
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in rs)  # noqa: E731
-        body.append([mode, kind, tw, dw, f"{med('tokens_per_s'):.1f}",
-                     f"{med('speedup_vs_autoregressive'):.2f}×" if mode != "autoregressive" else "1.00×",
-                     f"{med('acceptance_rate'):.2f}" if mode != "autoregressive" else "",
-                     f"{med('tokens_per_target_pass'):.2f}" if mode != "autoregressive" else "", len(rs)])
-    return table(["mode", "prompts", "target weights", "draft weights", "tok/s (median)", "vs AR", "acceptance",
-                  "tokens / pass", "n"], body)
+        spec = mode != "autoregressive"
+        body.append([*setting, mode, kind, tw, dw, f"{med('tokens_per_s'):.1f}",
+                     f"{med('speedup_vs_autoregressive'):.2f}×" if spec else "1.00×",
+                     f"{med('acceptance_rate'):.2f}" if spec else "",
+                     f"{med('tokens_per_target_pass'):.2f}" if spec else "",
+                     f"{med('draft_target_cost_ratio'):.2f}" if spec else "", len(rs)])
+    return table(["target", "target cache", "context", "temp", "mode", "prompts", "target weights", "draft weights",
+                  "tok/s (median)", "vs AR (median of ratios)", "acceptance", "tokens / pass", "cost ratio", "n"],
+                 body)
+
+
+def main() -> None:
+    global SINCE
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", choices=["engine", "arena", "speculative"])
+    parser.add_argument("--since", default="", help='UTC time "YYYY-MM-DD HH:MM": only records from then on')
+    args = parser.parse_args()
+    SINCE = args.since
+    print({"engine": engine, "arena": arena, "speculative": speculative}[args.table]())
 
 
 if __name__ == "__main__":
-    print({"engine": engine, "arena": arena, "speculative": speculative}[sys.argv[1]]())
+    main()
