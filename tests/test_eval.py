@@ -120,6 +120,10 @@ def test_prompt_set_has_the_required_kinds():
     assert len({p.id for p in prompts}) == len(prompts)
     assert all(p.text.strip() for p in prompts)
     assert {p.kind for p in load_prompts(["code", "chat"])} == {"code", "chat"}
+    two_each = load_prompts(["code", "prose"], per_kind=2)
+    assert [p.kind for p in two_each] == ["code", "code", "prose", "prose"]
+    assert [p.id for p in two_each] == [p.id for p in prompts if p.kind == "code"][:2] + [
+        p.id for p in prompts if p.kind == "prose"][:2]
     assert parse_kinds("all") is None and parse_kinds("code, prose") == ("code", "prose")
     with pytest.raises(UserError, match="Unknown prompt kind"):
         parse_kinds("code,poetry")

@@ -146,7 +146,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _add_text_arguments(parser, required=False, max_tokens_default=1024)
     parser.add_argument("--prompts", default="code,prose,chat",
                         help="prompt kinds for the speed runs: code, prose, chat or all (default: %(default)s)")
-    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of the set")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of each kind")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="tokens of --text read before every prompt (a long context) (default: 0)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default: %(default)s)")
@@ -225,9 +225,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from .prompts import load_prompts, parse_kinds
     from .texts import resolve_text
 
-    prompts = load_prompts(parse_kinds(args.prompts)) if measure_speed else []
-    if args.max_prompts is not None:
-        prompts = prompts[: args.max_prompts]
+    prompts = load_prompts(parse_kinds(args.prompts), per_kind=args.max_prompts) if measure_speed else []
     if measure_speed and not prompts:
         raise UserError("No prompts selected; check --prompts.")
     if args.text is not None:
@@ -275,7 +273,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     def load_draft(ref: str):
         if ref not in loaded_drafts:
-            loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights)
+            loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights, role="draft")
         return loaded_drafts[ref]
 
     evaluator = SweepEvaluator(

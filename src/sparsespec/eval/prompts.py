@@ -36,8 +36,11 @@ def parse_kinds(text: str | None) -> tuple[str, ...] | None:
     return kinds
 
 
-def load_prompts(kinds: Iterable[str] | None = None, path: str | Path = PROMPTS_FILE) -> list[Prompt]:
-    """The prompts of the given kinds (all when ``kinds`` is None), in file order."""
+def load_prompts(
+    kinds: Iterable[str] | None = None, path: str | Path = PROMPTS_FILE, *, per_kind: int | None = None
+) -> list[Prompt]:
+    """The prompts of the given kinds (all when ``kinds`` is None), in file order; with ``per_kind``, only the first
+    ``per_kind`` prompts of each kind."""
     wanted = None if kinds is None else set(kinds)
     if wanted is not None:
         unknown = sorted(wanted - set(KINDS))
@@ -49,6 +52,8 @@ def load_prompts(kinds: Iterable[str] | None = None, path: str | Path = PROMPTS_
         for p in data["prompts"]
         if wanted is None or p["kind"] in wanted
     ]
+    if per_kind is not None:
+        prompts = [p for i, p in enumerate(prompts) if sum(q.kind == p.kind for q in prompts[:i]) < per_kind]
     return prompts
 
 
