@@ -134,19 +134,46 @@ def load_state(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor
     return load_gguf_state(source.path) if source.kind == "gguf" else load_hf_state(source.path)
 
 
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor the decoder needs, in Hugging Face's naming and ``[out, in]`` layout.
+
+    The output head (``lm_head.weight``) is optional (tied embeddings) and not listed; its shape is checked when
+    present.
+    """
+    c = config
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        shapes.update({
+            layer + "input_layernorm.weight": (c.hidden_size,),
+            layer + "post_attention_layernorm.weight": (c.hidden_size,),
+            layer + "self_attn.q_proj.weight": (q_out, c.hidden_size),
+            layer + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+            layer + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+            layer + "self_attn.o_proj.weight": (c.hidden_size, q_out),
+            layer + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            layer + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            layer + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({layer + "self_attn.q_proj.bias": (q_out,), layer + "self_attn.k_proj.bias": (kv_out,),
+                           layer + "self_attn.v_proj.bias": (kv_out,)})
+    return shapes
+
+
 def _check_complete(config: ModelConfig, state: dict[str, torch.Tensor], where: str) -> None:
-    needed = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config.num_hidden_layers):
-        needed += [
-            f"model.layers.{i}.{part}.weight"
-            for part in (
-                "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-            )
-        ]
-    missing = [n for n in needed if n not in state]
+    """Raise :class:`UserError` when a needed tensor is missing or its shape contradicts the config."""
+    shapes = expected_shapes(config)
+    missing = [n for n in shapes if n not in state]
     if missing:
         raise UserError(f"{where} lacks {len(missing)} weight tensors (first: {missing[0]}); the model is incomplete.")
+    if "lm_head.weight" in state:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise UserError(f"{where}: {name} has shape {list(state[name].shape)} but the model's configuration "
+                            f"implies {list(shape)}; the weights do not match the config.")
 
 
 # ------------------------------------------------------------------------------------------------ tensor cache
