@@ -275,7 +275,7 @@ def main() -> None:
                           measured_draft_pass_s=spec.draft_seconds / max(spec.draft_passes, 1),
                           measured_target_pass_s=spec.target_seconds / max(spec.target_passes, 1),
                           measured_other_s_per_round=_untimed_per_round(run))
-        record.update(prediction, device=device.name, loadavg=loadavg())
+        record.update(prediction, device=device.name, loadavg=loadavg(), date=machine()["date"])
         errors.append(abs(record["error_fraction"]))
         emit(record, out)
         gc.collect()

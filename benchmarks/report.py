@@ -1,6 +1,6 @@
 """Markdown tables from the JSON lines in ``benchmarks/results/`` (pasted into RESULTS.md).
 
-    python benchmarks/report.py engine|arena|speculative [--since "2026-11-30 07:20"]
+    python benchmarks/report.py engine|arena|speculative|simulator [--since "2026-11-30 07:20"]
 
 ``--since`` keeps only the records written at or after that UTC time (records carry ``date``), so a table shows
 one run rather than every run appended to the file.
@@ -93,14 +93,27 @@ def speculative() -> str:
                  body)
 
 
+def simulator() -> str:
+    """Predicted vs measured tok/s per configuration (``bench_simulator.py``)."""
+    body = []
+    for r in rows("simulator"):
+        if r["bench"] != "simulator":
+            continue
+        body.append([r["config"], r["target"], r["draft"] or "—", r["budget"] or "full", r["prompt_tokens"],
+                     f"{r['measured_tok_s']:.2f}", " / ".join(f"{x:.1f}" for x in r["runs"]),
+                     f"{r['predicted_tok_s']:.2f}", f"{r['error_fraction'] * 100:+.0f}%", r["loadavg"]])
+    return table(["config", "target", "draft", "target cache", "context", "measured tok/s (median)", "runs",
+                  "predicted tok/s", "error", "load"], body)
+
+
 def main() -> None:
     global SINCE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["engine", "arena", "speculative"])
+    parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator"])
     parser.add_argument("--since", default="", help='UTC time "YYYY-MM-DD HH:MM": only records from then on')
     args = parser.parse_args()
     SINCE = args.since
-    print({"engine": engine, "arena": arena, "speculative": speculative}[args.table]())
+    print({"engine": engine, "arena": arena, "speculative": speculative, "simulator": simulator}[args.table]())
 
 
 if __name__ == "__main__":

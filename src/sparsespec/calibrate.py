@@ -20,8 +20,11 @@ profile is measured here, with torch on the CPU at ``--threads`` threads:
   small and a large vocabulary gives ``per_vocab_overhead_s``; the KV arena's attention at two cache sizes gives
   ``attention_flops`` for its three paths (one row over the full cache, several rows, a full budgeted cache).
 
-Every timing is the best of several trials: the machine may be shared, and a trial that lost the CPU to another
-process says nothing about the hardware. Run it on an idle machine all the same.
+Hardware capacities (read bandwidth, GEMM peak, cache residency) are the best of several trials: a trial that lost
+the CPU to another process says nothing about the hardware. The engine's own costs (weight streaming, decode steps,
+verification passes, attention, sampling) are medians: the simulator predicts the sustained speed of a whole run,
+and on a shared machine the typical step is slower than the best one by 10–30%. Run it on an idle machine all the
+same.
 
 The profile goes to ``$SPARSESPEC_HOME/devices/host.json`` (default ``~/.cache/sparsespec/devices/host.json``),
 which ``edge.profile.load_profile("host")`` prefers over the packaged placeholder; ``--out`` writes elsewhere.
@@ -75,7 +78,7 @@ class CalibrationSettings:
     probe_shape: tuple[int, int, int, int, int] = (576, 1536, 9, 3, 64)
     probe_layers: tuple[int, int] | None = None  # None: the fewest layers whose weights fill 4x the L3, and twice that
     probe_steps: int = 40  # steps timed per probe run
-    probe_rounds: int = 2  # interleaved repetitions of the probe runs (the best of each is kept)
+    probe_rounds: int = 3  # interleaved repetitions of the probe runs (the median of each is kept)
     probe_context: int = 48  # tokens in the probe's cache
     probe_budget: int = 16  # budget of the probe's evicting cache
     attention_entries: tuple[int, int] = (256, 2048)  # cache sizes of the attention test
@@ -270,7 +273,7 @@ def stream_weights(
 ) -> dict[str, float]:
     """Decode-style weight streaming: bf16 ``F.linear`` of 1 and of ``rows`` rows over layer-shaped weights.
 
-    Builds as many layers of ``shapes`` as fill ``total_bytes`` and times one pass over all of them (best trial).
+    Builds as many layers of ``shapes`` as fill ``total_bytes`` and times one pass over all of them (median trial).
     Returns ``bytes``, ``parameters``, ``one_row_s``, ``rows_s`` and ``bytes_per_s`` (of the one-row pass).
     """
     import torch
@@ -291,8 +294,8 @@ def stream_weights(
 
         return step
 
-    one = min(time_calls(run(1), trials=trials, min_seconds=min_seconds))
-    many = min(time_calls(run(rows), trials=trials, min_seconds=min_seconds))
+    one = statistics.median(time_calls(run(1), trials=trials, min_seconds=min_seconds))
+    many = statistics.median(time_calls(run(rows), trials=trials, min_seconds=min_seconds))
     return {
         "bytes": float(params * 2),
         "parameters": float(params),
@@ -391,7 +394,7 @@ def _arena(model, policy, max_tokens: int, max_inflight: int):
 
 
 def decode_step_seconds(model, policy, context: int, steps: int) -> float:
-    """Seconds of the fastest step of the engine's decode loop (forward, commit, greedy sampling)."""
+    """Seconds of the median step of the engine's decode loop (forward, commit, greedy sampling)."""
     from .generate import generate_tokens
     from .sampling import SamplingParams
 
@@ -401,11 +404,11 @@ def decode_step_seconds(model, policy, context: int, steps: int) -> float:
     for _ in generate_tokens(model, arena, prompt, max_new_tokens=steps + 1, sampling=SamplingParams(),
                              prefill_chunk=64):
         stamps.append(time.perf_counter())
-    return min(b - a for a, b in zip(stamps, stamps[1:]))
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
 def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> float:
-    """Seconds of the fastest ``rows``-row pass (forward, greedy choice of every row, rollback) over ``context``
+    """Seconds of the median ``rows``-row pass (forward, greedy choice of every row, rollback) over ``context``
     tokens, as a greedy verification pass does it."""
     import torch
 
@@ -419,25 +422,27 @@ def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> fl
         model.forward(block, arena).argmax(dim=-1).tolist()
         arena.commit(0)
 
-    return min(time_calls(step, trials=steps))
+    return statistics.median(time_calls(step, trials=steps))
 
 
 def sampling_seconds(vocab: int, *, trials: int = 5, min_seconds: float = 0.05) -> float:
-    """Seconds to turn one row of float32 logits over ``vocab`` entries into the greedy token (best trial)."""
+    """Seconds to turn one row of float32 logits over ``vocab`` entries into the greedy token (median trial)."""
     import torch
 
     from .sampling import SamplingParams, next_token
 
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
     greedy = SamplingParams()
-    return min(time_calls(lambda: next_token(logits, greedy, None), trials=trials, min_seconds=min_seconds))
+    return statistics.median(time_calls(lambda: next_token(logits, greedy, None), trials=trials,
+                                        min_seconds=min_seconds))
 
 
 def attention_seconds(
     entries: int, rows: int, *, evicting: bool, shape: tuple[int, int, int] = ATTENTION_SHAPE,
     trials: int = 5, min_seconds: float = 0.05,
 ) -> float:
-    """Seconds of one layer of :meth:`KVArena.attend` for ``rows`` rows over ``entries`` cached entries (best trial).
+    """Seconds of one layer of :meth:`KVArena.attend` for ``rows`` rows over ``entries`` cached entries (median
+    trial).
 
     ``evicting``: a hybrid cache of budget ``entries``, filled past it, so every row evicts; else the full cache.
     """
@@ -477,7 +482,7 @@ def attention_seconds(
         arena.end()
         arena.commit(0)
 
-    return min(time_calls(step, trials=trials, min_seconds=min_seconds))
+    return statistics.median(time_calls(step, trials=trials, min_seconds=min_seconds))
 
 
 def attention_rate(seconds_small: float, seconds_large: float, entries: tuple[int, int], rows: int,
@@ -595,7 +600,8 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
     weights = {n: m.bytes_read_per_token() for n, m in models.items()}
     head_bytes = models[lo].lm_head.nbytes
     ctx, steps = s.probe_context, s.probe_steps
-    for _ in range(s.probe_rounds):  # interleaved rounds, best of each: a burst of contention spoils one at most
+    rounds: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
+    for _ in range(s.probe_rounds):  # interleaved rounds, median of each: a burst of contention spoils one at most
         for layers, model in models.items():
             found = {
                 "ar_full": decode_step_seconds(model, full, ctx, steps),
@@ -605,7 +611,9 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
                 "pass_rows_evict": block_pass_seconds(model, evict, ctx, s.rows, steps),
             }
             for kind, value in found.items():
-                times[kind][layers] = min(value, times[kind].get(layers, math.inf))
+                rounds[kind].setdefault(layers, []).append(value)
+    for kind, by_layers in rounds.items():
+        times[kind] = {layers: statistics.median(values) for layers, values in by_layers.items()}
     for layers in (lo, hi):
         _progress(
             f"probe model, {layers} layers ({weights[layers] / MIB:.0f} MiB): decode step "
@@ -700,7 +708,7 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     lo, hi = cal.raw["probe"]["layers"]
     h, i, heads, kv_heads, hd = cal.raw["probe"]["shape"]
     probe = (f"a random bf16 model (hidden {h}, MLP {i}, {heads} query / {kv_heads} KV heads of {hd}) with {lo} and "
-             f"{hi} layers run through the engine's decode loop (fastest step of {settings.probe_steps}, best of "
+             f"{hi} layers run through the engine's decode loop (median step of {settings.probe_steps}, median of "
              f"{settings.probe_rounds} rounds)")
     streaming = f"less its weights' streaming time at {cal.stream_bandwidth / 1e9:.1f} GB/s"
     isa = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx2", "fma", "asimd", "sve")
