@@ -593,7 +593,6 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
     lo, hi = s.probe_layers or probe_layer_counts(s.probe_shape, l3)
     full, evict = make_policy("full"), make_policy("hybrid", s.probe_budget)
     kinds = ("ar_full", "ar_evict", "pass_1", "pass_rows", "pass_rows_evict")
-    times: dict[str, dict[int, float]] = {k: {} for k in kinds}
     state = random_state(probe_config(hi, s.probe_shape))
     models = {n: Transformer(probe_config(n, s.probe_shape), state, torch.bfloat16) for n in (lo, hi)}
     del state
@@ -612,8 +611,8 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
             }
             for kind, value in found.items():
                 rounds[kind].setdefault(layers, []).append(value)
-    for kind, by_layers in rounds.items():
-        times[kind] = {layers: statistics.median(values) for layers, values in by_layers.items()}
+    times = {kind: {layers: statistics.median(values) for layers, values in by_layers.items()}
+             for kind, by_layers in rounds.items()}
     for layers in (lo, hi):
         _progress(
             f"probe model, {layers} layers ({weights[layers] / MIB:.0f} MiB): decode step "
