@@ -7,7 +7,7 @@ Prints one JSON line per point with the process's peak RSS during the run (sampl
 activations included); ``--plot`` draws tok/s, KV bytes and peak RSS against context.
 
     python benchmarks/bench_arena.py --models smollm2-135m --contexts 1024,4096,8192,16384 --budgets 256,1024
-    python benchmarks/bench_arena.py --long-run 100000 --budgets 1024 --weights int8   # flat-RSS generation
+    python benchmarks/bench_arena.py --long-run 100000 --budgets 1024 --weights int4   # flat-RSS generation
 """
 
 from __future__ import annotations
