@@ -1,6 +1,7 @@
 """Markdown tables from the JSON lines in ``benchmarks/results/`` (pasted into RESULTS.md).
 
     python benchmarks/report.py engine|arena|speculative|simulator [--since "2026-11-30 07:20"]
+    python benchmarks/report.py ppl --sweep sweep_ppl_qwen
 
 ``--since`` keeps only the records written at or after that UTC time (records carry ``date``), so a table shows
 one run rather than every run appended to the file.
@@ -106,14 +107,34 @@ def simulator() -> str:
                   "predicted tok/s", "error", "load"], body)
 
 
+def ppl(sweep: str) -> str:
+    """Perplexity per policy, position mode and budget from a ``sparsespec sweep --quality`` file, each with its
+    change against the full cache's perplexity."""
+    records = [r for r in rows(sweep) if r.get("quality")]
+    full = next(r["quality"]["ppl"] for r in records if r["policy"] == "full")
+    budgets = sorted({r["budget"] for r in records if r["budget"]})
+    cells = {(r["policy"], r["positions"], r["budget"]): r["quality"]["ppl"] for r in records}
+    body = []
+    for policy in ("window", "streaming", "h2o", "hybrid"):
+        for mode in ("original", "in-cache"):
+            values = [cells.get((policy, mode, budget)) for budget in budgets]
+            if any(values):
+                body.append([policy, mode, *(f"{v:.1f} ({(v / full - 1) * 100:+.1f}%)" if v else "—" for v in values)])
+    body.append(["full", "—", f"{full:.2f}", *([""] * (len(budgets) - 1))])
+    return table(["policy", "positions", *map(str, budgets)], body)
+
+
 def main() -> None:
     global SINCE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator"])
+    parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator", "ppl"])
+    parser.add_argument("--sweep", default="sweep_ppl_smollm2", help="for ppl: the sweep file's name in results/")
     parser.add_argument("--since", default="", help='UTC time "YYYY-MM-DD HH:MM": only records from then on')
     args = parser.parse_args()
     SINCE = args.since
-    print({"engine": engine, "arena": arena, "speculative": speculative, "simulator": simulator}[args.table]())
+    tables = {"engine": engine, "arena": arena, "speculative": speculative, "simulator": simulator,
+              "ppl": lambda: ppl(args.sweep)}
+    print(tables[args.table]())
 
 
 if __name__ == "__main__":
