@@ -7,7 +7,8 @@ Prints one JSON line per point with the process's peak RSS during the run (sampl
 activations included); ``--plot`` draws tok/s, KV bytes and peak RSS against context.
 
     python benchmarks/bench_arena.py --models smollm2-135m --contexts 1024,4096,8192,16384 --budgets 256,1024
-    python benchmarks/bench_arena.py --long-run 100000 --budgets 1024 --weights int4   # flat-RSS generation
+    python benchmarks/bench_arena.py --long-run 100000 --budgets 1024 --weights int4 \
+        --plot benchmarks/results/arena_long_run.png   # flat-RSS generation; RSS and tok/s vs tokens
 """
 
 from __future__ import annotations
@@ -136,6 +137,33 @@ def plot(path: Path, out_png: Path) -> None:
     fig.savefig(out_png, dpi=120)
 
 
+def plot_long_run(path: Path, out_png: Path) -> None:
+    """Process RSS and decode speed against tokens generated, from the newest ``arena_long_run`` record."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(line) for line in path.read_text().splitlines() if '"arena_long_run"' in line]
+    if not runs:
+        raise SystemExit(f"{path} holds no arena_long_run record; run --long-run first.")
+    r = runs[-1]
+    tokens = [s["tokens"] for s in r["samples"]]
+    seconds = [0.0] + [s["seconds"] for s in r["samples"]]
+    steps = [0] + tokens
+    speed = [(steps[i + 1] - steps[i]) / (seconds[i + 1] - seconds[i]) for i in range(len(tokens))]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    axes[0].plot(tokens, [s["rss_mb"] for s in r["samples"]], label="RSS at the sample")
+    axes[0].plot(tokens, [s["peak_rss_mb"] for s in r["samples"]], linestyle="--", label="peak RSS so far")
+    axes[0].set(ylim=(0, None), xlabel="tokens generated", ylabel="process RSS (MiB)",
+                title=f"{r['model']} {r['weights']}, hybrid {r['budget']}: memory over {r['tokens']:,} tokens")
+    axes[0].legend()
+    axes[1].plot(tokens, speed)
+    axes[1].set(ylim=(0, None), xlabel="tokens generated", ylabel="tok/s (per 1000 tokens)", title="Decode speed")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="smollm2-135m")
@@ -147,20 +175,20 @@ def main() -> None:
                         help="weight format of the projections (default: dense bf16)")
     parser.add_argument("--long-run", type=int, default=0, help="tokens of one long generation (0: context sweep)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "arena.jsonl")
-    parser.add_argument("--plot", type=Path, default=None, help="draw the context sweep in --out to this PNG")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw the context sweep (or, with --long-run, the long run) in --out to this PNG")
     parser.add_argument("--plot-only", action="store_true", help="only redraw --plot from --out")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.budgets = [int(b) for b in args.budgets.split(",")]
     torch.set_num_threads(args.threads)
-    if args.plot_only:
-        return plot(args.out, args.plot)
-    if args.long_run:
-        long_run(args)
-    else:
-        context_sweep(args)
+    if args.plot_only and not args.plot:
+        parser.error("--plot-only needs --plot PNG")
+    draw = plot_long_run if args.long_run else plot
+    if not args.plot_only:
+        (long_run if args.long_run else context_sweep)(args)
     if args.plot:
-        plot(args.out, args.plot)
+        draw(args.out, args.plot)
 
 
 if __name__ == "__main__":
