@@ -26,6 +26,7 @@ from sparsespec.eval.prompts import KINDS, load_prompts, parse_kinds
 from sparsespec.eval.sweep import (
     RECORD_FIELDS,
     SweepPoint,
+    _hybrid_gap_along_text,
     aggregate_stats,
     build_grid,
     parse_draft,
@@ -148,7 +149,8 @@ def fake_result(point: SweepPoint) -> dict:
     budget = point.budget or 1000
     return {
         "cache": point.policy,
-        "quality": {"ppl": 10 + 1000 / budget, "kv_cache_bytes": budget * 64},
+        "quality": {"ppl": 10 + 1000 / budget, "kv_cache_bytes": budget * 64,
+                    "window": 8, "window_ppl": [10 + 1000 / budget + i for i in range(5)]},
         "speed": {"tokens_per_s": 50 - budget / 100,
                   **({"acceptance_rate": 0.5 + budget / 4000, "tokens_per_target_pass": 2.0} if point.draft else {})},
     }
@@ -208,8 +210,24 @@ def test_sweep_plots(tmp_path):
     records = run_grid(points, tmp_path / "s.jsonl", fake_result, {"m": 1})
     written = plot_sweep(records, tmp_path / "plots")
     assert sorted(p.name for p in written) == [
-        "acceptance_vs_budget.png", "ppl_vs_budget.png", "ppl_vs_kv_bytes.png", "tokps_vs_budget.png"]
+        "acceptance_vs_budget.png", "ppl_gap_vs_position.png", "ppl_vs_budget.png", "ppl_vs_kv_bytes.png",
+        "tokps_vs_budget.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_hybrid_gap_along_text_is_the_smoothed_percent_above_full():
+    def record(policy, budget, positions, curve):
+        return {"policy": policy, "budget": budget, "positions": positions, "draft": None,
+                "quality": {"window": 4, "window_ppl": curve}}
+
+    records = [record("full", None, "original", [10.0, 10.0, 20.0]),
+               record("hybrid", 8, "in-cache", [11.0, 12.0, 22.0]),
+               record("window", 8, "in-cache", [99.0, 99.0, 99.0])]
+    window, series = _hybrid_gap_along_text(records, smooth=2)
+    assert window == 4 and list(series) == ["hybrid 8 (in-cache)"]
+    positions, gaps = zip(*series["hybrid 8 (in-cache)"])
+    assert positions == (4, 8, 12) and gaps == pytest.approx([10.0, 15.0, 15.0])
+    assert _hybrid_gap_along_text(records[1:]) is None  # no full-cache curve to compare with
 
 
 def test_aggregate_stats_weights_by_tokens():

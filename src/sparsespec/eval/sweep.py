@@ -540,8 +540,9 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
 
     ``ppl_vs_budget.png`` (perplexity per policy), ``tokps_vs_budget.png`` (decode speed),
     ``acceptance_vs_budget.png`` (acceptance against the target's budget, runs with a draft) and
-    ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers). The full cache appears as a dashed
-    line (it has no budget) in the budget plots and as one point in the bytes plot.
+    ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers) and ``ppl_gap_vs_position.png`` (how
+    far each hybrid cache's windowed perplexity lies above the full cache's along the text). The full cache
+    appears as a dashed line (it has no budget) in the budget plots and as one point in the bytes plot.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -581,10 +582,41 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
         ("ppl_vs_kv_bytes.png", "Perplexity vs KV cache memory", "KV cache MiB (keys + values, all layers)",
          "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), False),
     ]
+    gap = _hybrid_gap_along_text(records)
+    if gap:
+        window, series = gap
+        plots.append(("ppl_gap_vs_position.png", "Hybrid cache: perplexity above the full cache along the text",
+                      "token position", f"% above full (per {window}-token window, trailing mean of 4)",
+                      series, {"full cache": 0.0}, False))
     for name, title, xlabel, ylabel, series, flat, log_x in plots:
         if series or flat:
             written.append(_draw(folder / name, title, xlabel, ylabel, series, flat, log_x))
     return written
+
+
+def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = 4) -> tuple[int, dict] | None:
+    """Per hybrid point, the % by which its windowed perplexity exceeds the full cache's, against position.
+
+    Returns ``(window, {label: [(last token position of the window, % gap)]})``, each gap a trailing mean over
+    ``smooth`` windows, or None without a full-cache record that has a ``window_ppl`` curve. Shows whether a fixed
+    budget costs more the further the model could otherwise look back.
+    """
+    curves = {}
+    for r in records:
+        q = r.get("quality") or {}
+        if q.get("window_ppl") and r["policy"] in ("full", "hybrid"):
+            label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']} ({r['positions']})"
+            curves.setdefault(label, (q["window"], q["window_ppl"]))
+    full = curves.pop("full", None)
+    if full is None or not curves:
+        return None
+    window, reference = full
+    series = {}
+    for label, (_, curve) in curves.items():
+        gaps = [100 * (ours / theirs - 1) for theirs, ours in zip(reference, curve)]
+        series[label] = [((i + 1) * window, sum(gaps[max(0, i - smooth + 1): i + 1]) / min(i + 1, smooth))
+                         for i in range(len(gaps))]
+    return window, series
 
 
 def describe_record(record: dict) -> str:
