@@ -500,10 +500,12 @@ def _series_label(record: dict, with_draft: bool) -> str:
     return label
 
 
-def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: dict, log_x: str | bool) -> Path:
+def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: dict, log_x: str | bool,
+          log_y: bool = False) -> Path:
     """One figure: lines for ``series`` ({label: [(x, y)]}) and dashed horizontal lines for ``flat`` ({label: y}).
 
-    ``log_x="budget"`` draws a base-2 axis ticked at the budgets; ``True`` a plain log axis.
+    ``log_x="budget"`` draws a base-2 axis ticked at the budgets; ``True`` a plain log axis. ``log_y`` draws a log
+    y axis (perplexities, which span a collapsing window-only cache and the full cache).
     """
     import matplotlib
 
@@ -523,6 +525,8 @@ def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: 
         ax.minorticks_off()
     elif log_x and xs and xs[0] > 0:
         ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -590,7 +594,8 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
                       series, {"full cache": 0.0}, False))
     for name, title, xlabel, ylabel, series, flat, log_x in plots:
         if series or flat:
-            written.append(_draw(folder / name, title, xlabel, ylabel, series, flat, log_x))
+            written.append(_draw(folder / name, title, xlabel, ylabel, series, flat, log_x,
+                                 log_y=name.startswith("ppl_vs")))
     return written
 
 
