@@ -189,6 +189,41 @@ def test_gguf_with_zero_heads(capsys, tmp_path):
     assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT), "head")
 
 
+def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path, smollm2_path):
+    """The header-only reader (the simulator's and ``ppl``'s source of shapes) against ``gguf``'s full reader."""
+    from sparsespec.loading.source import SkippedArray, gguf_metadata, open_gguf, read_gguf_header
+
+    for path in (smollm2_path, write_gguf(tmp_path / "tiny.gguf")):
+        metadata, names = read_gguf_header(path)
+        reader = open_gguf(path)
+        reference = {k: v for k, v in gguf_metadata(reader).items() if not k.startswith("GGUF.")}  # reader's own
+        assert set(metadata) == set(reference)
+        for key, value in metadata.items():
+            if isinstance(value, SkippedArray):
+                assert len(value) == len(reference[key]), key
+            else:
+                assert value == reference[key], key
+        assert names == {t.name for t in reader.tensors}
+    assert len(read_gguf_header(smollm2_path)[0]["tokenizer.ggml.tokens"]) == 49152
+
+
+@pytest.mark.parametrize("damage", ["empty", "magic-only", "random", "cut-in-metadata", "real-cut-in-vocabulary"])
+def test_gguf_header_reader_rejects_damaged_files(tmp_path, smollm2_path, damage):
+    from sparsespec.loading.source import read_gguf_header
+
+    tiny = write_gguf(tmp_path / "tiny.gguf").read_bytes()
+    content = {
+        "empty": b"", "magic-only": b"GGUF",
+        "random": bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8)),
+        "cut-in-metadata": tiny[:100],
+        "real-cut-in-vocabulary": smollm2_path.read_bytes()[:1_000_000],
+    }[damage]
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(content)
+    with pytest.raises(UserError, match="not a readable GGUF file"):
+        read_gguf_header(damaged)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [dict(num_attention_heads=0, head_dim=None), dict(vocab_size="ninety-seven")],
