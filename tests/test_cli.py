@@ -191,12 +191,12 @@ def test_gguf_with_zero_heads(capsys, tmp_path):
 
 def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path, smollm2_path):
     """The header-only reader (the simulator's and ``ppl``'s source of shapes) against ``gguf``'s full reader."""
-    from sparsespec.loading.source import SkippedArray, gguf_metadata, open_gguf, read_gguf_header
+    from sparsespec.loading.source import SkippedArray, open_gguf, read_gguf_header
 
     for path in (smollm2_path, write_gguf(tmp_path / "tiny.gguf")):
         metadata, names = read_gguf_header(path)
         reader = open_gguf(path)
-        reference = {k: v for k, v in gguf_metadata(reader).items() if not k.startswith("GGUF.")}  # reader's own
+        reference = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # reader's own
         assert set(metadata) == set(reference)
         for key, value in metadata.items():
             if isinstance(value, SkippedArray):

@@ -56,17 +56,6 @@ def open_gguf(path: Path):
         raise UserError(f"{path} is not a readable GGUF file (truncated or corrupt: {exc}).") from None
 
 
-def gguf_metadata(reader) -> dict:
-    """All scalar, string and array metadata of an open GGUF file as plain Python values."""
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # a field kind this gguf version cannot decode: not one we need
-            continue
-    return meta
-
-
 @dataclass(frozen=True)
 class SkippedArray:
     """A GGUF metadata array read for its length only (the vocabulary, the merges …)."""
@@ -84,7 +73,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def read_gguf_header(path: Path) -> tuple[dict, set[str]]:
-    """Scalar and string metadata and the tensor names of a GGUF file (versions 2 and 3), from its header alone.
+    """Scalar and string metadata and the tensor names of a GGUF file (versions 2 and 3), from its header alone:
+    every GGUF config (loading, ``simulate``, ``ppl``'s checks) is built from this.
 
     Arrays stand as :class:`SkippedArray` of their length: walking past a 150k-entry vocabulary takes a fraction of a
     second, where the ``gguf`` reader, which builds an object for every element, takes seconds.

@@ -45,7 +45,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
 from .fixtures import cache_dir
-from .source import ModelSource, gguf_metadata, open_gguf
+from .source import ModelSource, open_gguf, read_gguf_header
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -93,8 +93,8 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 state dict of a GGUF file (every tensor dequantized)."""
     from gguf.quants import dequantize
 
+    config = ModelConfig.from_gguf_metadata(*read_gguf_header(path))
     reader = open_gguf(path)
-    config = ModelConfig.from_gguf_metadata(gguf_metadata(reader), {t.name for t in reader.tensors})
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
