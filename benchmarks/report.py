@@ -1,16 +1,17 @@
 """Markdown tables from the JSON lines in ``benchmarks/results/`` (pasted into RESULTS.md).
 
     python benchmarks/report.py engine|arena|speculative|simulator [--since "2026-11-30 07:20"]
-    python benchmarks/report.py ppl --sweep sweep_ppl_qwen
+    python benchmarks/report.py ppl --sweep sweep_ppl_qwen [--span 8192:16384]
 
 ``--since`` keeps only the records written at or after that UTC time (records carry ``date``), so a table shows
-one run rather than every run appended to the file.
+one run rather than every run appended to the file. ``--span`` gives the ppl table over a stretch of the text only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -107,13 +108,23 @@ def simulator() -> str:
                   "predicted tok/s", "error", "load"], body)
 
 
-def ppl(sweep: str) -> str:
+def span_ppl(quality: dict, span: tuple[int, int] | None) -> float:
+    """Perplexity over token positions ``[start, end)`` (multiples of the record's window): the geometric mean of
+    its window perplexities (the text's first window predicts one token fewer); the whole text's without a span."""
+    if span is None:
+        return quality["ppl"]
+    window = quality["window"]
+    curve = quality["window_ppl"][span[0] // window: span[1] // window]
+    return math.exp(sum(math.log(v) for v in curve) / len(curve))
+
+
+def ppl(sweep: str, span: tuple[int, int] | None = None) -> str:
     """Perplexity per policy, position mode and budget from a ``sparsespec sweep --quality`` file, each with its
-    change against the full cache's perplexity."""
+    change against the full cache's perplexity; over the tokens of ``span`` only if given."""
     records = [r for r in rows(sweep) if r.get("quality")]
-    full = next(r["quality"]["ppl"] for r in records if r["policy"] == "full")
+    full = next(span_ppl(r["quality"], span) for r in records if r["policy"] == "full")
     budgets = sorted({r["budget"] for r in records if r["budget"]})
-    cells = {(r["policy"], r["positions"], r["budget"]): r["quality"]["ppl"] for r in records}
+    cells = {(r["policy"], r["positions"], r["budget"]): span_ppl(r["quality"], span) for r in records}
     body = []
     for policy in ("window", "streaming", "h2o", "hybrid"):
         for mode in ("original", "in-cache"):
@@ -129,11 +140,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator", "ppl"])
     parser.add_argument("--sweep", default="sweep_ppl_smollm2", help="for ppl: the sweep file's name in results/")
+    parser.add_argument("--span", default=None, metavar="START:END",
+                        help="for ppl: only token positions START..END-1 (multiples of the sweep's --ppl-window)")
     parser.add_argument("--since", default="", help='UTC time "YYYY-MM-DD HH:MM": only records from then on')
     args = parser.parse_args()
     SINCE = args.since
     tables = {"engine": engine, "arena": arena, "speculative": speculative, "simulator": simulator,
-              "ppl": lambda: ppl(args.sweep)}
+              "ppl": lambda: ppl(args.sweep, tuple(map(int, args.span.split(":"))) if args.span else None)}
     print(tables[args.table]())
 
 
