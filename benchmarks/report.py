@@ -130,7 +130,8 @@ def ppl(sweep: str, span: tuple[int, int] | None = None) -> str:
         for mode in ("original", "in-cache"):
             values = [cells.get((policy, mode, budget)) for budget in budgets]
             if any(values):
-                body.append([policy, mode, *(f"{v:.1f} ({(v / full - 1) * 100:+.1f}%)" if v else "—" for v in values)])
+                cells_text = (f"{v:.1f} ({(v / full - 1) * 100:+.1f}%)" if v else "—" for v in values)
+                body.append([policy, mode, *cells_text])
     body.append(["full", "—", f"{full:.2f}", *([""] * (len(budgets) - 1))])
     return table(["policy", "positions", *map(str, budgets)], body)
 

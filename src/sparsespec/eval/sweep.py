@@ -590,7 +590,7 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
     if gap:
         window, series = gap
         plots.append(("ppl_gap_vs_position.png", "Hybrid cache: perplexity above the full cache along the text",
-                      "token position", f"% above full (per {window}-token window, trailing mean of 4)",
+                      "token position", f"% above full (per {window}-token window, trailing mean of {GAP_SMOOTHING})",
                       series, {"full cache": 0.0}, False))
     for name, title, xlabel, ylabel, series, flat, log_x in plots:
         if series or flat:
@@ -599,7 +599,10 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
     return written
 
 
-def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = 4) -> tuple[int, dict] | None:
+GAP_SMOOTHING = 4  # windows averaged per point of the gap plot
+
+
+def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = GAP_SMOOTHING) -> tuple[int, dict] | None:
     """Per hybrid point, the % by which its windowed perplexity exceeds the full cache's, against position.
 
     Returns ``(window, {label: [(last token position of the window, % gap)]})``, each gap a trailing mean over
