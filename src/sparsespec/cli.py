@@ -8,7 +8,7 @@ import sys
 
 from .errors import UserError
 
-WEIGHT_CHOICES = ("auto", "dense", "bf16", "int8", "int4")
+WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
 
 
@@ -18,8 +18,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         help="fixture name, .gguf file or Hugging Face folder (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
-                        help="weight format of the projections: dense (= bf16: in --dtype), int8, int4, or auto "
-                        "(target int8, draft int4); default: auto with bfloat16, dense with float32")
+                        help="weight format of the projections: native (the GGUF file's own blocks, native kernels), "
+                        "dense (= bf16: in --dtype), int8, int4, or auto (native for a GGUF file the kernels read, "
+                        "else target int8, draft int4); default: auto")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
 

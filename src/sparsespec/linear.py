@@ -8,6 +8,8 @@ Formats (``make_linear(..., fmt=...)``):
 * ``"dense"`` -- :class:`DenseLinear`, float weights in the compute dtype (``F.linear``).
 * ``"int8"``  -- :class:`Int8Linear`, symmetric per-output-channel int8, ``torch.ops.aten._weight_int8pack_mm``.
 * ``"int4"``  -- :class:`Int4Linear`, group-wise asymmetric int4, ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+* ``"native"`` -- :class:`NativeLinear`, the GGUF file's own blocks through the native kernels (``kernels/``);
+  built from a GGUF file only (``loading/weights.py``), never from float weights.
 
 ``"bf16"`` is accepted as another name for ``"dense"`` (:func:`canonical_format`); ``"auto"`` picks a format per
 model role (:func:`auto_format`).
@@ -367,7 +369,73 @@ class Int4Linear(_QuantizedLinear):
         return y
 
 
-Linear = DenseLinear | Int8Linear | Int4Linear
+class NativeLinear:
+    """Weights kept in a GGUF file's own block formats, multiplied by the native kernels (``kernels/``).
+
+    A linear may stack several GGUF tensors of different block types along the output dimension (q, k and v of one
+    layer): ``segments`` lists them as ``(ggml type, repacked bytes, rows)``. Activations are quantized to 8 bits
+    per block of 32 inside the kernel; the result is computed in float32 and returned in the dtype of ``x``. Each
+    row's result is independent of how many rows share the call (``kernels/csrc/qmatmul.h``).
+    """
+
+    FORMAT = "native"
+
+    def __init__(self, segments: list[tuple[int, torch.Tensor, int]], in_features: int, padded_in: int,
+                 bias: torch.Tensor | None = None) -> None:
+        self.types = [int(t) for t, _, _ in segments]
+        self.blobs = [b for _, b, _ in segments]
+        self.rows = [int(r) for _, _, r in segments]
+        self.in_features = in_features
+        self.padded_in = padded_in
+        self.out_features = sum(self.rows)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blobs) + (0 if self.bias is None else self.bias.nbytes)
+
+    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        from . import kernels
+
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if self.padded_in != self.in_features:
+            x2d = F.pad(x2d.float(), (0, self.padded_in - self.in_features))
+        y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, as float32 ``[out, in]``."""
+        from . import kernels
+
+        parts = [kernels.gguf_dequantize(b, t, self.padded_in, torch.arange(r))
+                 for t, b, r in zip(self.types, self.blobs, self.rows)]
+        return torch.cat(parts)[:, : self.in_features]
+
+
+class NativeEmbedding:
+    """An embedding table kept in GGUF blocks (one segment of a :class:`NativeLinear`): ``table[ids]`` dequantizes
+    only the rows asked for, ``[T] -> [T, hidden]`` in ``dtype``."""
+
+    def __init__(self, table: NativeLinear, dtype: torch.dtype) -> None:
+        if len(table.blobs) != 1:
+            raise ValueError("an embedding is a single GGUF tensor")
+        self.table = table
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        t = self.table
+        rows = kernels.gguf_dequantize(t.blobs[0], t.types[0], t.padded_in, ids.reshape(-1))
+        return rows[:, : t.in_features].to(self.dtype).reshape(*ids.shape, t.in_features)
+
+
+Linear = DenseLinear | Int8Linear | Int4Linear | NativeLinear
 
 
 def make_linear(
@@ -391,6 +459,9 @@ def make_linear(
     if fmt == "int4":
         return Int4Linear(weight, bias, dtype, **options)
     raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+NATIVE = "native"
 
 
 def canonical_format(fmt: str) -> str:
@@ -433,10 +504,14 @@ def auto_format(role: str) -> str:
 
 
 def resolve_format(fmt: str, role: str = "target") -> str:
-    """The concrete format (``dense``, ``int8``, ``int4``) for a requested one (also ``bf16``, ``auto``)."""
+    """The concrete format (``dense``, ``int8``, ``int4``, ``native``) for a requested one (also ``bf16``, ``auto``).
+
+    ``auto`` here is the torch format for ``role``; whether a GGUF model takes ``native`` instead is decided where
+    the source is known (``loading/load.py``).
+    """
     fmt = auto_format(role) if fmt == "auto" else canonical_format(fmt)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS + ('bf16', 'auto')}")
+    if fmt not in FORMATS + (NATIVE,):
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS + (NATIVE, 'bf16', 'auto')}")
     return fmt
 
 
@@ -458,7 +533,7 @@ def default_linear_options(fmt: str, dtype: torch.dtype) -> dict:
     bfloat16 (relative error 2^-9) is small next to the weight quantization error. int4 uses groups of
     :data:`MODEL_INT4_GROUP_SIZE`.
     """
-    if fmt == "dense":
+    if fmt in ("dense", NATIVE):
         return {}
     options = {"kernel_dtype": torch.bfloat16}
     if fmt == "int4":

@@ -51,9 +51,11 @@ class Transformer:
         :func:`~sparsespec.linear.auto_format`). Norms and the embedding stay in ``dtype``. ``linear_options`` go
         to :func:`~sparsespec.linear.make_linear` (default: :func:`~sparsespec.linear.default_linear_options`).
 
-        ``linears`` holds projections built beforehand (the on-disk tensor cache), keyed ``layers.{i}.qkv``,
-        ``layers.{i}.o_proj``, ``layers.{i}.gate_up``, ``layers.{i}.down`` and ``lm_head``; those are used as
-        they are and ``state`` needs only the norms and the embedding. :meth:`linear_items` lists them under the
+        ``linears`` holds projections built beforehand (the on-disk tensor cache, or the GGUF's own blocks for
+        ``native``), keyed ``layers.{i}.qkv``, ``layers.{i}.o_proj``, ``layers.{i}.gate_up``, ``layers.{i}.down``,
+        ``lm_head`` and optionally ``embed`` (an object indexed by token ids, e.g.
+        :class:`~sparsespec.linear.NativeEmbedding`); those are used as they are and ``state`` needs only the norms
+        (and the embedding unless given). :meth:`linear_items` lists them under the
         same keys.
         """
         self.config = config
@@ -73,7 +75,9 @@ class Transformer:
             b = torch.cat([state[n + ".bias"] for n in names], dim=0) if bias else None
             return make_linear(w, b, dtype, weights, **options)
 
-        self.embed = tensor("model.embed_tokens.weight")
+        if weights == "native" and not {"embed", "lm_head"} <= prebuilt.keys():
+            raise ValueError("native weights come built from a GGUF file (loading/weights.py), embedding and head too")
+        self.embed = prebuilt["embed"] if "embed" in prebuilt else tensor("model.embed_tokens.weight")
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -115,9 +119,17 @@ class Transformer:
         for layer in self.layers:
             total += layer.attn_norm.nbytes + layer.mlp_norm.nbytes
             total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-        if self.config.tie_word_embeddings and self.weights_format == "dense":
-            total -= self.lm_head.nbytes  # the head shares the embedding's storage
+        if self.head_shares_embedding:
+            total -= self.lm_head.nbytes
         return total
+
+    @property
+    def head_shares_embedding(self) -> bool:
+        """Whether the output head reads the embedding's storage (tied embeddings, dense or native weights)."""
+        if getattr(self.embed, "table", None) is self.lm_head:
+            return True
+        weight = getattr(self.lm_head, "weight", None)
+        return isinstance(self.embed, torch.Tensor) and weight is not None and weight.data_ptr() == self.embed.data_ptr()
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams from memory (every projection plus the head; one embedding row)."""

@@ -10,23 +10,34 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..linear import default_linear_options, resolve_format
+from ..errors import UserError
+from ..linear import NATIVE, default_linear_options, resolve_format
 from ..model import Transformer
 from .source import ModelSource, resolve_model
 from .tokenizer import load_tokenizer
-from .weights import load_model_tensors, load_state, save_model_tensors, tensor_cache_file, tensor_cache_root
+from .weights import (
+    gguf_native_types,
+    load_gguf_native,
+    load_model_tensors,
+    load_state,
+    save_model_tensors,
+    source_cache_key,
+    tensor_cache_file,
+    tensor_cache_root,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-# Values accepted for ``weights`` (``bf16`` = ``dense``; ``auto`` = by role, see ``linear.auto_format``).
-WEIGHT_CHOICES = ("auto", "dense", "bf16", "int8", "int4")
+# Values accepted for ``weights`` (``bf16`` = ``dense``; ``auto`` = ``native`` for a GGUF file the native kernels
+# read, else by role, see ``linear.auto_format``).
+WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 
 
 @dataclass
 class LoadedModel:
     """A model with its tokenizer and where it came from.
 
-    ``weights`` is the concrete weight format (``dense``, ``int8`` or ``int4``, after resolving ``auto``);
+    ``weights`` is the concrete weight format (``native``, ``dense``, ``int8`` or ``int4``, after resolving ``auto``);
     ``from_cache`` tells whether the tensors came from the on-disk tensor cache.
     """
 
@@ -53,7 +64,9 @@ def load_model(
     Args:
         ref: the model.
         dtype: compute dtype (``torch.bfloat16`` or ``torch.float32``).
-        weights: ``dense`` (alias ``bf16``: weights in ``dtype``), ``int8``, ``int4`` or ``auto`` (by ``role``).
+        weights: ``native`` (a GGUF file's own blocks through the native kernels), ``dense`` (alias ``bf16``:
+            weights in ``dtype``), ``int8``, ``int4`` or ``auto``: ``native`` for a GGUF file whose every weight the
+            kernels read (when they are built), else the torch format for ``role``.
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
         cache: the on-disk tensor cache (see ``loading/weights.py``): ``True`` = default folder, ``False`` = off,
@@ -61,7 +74,16 @@ def load_model(
             and stores it. For GGUF files the tokenizer is cached too (next to the tensors).
     """
     source = resolve_model(ref)
-    fmt = resolve_format(weights, role)
+    fmt = choose_format(source, weights, role)
+    if fmt == NATIVE:
+        config, state, linears = load_gguf_native(source.path, dtype)
+        model = Transformer(config, state, dtype, fmt, linears=linears)
+        tok = None
+        if tokenizer:
+            root = tensor_cache_root(cache)
+            folder = None if root is None else root / source_cache_key(source) / "tokenizer"
+            tok = _cached_tokenizer(source, folder)
+        return LoadedModel(source.name, source, config, model, tok, fmt, False)
     root = tensor_cache_root(cache)
     file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
     hit = None if file is None else load_model_tensors(file, dtype, fmt)
@@ -77,6 +99,32 @@ def load_model(
     if tokenizer:
         tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer")
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
+
+
+def choose_format(source: ModelSource, weights: str, role: str) -> str:
+    """The concrete weight format for a requested one; ``native`` only for GGUF files the kernels can read.
+
+    ``auto`` picks ``native`` when the kernels are built and read every weight of the file, else the torch format
+    of ``role``. An explicit ``native`` for a source it cannot serve is a :class:`UserError`, except when the
+    kernels could not be built: then the torch format of ``role`` runs (the build has already warned).
+    """
+    from .. import kernels
+
+    if weights not in ("auto", NATIVE):
+        return resolve_format(weights, role)
+    if source.kind != "gguf":
+        if weights == NATIVE:
+            raise UserError(f"--weights native reads GGUF files; {source.path} is a Hugging Face folder.")
+        return resolve_format("auto", role)
+    if not kernels.available():
+        return resolve_format("auto", role)
+    unreadable = gguf_native_types(source.path)
+    if unreadable:
+        if weights == NATIVE:
+            raise UserError(f"{source.path} has weights in {', '.join(sorted(unreadable))}, which the native kernels "
+                            "do not read; use --weights int8, int4 or dense.")
+        return resolve_format("auto", role)
+    return NATIVE
 
 
 def _cached_tokenizer(source: ModelSource, folder: Path | None):

@@ -72,6 +72,17 @@ _GGUF_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6:
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor of a GGUF file lies: GGUF dimension order (innermost first), GGML type id, byte offset of
+    its data from the start of the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
 def read_gguf_header(path: Path) -> tuple[dict, set[str]]:
     """Scalar and string metadata and the tensor names of a GGUF file (versions 2 and 3), from its header alone:
     every GGUF config (loading, ``simulate``, ``ppl``'s checks) is built from this.
@@ -79,6 +90,12 @@ def read_gguf_header(path: Path) -> tuple[dict, set[str]]:
     Arrays stand as :class:`SkippedArray` of their length: walking past a 150k-entry vocabulary takes a fraction of a
     second, where the ``gguf`` reader, which builds an object for every element, takes seconds.
     """
+    metadata, tensors = read_gguf_tensor_table(path)
+    return metadata, set(tensors)
+
+
+def read_gguf_tensor_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
+    """Metadata (as :func:`read_gguf_header`) and every tensor's :class:`GGUFTensorInfo`, from the header alone."""
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _GGUFHeader(data).read()
@@ -127,7 +144,7 @@ class _GGUFHeader:
         else:
             self.value(kind)
 
-    def read(self) -> tuple[dict, set[str]]:
+    def read(self) -> tuple[dict, dict[str, GGUFTensorInfo]]:
         if bytes(self.data[:4]) != b"GGUF":
             raise ValueError("no GGUF magic number")
         self.pos = 4
@@ -139,14 +156,16 @@ class _GGUFHeader:
         for _ in range(n_metadata):
             key = self.string()
             metadata[key] = self.value(self.take("<I"))
-        names = set()
+        table = []
         for _ in range(n_tensors):
-            names.add(self.string())
-            n_dims = self.take("<I")
-            self.pos += 8 * n_dims + 4 + 8  # dimensions, type, data offset
-        if self.pos > len(self.data):
-            raise ValueError("the tensor table runs past the end of the file")
-        return metadata, names
+            name = self.string()
+            dims = tuple(self.take("<Q") for _ in range(self.take("<I")))
+            table.append((name, dims, self.take("<I"), self.take("<Q")))
+        alignment = metadata.get("general.alignment", 32)
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+        start = -(-self.pos // alignment) * alignment
+        tensors = {name: GGUFTensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in table}
+        return metadata, tensors
 
 
 def read_config(source: ModelSource) -> ModelConfig:

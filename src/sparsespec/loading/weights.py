@@ -45,7 +45,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
 from .fixtures import cache_dir
-from .source import ModelSource, open_gguf, read_gguf_header
+from .source import ModelSource, open_gguf, read_gguf_header, read_gguf_tensor_table
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -112,6 +112,103 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         state[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
     _check_complete(config, state, str(path))
     return config, state
+
+
+def gguf_native_types(path: Path) -> set[str]:
+    """Block types of a GGUF file's 2-D weights that the native kernels cannot read (empty: all readable)."""
+    from ..kernels.repack import supported
+
+    from gguf import GGMLQuantizationType
+
+    _, tensors = read_gguf_tensor_table(path)
+    return {GGMLQuantizationType(t.ggml_type).name for t in tensors.values()
+            if len(t.dims) == 2 and not supported(t.ggml_type)}
+
+
+def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, object]]:
+    """Config, the float tensors (norms, biases) and the projections of a GGUF file in its own block formats.
+
+    Every projection, the output head and the embedding stay in the file's blocks, repacked for the native kernels
+    (``kernels/repack.py``: lossless, the file's bytes per weight); nothing is dequantized. Returns the ``state`` and
+    ``linears`` arguments of :class:`~sparsespec.model.Transformer` for the ``native`` format.
+    """
+    from ..kernels.repack import BLOCK_TYPES, repack
+    from ..linear import NativeEmbedding, NativeLinear
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    metadata, tensors = read_gguf_tensor_table(path)
+    config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
+    shapes = expected_shapes(config)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def data(t) -> np.ndarray:
+        """The raw bytes of ``t``: ``[rows, row bytes]`` for a block type."""
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        rows = int(np.prod(t.dims[1:], dtype=np.int64))
+        nbytes = rows * t.dims[0] // block * size
+        if t.offset + nbytes > file.size:
+            raise UserError(f"{path} is truncated: tensor {t.name} runs past the end of the file.")
+        return file[t.offset: t.offset + nbytes].reshape(rows, -1)
+
+    def segment(gguf_name: str) -> tuple[int, torch.Tensor, int, int]:
+        hf = _hf_name(gguf_name)
+        t = tensors.get(gguf_name)
+        if t is None:
+            raise UserError(f"{path} lacks the tensor {gguf_name}; the model is incomplete.")
+        rows, k = (int(d) for d in reversed(t.dims))
+        want = shapes.get(hf, (config.vocab_size, config.hidden_size))
+        if (rows, k) != tuple(want):
+            raise UserError(f"{path}: {hf} has shape {[rows, k]} but the model's configuration implies {list(want)}; "
+                            "the weights do not match the config.")
+        kind = t.ggml_type
+        if kind not in BLOCK_TYPES:
+            raise UserError(f"{path}: {gguf_name} is stored as {GGMLQuantizationType(kind).name}, which the native "
+                            "kernels do not read; use --weights int8, int4 or dense.")
+        raw = data(t)
+        if config.architecture == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            raw = unpermute_rotary_rows(raw, heads)
+        try:
+            packed, padded_k = repack(kind, raw, k)
+        except ValueError as exc:
+            raise UserError(f"{path}: {gguf_name} is damaged ({exc}).") from None
+        return kind, torch.from_numpy(packed.reshape(-1)), rows, padded_k
+
+    def linear(names: list[str], bias_names: list[str] = ()) -> NativeLinear:
+        parts = [segment(n) for n in names]
+        bias = None
+        if bias_names:
+            bias = torch.cat([vector(b, torch.float32) for b in bias_names])
+        k = int(tensors[names[0]].dims[0])
+        return NativeLinear([(kind, blob, rows) for kind, blob, rows, _ in parts], k, parts[0][3], bias)
+
+    def vector(gguf_name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        t = tensors.get(gguf_name)
+        if t is None:
+            raise UserError(f"{path} lacks the tensor {gguf_name}; the model is incomplete.")
+        if t.ggml_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raise UserError(f"{path}: {gguf_name} is not a float vector.")
+        values = data(t).view(np.float32 if t.ggml_type == GGMLQuantizationType.F32 else np.float16)
+        return torch.from_numpy(values.astype(np.float32).reshape(-1)).to(as_dtype)
+
+    state = {"model.norm.weight": vector("output_norm.weight")}
+    linears: dict[str, object] = {}
+    for i in range(config.num_hidden_layers):
+        blk = f"blk.{i}."
+        state[f"model.layers.{i}.input_layernorm.weight"] = vector(blk + "attn_norm.weight")
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = vector(blk + "ffn_norm.weight")
+        qkv = [blk + f"attn_{p}.weight" for p in "qkv"]
+        biases = [blk + f"attn_{p}.bias" for p in "qkv"] if config.attention_bias else []
+        linears[f"layers.{i}.qkv"] = linear(qkv, biases)
+        linears[f"layers.{i}.o_proj"] = linear([blk + "attn_output.weight"])
+        linears[f"layers.{i}.gate_up"] = linear([blk + "ffn_gate.weight", blk + "ffn_up.weight"])
+        linears[f"layers.{i}.down"] = linear([blk + "ffn_down.weight"])
+    table = linear(["token_embd.weight"])
+    linears["embed"] = NativeEmbedding(table, dtype)
+    tied = config.tie_word_embeddings or "output.weight" not in tensors
+    linears["lm_head"] = table if tied else linear(["output.weight"])
+    return config, state, linears
 
 
 def load_hf_state(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -1,0 +1,120 @@
+"""Native CPU kernels: build, load, and the Python face of the ops (the rest of the engine calls only this module).
+
+The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` (ninja and the system C++
+compiler) into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a second start loads the built
+library at once. The instruction set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON
+dot product, else portable scalar code); every path computes the same canonical sums, bit for bit (``csrc/qmatmul.h``).
+
+Without a compiler (or with ``SPARSESPEC_KERNELS=torch``) :func:`available` is False, one warning line says why,
+and the engine keeps to its torch weight formats.
+
+Ops (registered under ``torch.ops.sparsespec``):
+
+* ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n] float32``: ``x`` times the transpose of a
+  weight kept in GGUF block formats (repacked by :mod:`.repack`), activations quantized to 8 bits per block of 32.
+* ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+KERNELS_ENV = "SPARSESPEC_KERNELS"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_neon.cpp")
+ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON = -1, 0, 1, 2, 3
+CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
+
+
+def _build_dir() -> Path:
+    from ..loading.fixtures import cache_dir
+
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in CSRC.iterdir()):
+        digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}\0{sys.version_info[:2]}\0{' '.join(CFLAGS)}".encode())
+    return cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """The compiled extension module, or the reason it is unavailable (a string)."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
+        return f"disabled by {KERNELS_ENV}=torch"
+    try:
+        from torch.utils import cpp_extension
+
+        folder = _build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = cpp_extension.load(
+                name="sparsespec_kernels",
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
+    except Exception as exc:  # no compiler, no ninja, a failed build: fall back to the torch kernels
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
+              file=sys.stderr)
+        return reason
+    return module
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (building them on first call)."""
+    return not isinstance(_load(), str)
+
+
+def unavailable_reason() -> str | None:
+    module = _load()
+    return module if isinstance(module, str) else None
+
+
+def best_isa() -> int:
+    return _load().best_isa()
+
+
+def isa_available(isa: int) -> bool:
+    return available() and bool(_load().isa_available(isa))
+
+
+def isa_name(isa: int = ISA_AUTO) -> str:
+    module = _load()
+    return module.isa_name(module.best_isa() if isa == ISA_AUTO else isa)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one repacked row of ``k`` inputs (``k`` a multiple of 64)."""
+    return int(_load().row_bytes(ggml_type, k))
+
+
+def info() -> str:
+    """One line: which kernels, which instruction set, how many threads."""
+    threads = torch.get_num_threads()
+    if not available():
+        return f"kernels: torch ({unavailable_reason()}), {threads} threads"
+    return f"kernels: native ({isa_name()}), {threads} threads"
+
+
+def gguf_linear(x2d: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int], k: int,
+                bias: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
+    """``[m, k] -> [m, sum(rows)]`` float32 through weights in repacked GGUF blocks (see :mod:`.repack`)."""
+    _load()
+    return torch.ops.sparsespec.gguf_linear(x2d, weights, types, rows, k, bias, isa)
+
+
+def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index [j]`` of a repacked weight as float32 ``[j, k]``."""
+    _load()
+    return torch.ops.sparsespec.gguf_dequantize(weight, ggml_type, k, index)

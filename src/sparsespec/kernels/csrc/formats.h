@@ -1,0 +1,173 @@
+// Shared inline pieces of every instruction set's kernel: format tables, scale decoding, the canonical sums.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "qmatmul.h"
+
+namespace sparsespec {
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu;
+  uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      exponent = 113;
+      while (!(mantissa & 0x400u)) {
+        mantissa <<= 1;
+        --exponent;
+      }
+      bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Per-group scale a and offset c of one chunk: w = a[g] * q + c[g] for inputs 16g .. 16g+15 of the chunk.
+struct ChunkScales {
+  alignas(64) float a[16];
+  alignas(64) float c[16];
+};
+
+// Whether a format has offsets c (all but Q8_0, whose codes are signed).
+template <int TYPE>
+constexpr bool has_offsets() { return TYPE != Q8_0; }
+
+template <int TYPE>
+constexpr int bits_of() {
+  return TYPE == Q8_0 ? 8 : (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : 4;
+}
+
+template <int TYPE>
+constexpr int scale_bytes_of() {
+  return (TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q8_0) ? 16
+         : (TYPE == Q4_1 || TYPE == Q5_1)                ? 32
+         : (TYPE == Q4_K || TYPE == Q5_K)                ? 20
+                                                         : 18;  // Q6_K
+}
+
+template <int TYPE>
+constexpr int quarter_bytes_of() {
+  return bits_of<TYPE>() == 8 ? 64 : 32 + (bits_of<TYPE>() - 4) * 8;
+}
+
+template <int TYPE>
+inline void decode_scales(const uint8_t* s, ChunkScales& out) {
+  if constexpr (TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q8_0) {
+    const float bias = TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : 0.0f;
+    for (int b = 0; b < 8; ++b) {
+      const float d = half_to_float(load_u16(s + 2 * b));
+      out.a[2 * b] = out.a[2 * b + 1] = d;
+      out.c[2 * b] = out.c[2 * b + 1] = bias * d;
+    }
+  } else if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
+    for (int b = 0; b < 8; ++b) {
+      const float d = half_to_float(load_u16(s + 2 * b));
+      const float m = half_to_float(load_u16(s + 16 + 2 * b));
+      out.a[2 * b] = out.a[2 * b + 1] = d;
+      out.c[2 * b] = out.c[2 * b + 1] = m;
+    }
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    const float d = half_to_float(load_u16(s));
+    const float dmin = half_to_float(load_u16(s + 2));
+    for (int j = 0; j < 8; ++j) {
+      const float a = d * (float)s[4 + j];
+      const float c = -(dmin * (float)s[12 + j]);
+      out.a[2 * j] = out.a[2 * j + 1] = a;
+      out.c[2 * j] = out.c[2 * j + 1] = c;
+    }
+  } else {  // Q6_K
+    const float d = half_to_float(load_u16(s));
+    for (int g = 0; g < 16; ++g) {
+      const float a = d * (float)(int8_t)s[2 + g];
+      out.a[g] = a;
+      out.c[g] = -32.0f * a;
+    }
+  }
+}
+
+// The 64 codes of one quarter: unsigned (0 .. 63) for every format but Q8_0, whose codes are signed bytes.
+template <int TYPE>
+inline void decode_quarter(const uint8_t* q, int8_t codes[64]) {
+  constexpr int bits = bits_of<TYPE>();
+  if constexpr (bits == 8) {
+    std::memcpy(codes, q, 64);
+  } else {
+    for (int j = 0; j < 32; ++j) {
+      codes[j] = (int8_t)(q[j] & 0x0F);
+      codes[j + 32] = (int8_t)(q[j] >> 4);
+    }
+    for (int plane = 0; plane < bits - 4; ++plane) {
+      uint64_t mask;
+      std::memcpy(&mask, q + 32 + 8 * plane, 8);
+      for (int j = 0; j < 64; ++j) codes[j] |= (int8_t)(((mask >> j) & 1u) << (4 + plane));
+    }
+  }
+}
+
+// The canonical horizontal sum of 16 lanes: i + 8, then i + 4, i + 2, i + 1.
+inline float canonical_hsum(const float v[16]) {
+  float s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+  return s2[0] + s2[1];
+}
+
+inline int chunks_of(int k) { return (k + kChunk - 1) / kChunk; }
+
+// Number of quarters in chunk `chunk` of a row of k inputs (k a multiple of 64).
+inline int quarters_in(int k, int chunk) {
+  const int left = k - chunk * kChunk;
+  return left >= kChunk ? 4 : left / kQuarter;
+}
+
+template <int TYPE>
+inline std::size_t chunk_bytes_of() {
+  return (std::size_t)scale_bytes_of<TYPE>() + 4 * (std::size_t)quarter_bytes_of<TYPE>();
+}
+
+template <int TYPE>
+inline std::size_t row_bytes_of(int k) {
+  const int full = k / kChunk;
+  const int rest_quarters = (k % kChunk) / kQuarter;
+  std::size_t bytes = (std::size_t)full * chunk_bytes_of<TYPE>();
+  if (rest_quarters) bytes += scale_bytes_of<TYPE>() + (std::size_t)rest_quarters * quarter_bytes_of<TYPE>();
+  return bytes;
+}
+
+// Calls f.template operator()<TYPE>() for a runtime type id (returns false for an unsupported type).
+template <class F>
+inline bool dispatch_type(int type, F&& f) {
+  switch (type) {
+    case Q4_0: f.template operator()<Q4_0>(); return true;
+    case Q4_1: f.template operator()<Q4_1>(); return true;
+    case Q5_0: f.template operator()<Q5_0>(); return true;
+    case Q5_1: f.template operator()<Q5_1>(); return true;
+    case Q8_0: f.template operator()<Q8_0>(); return true;
+    case Q4_K: f.template operator()<Q4_K>(); return true;
+    case Q5_K: f.template operator()<Q5_K>(); return true;
+    case Q6_K: f.template operator()<Q6_K>(); return true;
+    default: return false;
+  }
+}
+
+}  // namespace sparsespec

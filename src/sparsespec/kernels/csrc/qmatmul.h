@@ -1,0 +1,84 @@
+// Quantized matmul on GGUF block formats, repacked per 256-weight chunk (torch-free core).
+//
+// Weight layout (built by sparsespec/kernels/repack.py from the GGUF's own blocks, losslessly):
+//   a weight [N, K] is N rows; a row is ceil(K / 256) chunks; a chunk covers 256 consecutive inputs (the last one
+//   may cover fewer, in whole quarters of 64) and is
+//       [scale section: SCALE_BYTES[type]] [quarter 0] [quarter 1] ... (n_quarters of them)
+//   A quarter holds 64 codes: 32 bytes of nibbles (byte j: code j in the low nibble, code j + 32 in the high one),
+//   then the high bits (5-bit codes: one 64-bit plane, bit j = bit 4 of code j; 6-bit codes: two planes, bits 4 and
+//   5), or, for 8-bit codes, 64 signed bytes instead. Scale sections (fp16 = IEEE half):
+//       Q4_0, Q5_0, Q8_0: d[8] fp16                     w = d_b * (q - 8 | q - 16 | q)
+//       Q4_1, Q5_1:       d[8] fp16, m[8] fp16          w = d_b * q + m_b
+//       Q4_K, Q5_K:       d, dmin fp16, sc[8], mn[8] u8 w = d * sc_j * q - dmin * mn_j   (sub-block j of 32)
+//       Q6_K:             d fp16, sc[16] int8           w = d * sc_g * (q - 32)         (group g of 16)
+//   Every format is thus w = a_g * q + c_g per group g of 16 inputs, with integer codes q.
+//
+// Activations are quantized per row in blocks of 32: xq = round(x / dx) in [-127, 127], dx = max|x| / 127, and
+// ds_g = dx * sum(xq over group g of 16).
+//
+// The canonical arithmetic (every instruction set reproduces it bit for bit, so a result never depends on the
+// instruction set, the thread split, or how many rows share the call):
+//   for each chunk, for each quarter p, for lane L in 0..15 (inputs 4L .. 4L+3 of the quarter):
+//       i = exact integer dot of the 4 codes and 4 activations
+//       acc[L] = fma(float(i), a[4p + L/4] * dx[block of the lane], acc[L])
+//   for each chunk with offsets (c != 0), for g in 0..15: off[g] = fma(c[g], ds[g], off[g])
+//   y = hsum(acc) + hsum(off) (+ bias), hsum adding lanes i and i+8, then i and i+4, i and i+2, i and i+1.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sparsespec {
+
+// GGML type ids of the supported block formats.
+enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs).
+enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
+
+constexpr int kChunk = 256;
+constexpr int kQuarter = 64;
+constexpr int kActBlock = 32;
+
+bool supported_type(int type);
+int code_bits(int type);         // 4, 5, 6 or 8
+int scale_bytes(int type);       // bytes of a chunk's scale section
+int quarter_bytes(int type);     // bytes of one quarter's codes
+std::size_t row_bytes(int type, int k);   // bytes of one repacked row of k inputs (k a multiple of 64)
+
+// Per-row quantized activations of an [m, k] float matrix; k_pad = k rounded up to 256, rows zero padded.
+struct Activations {
+  int m = 0, k_pad = 0;
+  const int8_t* q = nullptr;   // [m, k_pad]
+  const float* dx = nullptr;   // [m, k_pad / 32]
+  const float* ds = nullptr;   // [m, k_pad / 16]
+  const float* dxl = nullptr;  // [m, k_pad / 4]: dx of each lane of 4 inputs (what the vector paths load)
+};
+
+int padded_k(int k);  // k rounded up to a multiple of 256
+// Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4] from x [m, k] (row stride ldx).
+void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl);
+
+// out[r, col0 + n] = sum_k w[n, k] * x[r, k] (+ bias[n]) for rows n in [n_begin, n_end) of one weight.
+void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                  const float* bias, float* out, long ldo);
+
+// Dequantize rows of a repacked weight into floats: out [len(rows), k].
+void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out);
+
+// Instruction sets compiled in and runnable here, best first.
+int best_isa();
+bool isa_available(int isa);
+const char* isa_name(int isa);
+
+// Per instruction set entry points (defined in qmatmul_<isa>.cpp).
+void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                         const float* bias, float* out, long ldo);
+void qmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                       const float* bias, float* out, long ldo);
+void qmatmul_rows_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                         const float* bias, float* out, long ldo);
+void qmatmul_rows_neon(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                       const float* bias, float* out, long ldo);
+
+}  // namespace sparsespec

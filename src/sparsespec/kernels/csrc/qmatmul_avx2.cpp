@@ -1,0 +1,140 @@
+// x86 AVX2 path: a quarter in two ymm, maddubs + madd integer dots (exact: codes <= 63, or |q| for Q8_0), the
+// canonical float steps on 2 x 8 lanes.
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "scales_x86.h"
+
+namespace sparsespec {
+namespace {
+
+// 32 bits -> 32 bytes, byte j = value where bit j is set, else 0.
+inline __m256i expand_bits(uint32_t bits, char value) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)bits),
+      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(hit, _mm256_set1_epi8(value));
+}
+
+template <int TYPE>
+inline void load_codes(const uint8_t* q, __m256i& lo, __m256i& hi) {
+  constexpr int bits = bits_of<TYPE>();
+  if constexpr (bits == 8) {
+    lo = _mm256_loadu_si256((const __m256i*)q);
+    hi = _mm256_loadu_si256((const __m256i*)(q + 32));
+  } else {
+    const __m256i nib = _mm256_loadu_si256((const __m256i*)q);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(nib, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
+    for (int plane = 0; plane < bits - 4; ++plane) {
+      uint32_t half[2];
+      __builtin_memcpy(half, q + 32 + 8 * plane, 8);
+      const char value = (char)(0x10 << plane);
+      lo = _mm256_or_si256(lo, expand_bits(half[0], value));
+      hi = _mm256_or_si256(hi, expand_bits(half[1], value));
+    }
+  }
+}
+
+inline __m256i dot4(__m256i codes, __m256i x) {  // 8 lanes, each the dot of 4 consecutive bytes
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+inline float hsum(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+template <int TYPE, int MT>
+inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
+                     long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  __m256 acc_lo[MT], acc_hi[MT], off_lo[MT], off_hi[MT];
+  for (int i = 0; i < MT; ++i) acc_lo[i] = acc_hi[i] = off_lo[i] = off_hi[i] = _mm256_setzero_ps();
+  ChunkScales sc;
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    decode_scales_x86<TYPE>(chunk, sc);
+    const int nq = quarters_in(k, c);
+    for (int p = 0; p < nq; ++p) {
+      __m256i lo, hi;
+      load_codes<TYPE>(chunk + SB + p * QB, lo, hi);
+      const __m256 a_lo = _mm256_set_m128(_mm_set1_ps(sc.a[4 * p + 1]), _mm_set1_ps(sc.a[4 * p]));
+      const __m256 a_hi = _mm256_set_m128(_mm_set1_ps(sc.a[4 * p + 3]), _mm_set1_ps(sc.a[4 * p + 2]));
+      const int base = c * kChunk + p * kQuarter;
+      __m256i ulo = lo, uhi = hi;
+      if constexpr (!has_offsets<TYPE>()) {
+        ulo = _mm256_sign_epi8(lo, lo);
+        uhi = _mm256_sign_epi8(hi, hi);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const long r = r0 + i;
+        const int8_t* xq = act.q + r * act.k_pad + base;
+        __m256i x_lo = _mm256_loadu_si256((const __m256i*)xq);
+        __m256i x_hi = _mm256_loadu_si256((const __m256i*)(xq + 32));
+        if constexpr (!has_offsets<TYPE>()) {
+          x_lo = _mm256_sign_epi8(x_lo, lo);
+          x_hi = _mm256_sign_epi8(x_hi, hi);
+        }
+        const float* dxl = act.dxl + r * (act.k_pad / 4) + base / 4;
+        acc_lo[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(ulo, x_lo)), _mm256_mul_ps(a_lo, _mm256_loadu_ps(dxl)),
+                                    acc_lo[i]);
+        acc_hi[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(uhi, x_hi)),
+                                    _mm256_mul_ps(a_hi, _mm256_loadu_ps(dxl + 8)), acc_hi[i]);
+      }
+    }
+    if constexpr (has_offsets<TYPE>()) {
+      const __m256 c_lo = _mm256_load_ps(sc.c), c_hi = _mm256_load_ps(sc.c + 8);
+      for (int i = 0; i < MT; ++i) {
+        const float* ds = act.ds + (long)(r0 + i) * (act.k_pad / 16) + c * 16;
+        off_lo[i] = _mm256_fmadd_ps(c_lo, _mm256_loadu_ps(ds), off_lo[i]);
+        off_hi[i] = _mm256_fmadd_ps(c_hi, _mm256_loadu_ps(ds + 8), off_hi[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc_lo[i], acc_hi[i]) + hsum(off_lo[i], off_hi[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+               float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  constexpr int kRowBlock = 16;
+  for (int n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
+    const int n1 = n0 + kRowBlock < n_end ? n0 + kRowBlock : n_end;
+    for (int r = 0; r < act.m; r += 4) {
+      const int tile = act.m - r < 4 ? act.m - r : 4;
+      for (int n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * rb;
+        switch (tile) {
+          case 1: row_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
+          case 2: row_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
+          case 3: row_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
+          default: row_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                       const float* bias, float* out, long ldo) {
+  dispatch_type(type, [&] <int T>() { rows_avx2<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
+
+}  // namespace sparsespec
+#endif

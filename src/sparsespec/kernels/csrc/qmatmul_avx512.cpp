@@ -1,0 +1,133 @@
+// x86 AVX-512 VNNI path: one 64-code quarter per zmm, vpdpbusd integer dots, the canonical float steps.
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
+#include <immintrin.h>
+
+#include "scales_x86.h"
+
+namespace sparsespec {
+namespace {
+
+// The 64 codes of a quarter in one zmm (byte j = code j).
+template <int TYPE>
+inline __m512i load_codes(const uint8_t* q) {
+  constexpr int bits = bits_of<TYPE>();
+  if constexpr (bits == 8) {
+    return _mm512_loadu_si512(q);
+  } else {
+    const __m256i nib = _mm256_loadu_si256((const __m256i*)q);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(nib, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
+    __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    if constexpr (bits >= 5) {
+      uint64_t plane;
+      __builtin_memcpy(&plane, q + 32, 8);
+      codes = _mm512_or_si512(codes, _mm512_maskz_mov_epi8(plane, _mm512_set1_epi8(0x10)));
+    }
+    if constexpr (bits >= 6) {
+      uint64_t plane;
+      __builtin_memcpy(&plane, q + 40, 8);
+      codes = _mm512_or_si512(codes, _mm512_maskz_mov_epi8(plane, _mm512_set1_epi8(0x20)));
+    }
+    return codes;
+  }
+}
+
+// Canonical 16-lane sum: i + 8, i + 4, i + 2, i + 1.
+inline float hsum(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// One weight row against MT activation rows starting at r0.
+template <int TYPE, int MT>
+inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
+                     long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  __m512 acc[MT], off[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
+  ChunkScales sc;
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    decode_scales_x86<TYPE>(chunk, sc);
+    const __m512 a16 = _mm512_load_ps(sc.a);
+    const int nq = quarters_in(k, c);
+    for (int p = 0; p < nq; ++p) {
+      const __m512i codes = load_codes<TYPE>(chunk + SB + p * QB);
+      const __m512i group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+      const __m512 a_lanes = _mm512_permutexvar_ps(_mm512_add_epi32(group, _mm512_set1_epi32(4 * p)), a16);
+      const int base = c * kChunk + p * kQuarter;
+      __m512i ucodes = codes;
+      __mmask64 negative = 0;
+      if constexpr (!has_offsets<TYPE>()) {  // signed codes: |q| times x with q's sign
+        ucodes = _mm512_abs_epi8(codes);
+        negative = _mm512_movepi8_mask(codes);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const long r = r0 + i;
+        __m512i x = _mm512_loadu_si512(act.q + r * act.k_pad + base);
+        if constexpr (!has_offsets<TYPE>()) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ucodes, x);
+        const __m512 dx_lanes = _mm512_loadu_ps(act.dxl + r * (act.k_pad / 4) + base / 4);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a_lanes, dx_lanes), acc[i]);
+      }
+    }
+    if constexpr (has_offsets<TYPE>()) {
+      const __m512 c16 = _mm512_load_ps(sc.c);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m512 ds = _mm512_loadu_ps(act.ds + (long)(r0 + i) * (act.k_pad / 16) + c * 16);
+        off[i] = _mm512_fmadd_ps(c16, ds, off[i]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc[i]) + hsum(off[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                 float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  constexpr int kRowBlock = 16;  // weight rows kept hot in cache while every activation tile passes over them
+  for (int n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
+    const int n1 = n0 + kRowBlock < n_end ? n0 + kRowBlock : n_end;
+    for (int r = 0; r < act.m; r += 8) {
+      const int tile = act.m - r < 8 ? act.m - r : 8;  // all rows of a verification block (<= 8) in one pass
+      for (int n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * rb;
+        switch (tile) {
+          case 1: row_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
+          case 2: row_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
+          case 3: row_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
+          case 4: row_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
+          case 5: row_tile<TYPE, 5>(row, k, r, act, bias, n, out, ldo); break;
+          case 6: row_tile<TYPE, 6>(row, k, r, act, bias, n, out, ldo); break;
+          case 7: row_tile<TYPE, 7>(row, k, r, act, bias, n, out, ldo); break;
+          default: row_tile<TYPE, 8>(row, k, r, act, bias, n, out, ldo); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmatmul_rows_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                         const float* bias, float* out, long ldo) {
+  dispatch_type(type, [&] <int T>() { rows_avx512<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
+
+}  // namespace sparsespec
+#endif

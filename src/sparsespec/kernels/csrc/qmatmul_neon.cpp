@@ -1,0 +1,108 @@
+// AArch64 NEON path (ARMv8.2 dot product): a quarter in four int8x16 vectors, sdot integer dots, the canonical
+// float steps on 4 x 4 lanes.
+#if defined(__aarch64__)
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#include <arm_neon.h>
+
+#include "formats.h"
+
+namespace sparsespec {
+namespace {
+
+// 16 bits -> 16 bytes, byte j = value where bit j is set, else 0.
+inline int8x16_t expand_bits(uint16_t bits, int8_t value) {
+  const uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+  const uint8x16_t select = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  return vandq_s8(vreinterpretq_s8_u8(vtstq_u8(spread, select)), vdupq_n_s8(value));
+}
+
+template <int TYPE>
+inline void load_codes(const uint8_t* q, int8x16_t codes[4]) {
+  constexpr int bits = bits_of<TYPE>();
+  if constexpr (bits == 8) {
+    for (int v = 0; v < 4; ++v) codes[v] = vld1q_s8((const int8_t*)q + 16 * v);
+  } else {
+    const uint8x16_t low = vdupq_n_u8(0x0F);
+    const uint8x16_t n0 = vld1q_u8(q), n1 = vld1q_u8(q + 16);
+    codes[0] = vreinterpretq_s8_u8(vandq_u8(n0, low));
+    codes[1] = vreinterpretq_s8_u8(vandq_u8(n1, low));
+    codes[2] = vreinterpretq_s8_u8(vshrq_n_u8(n0, 4));
+    codes[3] = vreinterpretq_s8_u8(vshrq_n_u8(n1, 4));
+    for (int plane = 0; plane < bits - 4; ++plane) {
+      uint16_t part[4];
+      __builtin_memcpy(part, q + 32 + 8 * plane, 8);
+      for (int v = 0; v < 4; ++v) codes[v] = vorrq_s8(codes[v], expand_bits(part[v], (int8_t)(0x10 << plane)));
+    }
+  }
+}
+
+inline float hsum(const float32x4_t v[4]) {
+  const float32x4_t s8a = vaddq_f32(v[0], v[2]), s8b = vaddq_f32(v[1], v[3]);
+  const float32x4_t s4 = vaddq_f32(s8a, s8b);
+  const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
+  return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
+
+template <int TYPE, int MT>
+inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
+                     long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  float32x4_t acc[MT][4], off[MT][4];
+  for (int i = 0; i < MT; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = off[i][v] = vdupq_n_f32(0.0f);
+  ChunkScales sc;
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    decode_scales<TYPE>(chunk, sc);
+    const int nq = quarters_in(k, c);
+    for (int p = 0; p < nq; ++p) {
+      int8x16_t codes[4];
+      load_codes<TYPE>(chunk + SB + p * QB, codes);
+      const int base = c * kChunk + p * kQuarter;
+      for (int i = 0; i < MT; ++i) {
+        const long r = r0 + i;
+        const int8_t* xq = act.q + r * act.k_pad + base;
+        const float* dxl = act.dxl + r * (act.k_pad / 4) + base / 4;
+        for (int v = 0; v < 4; ++v) {
+          const int32x4_t dot = vdotq_s32(vdupq_n_s32(0), codes[v], vld1q_s8(xq + 16 * v));
+          const float32x4_t scale = vmulq_f32(vdupq_n_f32(sc.a[4 * p + v]), vld1q_f32(dxl + 4 * v));
+          acc[i][v] = vfmaq_f32(acc[i][v], vcvtq_f32_s32(dot), scale);
+        }
+      }
+    }
+    if constexpr (has_offsets<TYPE>()) {
+      for (int i = 0; i < MT; ++i) {
+        const float* ds = act.ds + (long)(r0 + i) * (act.k_pad / 16) + c * 16;
+        for (int v = 0; v < 4; ++v) off[i][v] = vfmaq_f32(off[i][v], vld1q_f32(sc.c + 4 * v), vld1q_f32(ds + 4 * v));
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc[i]) + hsum(off[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void rows_neon(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+               float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  for (int n = n_begin; n < n_end; ++n) {
+    int r = 0;
+    for (; r + 4 <= act.m; r += 4) row_tile<TYPE, 4>(w + n * rb, k, r, act, bias, n, out, ldo);
+    for (; r < act.m; ++r) row_tile<TYPE, 1>(w + n * rb, k, r, act, bias, n, out, ldo);
+  }
+}
+
+}  // namespace
+
+void qmatmul_rows_neon(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                       const float* bias, float* out, long ldo) {
+  dispatch_type(type, [&] <int T>() { rows_neon<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
+
+}  // namespace sparsespec
+#endif

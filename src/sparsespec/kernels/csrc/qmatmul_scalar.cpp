@@ -1,0 +1,202 @@
+// Portable scalar path (the reference every SIMD path must equal bit for bit), activation quantization,
+// dequantization, format tables and the instruction-set dispatch.
+#include <algorithm>
+#include <cmath>
+
+#include "formats.h"
+
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
+namespace sparsespec {
+
+bool supported_type(int type) {
+  return dispatch_type(type, [] <int T>() {});
+}
+
+int code_bits(int type) {
+  int out = 0;
+  dispatch_type(type, [&] <int T>() { out = bits_of<T>(); });
+  return out;
+}
+
+int scale_bytes(int type) {
+  int out = 0;
+  dispatch_type(type, [&] <int T>() { out = scale_bytes_of<T>(); });
+  return out;
+}
+
+int quarter_bytes(int type) {
+  int out = 0;
+  dispatch_type(type, [&] <int T>() { out = quarter_bytes_of<T>(); });
+  return out;
+}
+
+std::size_t row_bytes(int type, int k) {
+  std::size_t out = 0;
+  dispatch_type(type, [&] <int T>() { out = row_bytes_of<T>(k); });
+  return out;
+}
+
+int padded_k(int k) { return chunks_of(k) * kChunk; }
+
+void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl) {
+  const int k_pad = padded_k(k);
+  for (int r = 0; r < m; ++r) {
+    const float* xr = x + (long)r * ldx;
+    int8_t* qr = q + (long)r * k_pad;
+    float* dxr = dx + (long)r * (k_pad / kActBlock);
+    float* dsr = ds + (long)r * (k_pad / 16);
+    float* dxlr = dxl + (long)r * (k_pad / 4);
+    for (int b = 0; b < k_pad / kActBlock; ++b) {
+      const int begin = b * kActBlock;
+      float amax = 0.0f;
+      for (int i = begin; i < std::min(begin + kActBlock, k); ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float d = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sums[2] = {0, 0};
+      for (int i = 0; i < kActBlock; ++i) {
+        const int at = begin + i;
+        int v = 0;
+        if (at < k) v = std::clamp((int)std::nearbyint(xr[at] * inv), -127, 127);
+        qr[at] = (int8_t)v;
+        sums[i / 16] += v;
+      }
+      dxr[b] = d;
+      dsr[2 * b] = d * (float)sums[0];
+      dsr[2 * b + 1] = d * (float)sums[1];
+      for (int lane = 0; lane < kActBlock / 4; ++lane) dxlr[b * (kActBlock / 4) + lane] = d;
+    }
+  }
+}
+
+namespace {
+
+template <int TYPE>
+void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                 float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  const int n_chunks = chunks_of(k);
+  ChunkScales sc;
+  int8_t codes[64];
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    for (int r = 0; r < act.m; ++r) {
+      const int8_t* xq = act.q + (long)r * act.k_pad;
+      const float* dx = act.dx + (long)r * (act.k_pad / kActBlock);
+      const float* ds = act.ds + (long)r * (act.k_pad / 16);
+      float acc[16] = {0}, off[16] = {0};
+      for (int c = 0; c < n_chunks; ++c) {
+        const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+        decode_scales<TYPE>(chunk, sc);
+        const int nq = quarters_in(k, c);
+        for (int p = 0; p < nq; ++p) {
+          decode_quarter<TYPE>(chunk + scale_bytes_of<TYPE>() + p * quarter_bytes_of<TYPE>(), codes);
+          const int base = c * kChunk + p * kQuarter;
+          for (int lane = 0; lane < 16; ++lane) {
+            int dot = 0;
+            for (int e = 0; e < 4; ++e) dot += (int)codes[4 * lane + e] * (int)xq[base + 4 * lane + e];
+            const float scale = sc.a[4 * p + lane / 4] * dx[(base + 4 * lane) / kActBlock];
+            acc[lane] = std::fma((float)dot, scale, acc[lane]);
+          }
+        }
+        if constexpr (has_offsets<TYPE>()) {
+          for (int g = 0; g < 16; ++g) off[g] = std::fma(sc.c[g], ds[c * 16 + g], off[g]);
+        }
+      }
+      float y = canonical_hsum(acc) + canonical_hsum(off);
+      if (bias) y += bias[n];
+      out[(long)r * ldo + n] = y;
+    }
+  }
+}
+
+}  // namespace
+
+void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                         const float* bias, float* out, long ldo) {
+  dispatch_type(type, [&] <int T>() { rows_scalar<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
+
+void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out) {
+  dispatch_type(type, [&] <int T>() {
+    const std::size_t rb = row_bytes_of<T>(k);
+    ChunkScales sc;
+    int8_t codes[64];
+    for (int i = 0; i < n_rows; ++i) {
+      const uint8_t* row = w + (std::size_t)rows[i] * rb;
+      float* o = out + (long)i * k;
+      for (int c = 0; c < chunks_of(k); ++c) {
+        const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<T>();
+        decode_scales<T>(chunk, sc);
+        for (int p = 0; p < quarters_in(k, c); ++p) {
+          decode_quarter<T>(chunk + scale_bytes_of<T>() + p * quarter_bytes_of<T>(), codes);
+          for (int j = 0; j < 64; ++j) {
+            const int g = 4 * p + j / 16;
+            o[c * kChunk + p * kQuarter + j] = sc.a[g] * (float)codes[j] + sc.c[g];
+          }
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ instruction sets
+#if !defined(__x86_64__)
+void qmatmul_rows_avx2(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+void qmatmul_rows_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+#endif
+#if !defined(__aarch64__)
+void qmatmul_rows_neon(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+#endif
+
+bool isa_available(int isa) {
+  switch (isa) {
+    case kScalar:
+      return true;
+#if defined(__x86_64__)
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+    case kNeon:
+      return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#endif
+    default:
+      return false;
+  }
+}
+
+int best_isa() {
+  for (int isa : {kAvx512, kAvx2, kNeon})
+    if (isa_available(isa)) return isa;
+  return kScalar;
+}
+
+const char* isa_name(int isa) {
+  switch (isa) {
+    case kScalar: return "scalar";
+    case kAvx2: return "avx2";
+    case kAvx512: return "avx512-vnni";
+    case kNeon: return "neon-dotprod";
+    default: return "unknown";
+  }
+}
+
+void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                  const float* bias, float* out, long ldo) {
+  if (isa == kAuto) isa = best_isa();
+  switch (isa) {
+    case kAvx512: qmatmul_rows_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+    case kAvx2: qmatmul_rows_avx2(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+    case kNeon: qmatmul_rows_neon(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+    default: qmatmul_rows_scalar(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+  }
+}
+
+}  // namespace sparsespec

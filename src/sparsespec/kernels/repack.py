@@ -1,0 +1,158 @@
+"""GGUF blocks -> the kernels' chunk layout, losslessly (the layout is described in ``csrc/qmatmul.h``).
+
+A GGUF tensor ``[n, k]`` of a block type stores each row as blocks (32 weights for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q8_0, 256 for the K-quants). The kernels read each row as chunks of 256 weights: the chunk's scales first, in a
+form the vector units load at once (the K-quants' packed 6-bit scales spread to bytes; the per-block fp16 scales of
+the 32-weight formats side by side), then 64-code quarters with the codes' low nibbles together and their high bits
+as bit planes. Every code and scale keeps its value: dequantizing the repacked weight gives exactly the GGUF's own
+dequantized weight. Bytes per weight equal the file's (the K-quants' spread scales add 4 bytes per 256 weights).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# GGML type id -> (name, weights per block, bytes per block).
+BLOCK_TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+CHUNK, QUARTER = 256, 64
+
+
+def supported(ggml_type: int) -> bool:
+    return int(ggml_type) in BLOCK_TYPES
+
+
+def _f16_bytes(raw: np.ndarray) -> np.ndarray:
+    """``[..., 2]`` uint8 -> the same bytes (fp16 values are kept bit for bit)."""
+    return np.ascontiguousarray(raw)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF 32-weight nibble blocks ``[..., 16]`` -> codes ``[..., 32]`` (low nibbles first, then high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Little-endian bit field bytes ``[..., count / 8]`` -> ``[..., count]`` of 0 / 1."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K packed 6-bit scales ``[..., 12]`` -> (sc ``[..., 8]``, min ``[..., 8]``) as uint8."""
+    q = scales.astype(np.uint8)
+    sc = np.empty(q.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _decode(ggml_type: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks ``[n, nb, bytes]`` -> (codes ``[n, nb * block]`` uint8, scale sections ``[n, chunks, bytes]``)."""
+    name, size, _ = BLOCK_TYPES[ggml_type]
+    n, nb, _ = blocks.shape
+    if size == 32:
+        per_chunk = CHUNK // 32
+        chunks = -(-nb // per_chunk)
+        pad = chunks * per_chunk - nb
+
+        def per_block_f16(raw):  # [n, nb, 2] -> [n, chunks, 16], zero scales for missing blocks
+            raw = np.pad(raw, ((0, 0), (0, pad), (0, 0)))
+            return raw.reshape(n, chunks, per_chunk * 2)
+
+        d = blocks[..., 0:2]
+        if name == "Q4_0":
+            codes = _nibbles(blocks[..., 2:18])
+            scales = per_block_f16(d)
+        elif name == "Q4_1":
+            codes = _nibbles(blocks[..., 4:20])
+            scales = np.concatenate([per_block_f16(d), per_block_f16(blocks[..., 2:4])], axis=-1)
+        elif name in ("Q5_0", "Q5_1"):
+            at = 2 if name == "Q5_0" else 4
+            high = _bits(blocks[..., at : at + 4], 32)
+            codes = _nibbles(blocks[..., at + 4 : at + 20]) | (high << 4)
+            scales = per_block_f16(d)
+            if name == "Q5_1":
+                scales = np.concatenate([scales, per_block_f16(blocks[..., 2:4])], axis=-1)
+        else:  # Q8_0: signed bytes
+            codes = blocks[..., 2:34].copy()
+            scales = per_block_f16(d)
+        return codes.reshape(n, nb * 32), np.ascontiguousarray(scales)
+
+    if name == "Q4_K" or name == "Q5_K":
+        d, dmin, packed = blocks[..., 0:2], blocks[..., 2:4], blocks[..., 4:16]
+        sc, mn = _k_scales(packed)
+        qs = blocks[..., 16:144] if name == "Q4_K" else blocks[..., 48:176]
+        qs = qs.reshape(n, nb, 4, 32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, nb, 4, 64]: a 64-run per group of 32 bytes
+        if name == "Q5_K":
+            qh = blocks[..., 16:48]  # bit 2j of qh[l]: code l of group j; bit 2j + 1: code 32 + l
+            bits = np.unpackbits(qh[..., None], axis=-1, bitorder="little")  # [n, nb, 32, 8]
+            high = np.concatenate([bits[..., 0::2].transpose(0, 1, 3, 2), bits[..., 1::2].transpose(0, 1, 3, 2)],
+                                  axis=-1)  # [n, nb, 4, 64]
+            codes = codes | (high << 4)
+        scales = np.concatenate([d, dmin, sc, mn], axis=-1)
+        return codes.reshape(n, nb * 256), np.ascontiguousarray(scales)
+
+    # Q6_K: ql[128], qh[64], scales[16] (int8), d
+    ql = blocks[..., 0:128].reshape(n, nb, 2, 64)
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 32)
+    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    codes = (low | (high << 4)).reshape(n, nb * 256)
+    scales = np.concatenate([blocks[..., 208:210], blocks[..., 192:208]], axis=-1)
+    return codes, np.ascontiguousarray(scales)
+
+
+def _quarters(ggml_type: int, codes: np.ndarray) -> np.ndarray:
+    """Codes ``[n, k]`` (k a multiple of 64) -> quarter bytes ``[n, k / 64, quarter_bytes]``."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // QUARTER, QUARTER)
+    if BLOCK_TYPES[ggml_type][0] == "Q8_0":
+        return q
+    parts = [(q[..., :32] & 0x0F) | ((q[..., 32:] & 0x0F) << 4)]
+    bits = {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}.get(BLOCK_TYPES[ggml_type][0], 0)
+    for plane in range(bits):
+        parts.append(np.packbits((q >> (4 + plane)) & 1, axis=-1, bitorder="little"))
+    return np.concatenate(parts, axis=-1)
+
+
+def repack(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """A GGUF tensor's raw bytes ``[n, row bytes]`` -> (repacked bytes ``[n, repacked row bytes]``, padded k).
+
+    ``k`` is the number of weights per row; rows of the 32-weight formats with ``k`` not a multiple of 64 get one
+    zero block (zero scale), which the padded activations meet with zeros.
+    """
+    ggml_type = int(ggml_type)
+    name, size, block_bytes = BLOCK_TYPES[ggml_type]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    nb = k // size
+    if k % size or raw.size != n * nb * block_bytes:
+        raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights")
+    blocks = raw.reshape(n, nb, block_bytes)
+    if size == 32 and nb % 2:
+        blocks = np.concatenate([blocks, np.zeros((n, 1, block_bytes), np.uint8)], axis=1)
+        nb += 1
+    k_padded = nb * size
+    codes, scales = _decode(ggml_type, blocks)
+    quarters = _quarters(ggml_type, codes)  # [n, k / 64, qb]
+    full, rest = divmod(k_padded // QUARTER, 4)
+    parts = []
+    if full:
+        body = quarters[:, : 4 * full].reshape(n, full, -1)
+        parts.append(np.concatenate([scales[:, :full], body], axis=-1).reshape(n, -1))
+    if rest:
+        parts.append(scales[:, full])
+        parts.append(quarters[:, 4 * full :].reshape(n, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1)), k_padded

@@ -1,0 +1,186 @@
+"""The native quantized matmul against float64 references built from ``gguf.quants.dequantize``.
+
+Weights are random GGUF blocks of every supported type (random codes, random finite scales), so every bit of every
+block layout is exercised; shapes are deliberately not multiples of the kernels' tiles (odd row counts, inputs that
+end in a partial 256-chunk or a half 64-quarter).
+
+The error bound. The kernel quantizes each activation row per block of 32 inputs to ``q = round(x / dx)`` with
+``dx = max|x| / 127``, so ``|x - dx q| <= dx / 2`` per input; the weight side is exact (the repacked blocks
+dequantize to exactly the file's values). Hence for output ``n``::
+
+    |y_kernel - y_ref| <= sum_i |w[n, i]| * dx(i) / 2  +  float32 rounding (1e-5 of sum_i |w[n, i] x_i|)
+
+which the tests check output by output. A wrongly packed block breaks the bound by orders of magnitude (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from sparsespec import kernels
+from sparsespec.kernels.repack import BLOCK_TYPES, repack
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
+
+TYPES = sorted(BLOCK_TYPES)
+ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16)
+# fp16 fields of each block (byte offsets): scales that must be finite and modest.
+_F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_blocks(ggml_type: int, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random raw GGUF bytes ``[rows, row bytes]`` of a block type, with scales drawn in [-0.05, 0.05]."""
+    _, size, block_bytes = BLOCK_TYPES[ggml_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // size, block_bytes), dtype=np.uint8)
+    for at in _F16_FIELDS[ggml_type]:
+        scales = rng.uniform(0.001, 0.05, size=(rows, k // size)).astype(np.float16)
+        if ggml_type not in (3, 7, 12, 13) or at == 0:  # offsets (m, dmin) may be any sign; d may be too
+            scales *= rng.choice([-1, 1], size=scales.shape).astype(np.float16)
+        raw[..., at: at + 2] = scales.view(np.uint8).reshape(rows, k // size, 2)
+    return raw.reshape(rows, -1)
+
+
+def shapes_for(ggml_type: int) -> list[tuple[int, int]]:
+    """(rows, k) pairs off the tiles: k ending in a partial chunk, and (32-weight blocks) in half a quarter."""
+    if BLOCK_TYPES[ggml_type][1] == 256:
+        return [(37, 768), (5, 256)]
+    return [(37, 608), (3, 96), (17, 576)]
+
+
+def reference(raw: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
+    return dequantize(raw, GGMLQuantizationType(ggml_type)).reshape(raw.shape[0], k).astype(np.float64)
+
+
+def packed(raw: np.ndarray, ggml_type: int, k: int) -> tuple[torch.Tensor, int]:
+    blob, k_padded = repack(ggml_type, raw, k)
+    return torch.from_numpy(blob.reshape(-1)), k_padded
+
+
+def run(blob, ggml_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None):
+    if k_padded != k:
+        x = torch.nn.functional.pad(x, (0, k_padded - k))
+    return kernels.gguf_linear(x, [blob], [ggml_type], [rows], k_padded, bias, isa)
+
+
+def activation_bound(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
+    """``[m, n]``: the bound of the module docstring for each output."""
+    m, k = x.shape
+    xd = x.double().numpy()
+    blocks = -(-k // 32)
+    padded = np.zeros((m, blocks * 32))
+    padded[:, :k] = np.abs(xd)
+    dx = padded.reshape(m, blocks, 32).max(axis=-1) / 127.0  # [m, blocks]
+    dx_per_input = np.repeat(dx, 32, axis=1)[:, :k]
+    half_step = 0.5 * dx_per_input @ np.abs(w).T
+    rounding = 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-30
+    return half_step + rounding
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_repack_is_lossless(ggml_type):
+    for rows, k in shapes_for(ggml_type):
+        raw = random_blocks(ggml_type, rows, k, seed=rows)
+        blob, k_padded = packed(raw, ggml_type, k)
+        ours = kernels.gguf_dequantize(blob, ggml_type, k_padded, torch.arange(rows)).numpy()[:, :k]
+        assert np.array_equal(ours, reference(raw, ggml_type, k).astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_matmul_within_activation_rounding_bound(ggml_type):
+    g = torch.Generator().manual_seed(ggml_type)
+    for rows, k in shapes_for(ggml_type):
+        raw = random_blocks(ggml_type, rows, k, seed=k)
+        w = reference(raw, ggml_type, k)
+        blob, k_padded = packed(raw, ggml_type, k)
+        bias = torch.randn(rows, generator=g)
+        for m in ROW_COUNTS:
+            x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+            x[:, :: max(1, k // 7)] *= 20  # outlier channels, as real activations have
+            y = run(blob, ggml_type, rows, k, k_padded, x, bias=bias).double().numpy()
+            y_ref = x.double().numpy() @ w.T + bias.double().numpy()
+            err = np.abs(y - y_ref)
+            bound = activation_bound(x, w)
+            assert (err <= bound).all(), f"M={m} rows={rows} k={k}: worst error / bound {(err / bound).max():.3g}"
+            assert (err <= 0.6 * bound).mean() > 0.99  # rounding errors partly cancel: most outputs sit well inside
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type):
+    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_NEON) if kernels.isa_available(i)]
+    if not isas:
+        pytest.skip("no SIMD path runs on this CPU")
+    g = torch.Generator().manual_seed(1)
+    for rows, k in shapes_for(ggml_type):
+        raw = random_blocks(ggml_type, rows, k, seed=3)
+        blob, k_padded = packed(raw, ggml_type, k)
+        for m in ROW_COUNTS:
+            x = torch.randn(m, k, generator=g)
+            scalar = run(blob, ggml_type, rows, k, k_padded, x, kernels.ISA_SCALAR)
+            for isa in isas:
+                assert torch.equal(run(blob, ggml_type, rows, k, k_padded, x, isa), scalar), kernels.isa_name(isa)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_a_row_does_not_depend_on_the_rows_beside_it(ggml_type):
+    rows, k = shapes_for(ggml_type)[0]
+    blob, k_padded = packed(random_blocks(ggml_type, rows, k, seed=5), ggml_type, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+    together = run(blob, ggml_type, rows, k, k_padded, x)
+    for m in ROW_COUNTS:
+        assert torch.equal(run(blob, ggml_type, rows, k, k_padded, x[:m]), together[:m])
+    alone = torch.cat([run(blob, ggml_type, rows, k, k_padded, x[i: i + 1]) for i in range(16)])
+    assert torch.equal(alone, together)
+
+
+def test_a_wrongly_packed_block_fails_the_bound():
+    """Swapping the two nibble planes of one quarter (a plausible packing bug) is caught by the reference."""
+    ggml_type, rows, k = 12, 8, 512  # Q4_K
+    raw = random_blocks(ggml_type, rows, k, seed=9)
+    blob, k_padded = packed(raw, ggml_type, k)
+    broken = blob.clone().view(rows, -1)
+    quarter = broken[:, 20:52]  # the first quarter's nibbles, after the 20-byte scale section
+    broken[:, 20:52] = (quarter >> 4) | ((quarter & 0x0F) << 4)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    w = reference(raw, ggml_type, k)
+    err = np.abs(run(broken.reshape(-1), ggml_type, rows, k, k_padded, x).double().numpy() - x.double().numpy() @ w.T)
+    assert (err > activation_bound(x, w)).any()
+
+
+def test_bad_inputs_raise():
+    raw = random_blocks(2, 4, 64, seed=0)
+    blob, k = packed(raw, 2, 64)
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernels.gguf_linear(torch.randn(1, 64), [blob[:-1]], [2], [4], 64)
+    with pytest.raises(RuntimeError, match="unsupported block type"):
+        kernels.gguf_linear(torch.randn(1, 64), [blob], [10], [4], 64)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.gguf_linear(torch.randn(1, 63), [blob], [2], [4], 64)
+    with pytest.raises(ValueError, match="does not hold"):
+        repack(2, raw[:, :-1], 64)
+
+
+def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
+    """``SPARSESPEC_KERNELS=torch``: no native op is loaded, ``auto`` picks the torch formats, generation runs."""
+    code = (
+        "import torch; from sparsespec import kernels; from sparsespec.loading.load import load_model\n"
+        "assert not kernels.available()\n"
+        "m = load_model('smollm2-135m', torch.bfloat16, 'auto', tokenizer=False, cache=False)\n"
+        "print(m.weights, kernels.info())\n"
+    )
+    env = dict(os.environ, SPARSESPEC_KERNELS="torch")
+    from sparsespec.loading.fixtures import MODEL_FIXTURES
+
+    if not MODEL_FIXTURES["smollm2-135m"].path.is_file():
+        pytest.skip("SmolLM2-135M not fetched")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("int8 kernels: torch (disabled by SPARSESPEC_KERNELS=torch)")
