@@ -369,6 +369,11 @@ class Int4Linear(_QuantizedLinear):
         return y
 
 
+# The block type float weights are quantized to for the native format (GGML's Q8_0: 8-bit codes, one fp16 scale
+# per 32 weights; the most accurate type the kernels read).
+NATIVE_FLOAT_TYPE = 8
+
+
 class NativeLinear:
     """Weights kept in a GGUF file's own block formats, multiplied by the native kernels (``kernels/``).
 
@@ -403,6 +408,24 @@ class NativeLinear:
             x2d = F.pad(x2d.float(), (0, self.padded_in - self.in_features))
         y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
         return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int = NATIVE_FLOAT_TYPE):
+        """Quantize a float ``weight [out, in]`` to one GGUF block type (default Q8_0) with ``gguf``'s quantizer:
+        how Hugging Face folders and in-process models get native weights."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        from .kernels.repack import repack
+
+        out_features, in_features = weight.shape
+        w = weight.detach().float()
+        block = 256 if ggml_type >= 10 else 32
+        if in_features % block:
+            w = F.pad(w, (0, block - in_features % block))
+        raw = quantize(w.numpy(), GGMLQuantizationType(ggml_type))
+        packed, padded_in = repack(ggml_type, raw, w.shape[1])
+        return cls([(ggml_type, torch.from_numpy(packed.reshape(-1)), out_features)], in_features, padded_in, bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, as float32 ``[out, in]``."""
@@ -447,8 +470,9 @@ def make_linear(
 ) -> Linear:
     """Build the linear for ``weight [out, in]`` (float, any dtype) in the compute ``dtype``.
 
-    ``fmt`` is ``"dense"``, ``"int8"`` or ``"int4"``. ``options`` go to the quantized formats:
-    ``kernel_dtype`` (both) and ``group_size`` (int4).
+    ``fmt`` is ``"dense"``, ``"int8"``, ``"int4"`` or ``"native"`` (quantized to GGUF blocks, Q8_0 unless the
+    ``ggml_type`` option says otherwise). ``options`` go to the quantized formats: ``kernel_dtype`` (int8, int4),
+    ``group_size`` (int4), ``ggml_type`` (native).
     """
     if fmt == "dense":
         if options:
@@ -458,7 +482,9 @@ def make_linear(
         return Int8Linear(weight, bias, dtype, **options)
     if fmt == "int4":
         return Int4Linear(weight, bias, dtype, **options)
-    raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+    if fmt == NATIVE:
+        return NativeLinear.from_float(weight, bias, **options)
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS + (NATIVE,)}")
 
 
 NATIVE = "native"

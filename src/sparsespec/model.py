@@ -75,8 +75,6 @@ class Transformer:
             b = torch.cat([state[n + ".bias"] for n in names], dim=0) if bias else None
             return make_linear(w, b, dtype, weights, **options)
 
-        if weights == "native" and not {"embed", "lm_head"} <= prebuilt.keys():
-            raise ValueError("native weights come built from a GGUF file (loading/weights.py), embedding and head too")
         self.embed = prebuilt["embed"] if "embed" in prebuilt else tensor("model.embed_tokens.weight")
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_hidden_layers):

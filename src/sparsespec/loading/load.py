@@ -75,7 +75,7 @@ def load_model(
     """
     source = resolve_model(ref)
     fmt = choose_format(source, weights, role)
-    if fmt == NATIVE:
+    if fmt == NATIVE and source.kind == "gguf":
         config, state, linears = load_gguf_native(source.path, dtype)
         model = Transformer(config, state, dtype, fmt, linears=linears)
         tok = None
@@ -85,7 +85,8 @@ def load_model(
             tok = _cached_tokenizer(source, folder)
         return LoadedModel(source.name, source, config, model, tok, fmt, False)
     root = tensor_cache_root(cache)
-    file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
+    cacheable = root is not None and fmt != NATIVE  # native weights are rebuilt from the source in seconds
+    file = tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype)) if cacheable else None
     hit = None if file is None else load_model_tensors(file, dtype, fmt)
     if hit is not None:
         config, model = hit
@@ -105,19 +106,19 @@ def choose_format(source: ModelSource, weights: str, role: str) -> str:
     """The concrete weight format for a requested one; ``native`` only for GGUF files the kernels can read.
 
     ``auto`` picks ``native`` when the kernels are built and read every weight of the file, else the torch format
-    of ``role``. An explicit ``native`` for a source it cannot serve is a :class:`UserError`, except when the
-    kernels could not be built: then the torch format of ``role`` runs (the build has already warned).
+    of ``role``; Hugging Face folders keep the torch formats under ``auto`` and are quantized to Q8_0 blocks for an
+    explicit ``native``. An explicit ``native`` for a GGUF file with block types the kernels do not read is a
+    :class:`UserError`; when the kernels could not be built the torch format of ``role`` runs (the build has
+    already warned).
     """
     from .. import kernels
 
     if weights not in ("auto", NATIVE):
         return resolve_format(weights, role)
-    if source.kind != "gguf":
-        if weights == NATIVE:
-            raise UserError(f"--weights native reads GGUF files; {source.path} is a Hugging Face folder.")
-        return resolve_format("auto", role)
     if not kernels.available():
         return resolve_format("auto", role)
+    if source.kind != "gguf":  # a Hugging Face folder: native only when asked (its weights quantized to Q8_0)
+        return NATIVE if weights == NATIVE else resolve_format("auto", role)
     unreadable = gguf_native_types(source.path)
     if unreadable:
         if weights == NATIVE:
