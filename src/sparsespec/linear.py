@@ -379,7 +379,8 @@ class NativeLinear:
 
     A linear may stack several GGUF tensors of different block types along the output dimension (q, k and v of one
     layer): ``segments`` lists them as ``(ggml type, repacked bytes, rows)``. Activations are quantized to 8 bits
-    per block of 32 inside the kernel; the result is computed in float32 and returned in the dtype of ``x``. Each
+    per block of 32 inside the kernel; the result is computed in float32 and returned in the dtype of ``x`` (float32
+    or bfloat16). Each
     row's result is independent of how many rows share the call (``kernels/csrc/qmatmul.h``).
     """
 
@@ -400,14 +401,15 @@ class NativeLinear:
         return sum(b.numel() for b in self.blobs) + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]`` in the dtype of ``x``."""
         from . import kernels
 
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if self.padded_in != self.in_features:
-            x2d = F.pad(x2d.float(), (0, self.padded_in - self.in_features))
+            x2d = F.pad(x2d, (0, self.padded_in - self.in_features))
         y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        return y.reshape(*lead, self.out_features) if len(lead) != 1 else y
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int = NATIVE_FLOAT_TYPE):

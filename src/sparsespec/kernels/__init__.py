@@ -10,7 +10,7 @@ and the engine keeps to its torch weight formats.
 
 Ops (registered under ``torch.ops.sparsespec``):
 
-* ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n] float32``: ``x`` times the transpose of a
+* ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
   weight kept in GGUF block formats (repacked by :mod:`.repack`), activations quantized to 8 bits per block of 32.
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
 """
@@ -109,7 +109,8 @@ def info() -> str:
 
 def gguf_linear(x2d: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int], k: int,
                 bias: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
-    """``[m, k] -> [m, sum(rows)]`` float32 through weights in repacked GGUF blocks (see :mod:`.repack`)."""
+    """``[m, k] -> [m, sum(rows)]`` (the dtype of ``x``, float32 or bfloat16) through weights in repacked GGUF
+    blocks (see :mod:`.repack`); ``bias`` float32 ``[sum(rows)]``."""
     _load()
     return torch.ops.sparsespec.gguf_linear(x2d, weights, types, rows, k, bias, isa)
 

@@ -9,16 +9,30 @@
 namespace sparsespec {
 namespace {
 
+// Scratch memory reused across calls (per calling thread): the quantized activations, and float rows.
+struct Scratch {
+  std::vector<float> x, out, dx, ds, dxl;
+  std::vector<int8_t> q;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
 // y [m, sum(rows)] = x [m, k] @ W^T for a weight stored as segments (each a repacked GGUF tensor of rows[s] rows
-// and type types[s]; e.g. q, k and v of one layer), plus bias [sum(rows)] if given. float32 result.
+// and type types[s]; e.g. q, k and v of one layer), plus a float32 bias [sum(rows)] if given. x is float32 or
+// bfloat16 (contiguous); y has x's dtype (computed in float32, rounded once at the end).
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
                        const std::vector<int64_t>& rows, int64_t k, const c10::optional<at::Tensor>& bias,
                        int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_linear: x must be [m, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "gguf_linear: x must be float32 or bfloat16");
   TORCH_CHECK(weights.size() == types.size() && weights.size() == rows.size(), "gguf_linear: segment lists differ");
   TORCH_CHECK(isa == kAuto || isa_available((int)isa), "gguf_linear: instruction set ", isa, " not available");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int m = (int)xf.size(0);
+  const at::Tensor xc = x.contiguous();
+  const int m = (int)xc.size(0);
   const int k_pad = padded_k((int)k);
   int64_t n_total = 0;
   std::vector<int64_t> first_row;
@@ -31,25 +45,36 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     first_row.push_back(n_total);
     n_total += rows[s];
   }
-  at::Tensor bias_f;
+  const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() == n_total, "gguf_linear: bias must have ", n_total, " values");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_total,
+                "gguf_linear: bias must be float32 [", n_total, "]");
+    bias_ptr = bias->data_ptr<float>();
   }
-  auto out = at::empty({m, n_total}, xf.options());
-  auto q = at::empty({m, k_pad}, xf.options().dtype(at::kChar));
-  auto dx = at::empty({m, k_pad / kActBlock}, xf.options());
-  auto ds = at::empty({m, k_pad / 16}, xf.options());
-  auto dxl = at::empty({m, k_pad / 4}, xf.options());
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    quantize_activations(xf.data_ptr<float>() + begin * k, (int)(end - begin), (int)k, k,
-                         q.data_ptr<int8_t>() + begin * k_pad, dx.data_ptr<float>() + begin * (k_pad / kActBlock),
-                         ds.data_ptr<float>() + begin * (k_pad / 16), dxl.data_ptr<float>() + begin * (k_pad / 4));
-  });
-  const Activations act{m, k_pad, q.data_ptr<int8_t>(), dx.data_ptr<float>(), ds.data_ptr<float>(),
-                        dxl.data_ptr<float>()};
-  float* out_ptr = out.data_ptr<float>();
-  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  Scratch& sc = scratch();
+  const float* xf = nullptr;
+  if (xc.scalar_type() == at::kFloat) {
+    xf = xc.data_ptr<float>();
+  } else {  // bfloat16 -> float32 is exact
+    sc.x.resize((std::size_t)m * k);
+    const c10::BFloat16* src = xc.data_ptr<c10::BFloat16>();
+    for (std::size_t i = 0; i < sc.x.size(); ++i) sc.x[i] = (float)src[i];
+    xf = sc.x.data();
+  }
+  sc.q.resize((std::size_t)m * k_pad);
+  sc.dx.resize((std::size_t)m * k_pad / kActBlock);
+  sc.ds.resize((std::size_t)m * k_pad / 16);
+  sc.dxl.resize((std::size_t)m * k_pad / 4);
+  quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data());
+  const Activations act{m, k_pad, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data()};
+  auto out = at::empty({m, n_total}, xc.options());
+  float* out_ptr;
+  if (xc.scalar_type() == at::kFloat) {
+    out_ptr = out.data_ptr<float>();
+  } else {
+    sc.out.resize((std::size_t)m * n_total);
+    out_ptr = sc.out.data();
+  }
   // Output columns split across threads; each column's value never depends on the split.
   at::parallel_for(0, n_total, 16, [&](int64_t begin, int64_t end) {
     for (std::size_t s = 0; s < weights.size(); ++s) {
@@ -60,6 +85,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
                    out_ptr + first_row[s], n_total);
     }
   });
+  if (xc.scalar_type() != at::kFloat) {  // round once to bfloat16 (nearest even, as Tensor.to does)
+    c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+    for (std::size_t i = 0; i < sc.out.size(); ++i) dst[i] = c10::BFloat16(sc.out[i]);
+  }
   return out;
 }
 

@@ -34,6 +34,34 @@ inline __m512i load_codes(const uint8_t* q) {
   }
 }
 
+// A chunk's per-group scales a and offsets c straight into registers (the values of formats.h's decode_scales).
+template <int TYPE>
+inline void chunk_scales(const uint8_t* s, __m512& a16, __m512& c16) {
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  if constexpr (TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q8_0) {
+    a16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s))));
+    const float bias = TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : 0.0f;
+    c16 = _mm512_mul_ps(_mm512_set1_ps(bias), a16);
+  } else if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
+    a16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s))));
+    c16 = _mm512_permutexvar_ps(
+        pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16)))));
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    const __m128i sc = _mm_loadl_epi64((const __m128i*)(s + 4));
+    const __m128i mn = _mm_loadl_epi64((const __m128i*)(s + 12));
+    const __m512 sc16 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc, sc)));
+    const __m512 mn16 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mn, mn)));
+    a16 = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(s))), sc16);
+    c16 = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(s + 2))), mn16)),
+        _mm512_set1_epi32((int)0x80000000u)));
+  } else {  // Q6_K
+    a16 = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(load_u16(s))),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 2)))));
+    c16 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), a16);
+  }
+}
+
 // Canonical 16-lane sum: i + 8, i + 4, i + 2, i + 1.
 inline float hsum(__m512 v) {
   const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -52,11 +80,10 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   __m512 acc[MT], off[MT];
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
-  ChunkScales sc;
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
-    decode_scales_x86<TYPE>(chunk, sc);
-    const __m512 a16 = _mm512_load_ps(sc.a);
+    __m512 a16, c16;
+    chunk_scales<TYPE>(chunk, a16, c16);
     const int nq = quarters_in(k, c);
     for (int p = 0; p < nq; ++p) {
       const __m512i codes = load_codes<TYPE>(chunk + SB + p * QB);
@@ -80,7 +107,6 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
       }
     }
     if constexpr (has_offsets<TYPE>()) {
-      const __m512 c16 = _mm512_load_ps(sc.c);
 #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         const __m512 ds = _mm512_loadu_ps(act.ds + (long)(r0 + i) * (act.k_pad / 16) + c * 16);

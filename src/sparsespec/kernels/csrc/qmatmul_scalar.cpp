@@ -42,6 +42,11 @@ std::size_t row_bytes(int type, int k) {
 
 int padded_k(int k) { return chunks_of(k) * kChunk; }
 
+// Compiled for several x86 levels and chosen at load time: the same IEEE operations (max, division, rounding to
+// nearest even, integer sums), so every version gives the same bytes; the newer levels only run them faster.
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl) {
   const int k_pad = padded_k(k);
   for (int r = 0; r < m; ++r) {
