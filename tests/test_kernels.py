@@ -4,9 +4,10 @@ Weights are random GGUF blocks of every supported type (random codes, random fin
 block layout is exercised; shapes are deliberately not multiples of the kernels' tiles (odd row counts, inputs that
 end in a partial 256-chunk or a half 64-quarter).
 
-The error bound. The kernel quantizes each activation row per block of 32 inputs to ``q = round(x / dx)`` with
-``dx = max|x| / 127``, so ``|x - dx q| <= dx / 2`` per input; the weight side is exact (the repacked blocks
-dequantize to exactly the file's values). Hence for output ``n``::
+The error bound. The kernel quantizes each activation row per block of inputs (32 for the 32-weight formats, 256
+for the K-quants, as llama.cpp does) to ``q = round(x / dx)`` with ``dx = max|x| / 127``, so ``|x - dx q| <= dx / 2``
+per input; the weight side is exact (the repacked blocks dequantize to exactly the file's values). Hence for
+output ``n``::
 
     |y_kernel - y_ref| <= sum_i |w[n, i]| * dx(i) / 2  +  float32 rounding (1e-5 of sum_i |w[n, i] x_i|)
 
@@ -71,15 +72,16 @@ def run(blob, ggml_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None):
     return kernels.gguf_linear(x, [blob], [ggml_type], [rows], k_padded, bias, isa)
 
 
-def activation_bound(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
+def activation_bound(x: torch.Tensor, w: np.ndarray, ggml_type: int) -> np.ndarray:
     """``[m, n]``: the bound of the module docstring for each output."""
     m, k = x.shape
     xd = x.double().numpy()
-    blocks = -(-k // 32)
-    padded = np.zeros((m, blocks * 32))
+    size = BLOCK_TYPES[ggml_type][1]  # activation block: 32, or 256 for the K-quants
+    blocks = -(-k // size)
+    padded = np.zeros((m, blocks * size))
     padded[:, :k] = np.abs(xd)
-    dx = padded.reshape(m, blocks, 32).max(axis=-1) / 127.0  # [m, blocks]
-    dx_per_input = np.repeat(dx, 32, axis=1)[:, :k]
+    dx = padded.reshape(m, blocks, size).max(axis=-1) / 127.0  # [m, blocks]
+    dx_per_input = np.repeat(dx, size, axis=1)[:, :k]
     half_step = 0.5 * dx_per_input @ np.abs(w).T
     rounding = 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-30
     return half_step + rounding
@@ -108,7 +110,7 @@ def test_matmul_within_activation_rounding_bound(ggml_type):
             y = run(blob, ggml_type, rows, k, k_padded, x, bias=bias).double().numpy()
             y_ref = x.double().numpy() @ w.T + bias.double().numpy()
             err = np.abs(y - y_ref)
-            bound = activation_bound(x, w)
+            bound = activation_bound(x, w, ggml_type)
             assert (err <= bound).all(), f"M={m} rows={rows} k={k}: worst error / bound {(err / bound).max():.3g}"
             assert (err <= 0.6 * bound).mean() > 0.99  # rounding errors partly cancel: most outputs sit well inside
 
@@ -152,7 +154,7 @@ def test_a_wrongly_packed_block_fails_the_bound():
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
     w = reference(raw, ggml_type, k)
     err = np.abs(run(broken.reshape(-1), ggml_type, rows, k, k_padded, x).double().numpy() - x.double().numpy() @ w.T)
-    assert (err > activation_bound(x, w)).any()
+    assert (err > activation_bound(x, w, ggml_type)).any()
 
 
 def test_bad_inputs_raise():

@@ -65,7 +65,12 @@ int main() {
         std::vector<int8_t> q((std::size_t)m * k_pad);
         std::vector<float> dx((std::size_t)m * k_pad / 32), ds((std::size_t)m * k_pad / 16), dxl((std::size_t)m * k_pad / 4);
         quantize_activations(x.data(), m, k, k, q.data(), dx.data(), ds.data(), dxl.data());
-        const Activations act{m, k_pad, q.data(), dx.data(), ds.data(), dxl.data()};
+        std::vector<int8_t> q256((std::size_t)m * k_pad);
+        std::vector<float> d256((std::size_t)m * k_pad / 256);
+        std::vector<int32_t> bsum((std::size_t)m * k_pad / 16);
+        quantize_activations_256(x.data(), m, k, k, q256.data(), d256.data(), bsum.data());
+        const Activations act{m, k_pad, q.data(), dx.data(), ds.data(), dxl.data(), q256.data(), d256.data(),
+                              bsum.data()};
         std::vector<float> bias(n), reference((std::size_t)m * n), out((std::size_t)m * n);
         for (auto& b : bias) b = normal(rng);
         qmatmul_rows(kScalar, type, w.data(), k, 0, n, act, bias.data(), reference.data(), n);

@@ -11,8 +11,9 @@ namespace {
 
 // Scratch memory reused across calls (per calling thread): the quantized activations, and float rows.
 struct Scratch {
-  std::vector<float> x, out, dx, ds, dxl;
-  std::vector<int8_t> q;
+  std::vector<float> x, out, dx, ds, dxl, d256;
+  std::vector<int8_t> q, q256;
+  std::vector<int32_t> bsum;
 };
 
 Scratch& scratch() {
@@ -36,7 +37,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   const int k_pad = padded_k((int)k);
   int64_t n_total = 0;
   std::vector<int64_t> first_row;
+  bool any_k = false, any_32 = false;
   for (std::size_t s = 0; s < weights.size(); ++s) {
+    (is_k_quant((int)types[s]) ? any_k : any_32) = true;
     TORCH_CHECK(supported_type((int)types[s]), "gguf_linear: unsupported block type ", types[s]);
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
     TORCH_CHECK((std::size_t)weights[s].numel() == row_bytes((int)types[s], (int)k) * (std::size_t)rows[s],
@@ -61,12 +64,29 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     for (std::size_t i = 0; i < sc.x.size(); ++i) sc.x[i] = (float)src[i];
     xf = sc.x.data();
   }
-  sc.q.resize((std::size_t)m * k_pad);
-  sc.dx.resize((std::size_t)m * k_pad / kActBlock);
-  sc.ds.resize((std::size_t)m * k_pad / 16);
-  sc.dxl.resize((std::size_t)m * k_pad / 4);
-  quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data());
-  const Activations act{m, k_pad, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data()};
+  Activations act;
+  act.m = m;
+  act.k_pad = k_pad;
+  if (any_32) {  // per-32 activations for the 32-weight formats
+    sc.q.resize((std::size_t)m * k_pad);
+    sc.dx.resize((std::size_t)m * k_pad / kActBlock);
+    sc.ds.resize((std::size_t)m * k_pad / 16);
+    sc.dxl.resize((std::size_t)m * k_pad / 4);
+    quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data());
+    act.q = sc.q.data();
+    act.dx = sc.dx.data();
+    act.ds = sc.ds.data();
+    act.dxl = sc.dxl.data();
+  }
+  if (any_k) {  // per-256 activations for the K-quants
+    sc.q256.resize((std::size_t)m * k_pad);
+    sc.d256.resize((std::size_t)m * k_pad / kChunk);
+    sc.bsum.resize((std::size_t)m * k_pad / 16);
+    quantize_activations_256(xf, m, (int)k, k, sc.q256.data(), sc.d256.data(), sc.bsum.data());
+    act.q256 = sc.q256.data();
+    act.d256 = sc.d256.data();
+    act.bsum = sc.bsum.data();
+  }
   auto out = at::empty({m, n_total}, xc.options());
   float* out_ptr;
   if (xc.scalar_type() == at::kFloat) {

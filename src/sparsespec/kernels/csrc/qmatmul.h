@@ -13,16 +13,26 @@
 //       Q6_K:             d fp16, sc[16] int8           w = d * sc_g * (q - 32)         (group g of 16)
 //   Every format is thus w = a_g * q + c_g per group g of 16 inputs, with integer codes q.
 //
-// Activations are quantized per row in blocks of 32: xq = round(x / dx) in [-127, 127], dx = max|x| / 127, and
-// ds_g = dx * sum(xq over group g of 16).
-//
 // The canonical arithmetic (every instruction set reproduces it bit for bit, so a result never depends on the
-// instruction set, the thread split, or how many rows share the call):
-//   for each chunk, for each quarter p, for lane L in 0..15 (inputs 4L .. 4L+3 of the quarter):
-//       i = exact integer dot of the 4 codes and 4 activations
+// instruction set, the thread split, or how many rows share the call). Lane L of a quarter covers inputs
+// 4L .. 4L+3; hsum adds lanes i and i+8, then i and i+4, i and i+2, i and i+1.
+//
+// 32-weight formats (Q4_0 ... Q8_0): activations quantized per row in blocks of 32, xq = round(x / dx) in
+// [-127, 127], dx = max|x| / 127, and ds_g = dx * sum(xq over group g of 16). Every such format is w = a_g q + c_g
+// per group g of 16 inputs. Then
+//   for each chunk, quarter p, lane L: i = exact dot of the lane's 4 codes and activations
 //       acc[L] = fma(float(i), a[4p + L/4] * dx[block of the lane], acc[L])
 //   for each chunk with offsets (c != 0), for g in 0..15: off[g] = fma(c[g], ds[g], off[g])
-//   y = hsum(acc) + hsum(off) (+ bias), hsum adding lanes i and i+8, then i and i+4, i and i+2, i and i+1.
+//   y = hsum(acc) + hsum(off) (+ bias)
+//
+// K-quants (Q4_K, Q5_K, Q6_K), as llama.cpp's Q8_K: activations quantized per row in blocks of 256 (one scale D per
+// chunk), with integer sums b_g over groups of 16. Their sub-block scales are integers, so a whole chunk
+// accumulates exactly in int32:
+//   for each chunk: isum[L] = sum over quarters p of dot[p][L] * s[4p + L/4]  (s: sc of the lane's sub-block / group)
+//       acc[L] = fma(float(isum[L]), d * D, acc[L])
+//       Q4_K, Q5_K: off = fma(float(sum_j mn_j (b_2j + b_2j+1)), -(dmin * D), off)
+//       Q6_K:       off = fma(float(-32 * sum_g sc_g b_g), d * D, off)
+//   y = hsum(acc) + off (+ bias)
 #pragma once
 
 #include <cstddef>
@@ -53,11 +63,19 @@ struct Activations {
   const float* dx = nullptr;   // [m, k_pad / 32]
   const float* ds = nullptr;   // [m, k_pad / 16]
   const float* dxl = nullptr;  // [m, k_pad / 4]: dx of each lane of 4 inputs (what the vector paths load)
+  // The K-quants' activations: quantized per 256 inputs.
+  const int8_t* q256 = nullptr;     // [m, k_pad]
+  const float* d256 = nullptr;      // [m, k_pad / 256]
+  const int32_t* bsum = nullptr;    // [m, k_pad / 16]: sum of q256 over each group of 16
 };
+
+inline bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 int padded_k(int k);  // k rounded up to a multiple of 256
 // Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4] from x [m, k] (row stride ldx).
 void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl);
+// Fill q [m, k_pad], d [m, k_pad/256], bsum [m, k_pad/16] (the K-quants' activations) from x [m, k].
+void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum);
 
 // out[r, col0 + n] = sum_k w[n, k] * x[r, k] (+ bias[n]) for rows n in [n_begin, n_end) of one weight.
 void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,

@@ -107,6 +107,68 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   }
 }
 
+// K-quants: whole chunks accumulate in int32 (qmatmul.h), one float step per chunk and row.
+template <int TYPE, int MT>
+inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n,
+                       float* out, long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  const long chunks_per_row = act.k_pad / kChunk;
+  __m256 acc_lo[MT], acc_hi[MT];
+  float off[MT];
+  for (int i = 0; i < MT; ++i) {
+    acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
+    off[i] = 0.0f;
+  }
+  KScales ks;
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    decode_k_scales<TYPE>(chunk, ks);
+    __m256i sum_lo[MT], sum_hi[MT];
+    for (int i = 0; i < MT; ++i) sum_lo[i] = sum_hi[i] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      __m256i lo, hi;
+      load_codes<TYPE>(chunk + SB + p * QB, lo, hi);
+      const __m256i s_lo = _mm256_setr_epi32(ks.s[4 * p], ks.s[4 * p], ks.s[4 * p], ks.s[4 * p], ks.s[4 * p + 1],
+                                             ks.s[4 * p + 1], ks.s[4 * p + 1], ks.s[4 * p + 1]);
+      const __m256i s_hi = _mm256_setr_epi32(ks.s[4 * p + 2], ks.s[4 * p + 2], ks.s[4 * p + 2], ks.s[4 * p + 2],
+                                             ks.s[4 * p + 3], ks.s[4 * p + 3], ks.s[4 * p + 3], ks.s[4 * p + 3]);
+      const int base = c * kChunk + p * kQuarter;
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xq = act.q256 + (long)(r0 + i) * act.k_pad + base;
+        const __m256i x_lo = _mm256_loadu_si256((const __m256i*)xq);
+        const __m256i x_hi = _mm256_loadu_si256((const __m256i*)(xq + 32));
+        sum_lo[i] = _mm256_add_epi32(sum_lo[i], _mm256_mullo_epi32(dot4(lo, x_lo), s_lo));
+        sum_hi[i] = _mm256_add_epi32(sum_hi[i], _mm256_mullo_epi32(dot4(hi, x_hi), s_hi));
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const long r = r0 + i;
+      const float d256 = act.d256[r * chunks_per_row + c];
+      const __m256 scale = _mm256_set1_ps(ks.d * d256);
+      acc_lo[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo[i]), scale, acc_lo[i]);
+      acc_hi[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi[i]), scale, acc_hi[i]);
+      const int32_t total = k_offset_sum<TYPE>(ks, act.bsum + r * (act.k_pad / 16) + c * 16);
+      off[i] = std::fma((float)total, k_offset_factor<TYPE>(ks, d256), off[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc_lo[i], acc_hi[i]) + off[i];
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE, int MT>
+inline void run_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
+                 long ldo) {
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K)
+    row_tile_k<TYPE, MT>(row, k, r0, act, bias, n, out, ldo);
+  else
+    row_tile<TYPE, MT>(row, k, r0, act, bias, n, out, ldo);
+}
+
 template <int TYPE>
 void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                float* out, long ldo) {
@@ -119,10 +181,10 @@ void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activation
       for (int n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * rb;
         switch (tile) {
-          case 1: row_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
-          case 2: row_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
-          case 3: row_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
-          default: row_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
+          case 1: run_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
+          case 2: run_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
+          case 3: run_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
+          default: run_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
         }
       }
     }

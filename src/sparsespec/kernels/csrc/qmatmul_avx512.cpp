@@ -122,6 +122,81 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   }
 }
 
+// K-quants: whole chunks accumulate in int32 (qmatmul.h), one float step per chunk and row.
+template <int TYPE, int MT>
+inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n,
+                       float* out, long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  const long chunks_per_row = act.k_pad / kChunk;
+  const __m512i group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[MT];
+  float off[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    off[i] = 0.0f;
+  }
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    __m512i s16, o16;  // per-group integer scales, and the offset multipliers (mins, or Q6_K's scales)
+    float d, dmin = 0.0f;
+    if constexpr (TYPE == Q6_K) {
+      d = _cvtsh_ss(load_u16(chunk));
+      s16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 2)));
+      o16 = s16;
+    } else {
+      d = _cvtsh_ss(load_u16(chunk));
+      dmin = _cvtsh_ss(load_u16(chunk + 2));
+      const __m128i sc = _mm_loadl_epi64((const __m128i*)(chunk + 4));
+      const __m128i mn = _mm_loadl_epi64((const __m128i*)(chunk + 12));
+      s16 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc, sc));
+      o16 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mn, mn));
+    }
+    __m512i isum[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i codes = load_codes<TYPE>(chunk + SB + p * QB);
+      const __m512i s_lanes = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(4 * p)), s16);
+      const int base = c * kChunk + p * kQuarter;
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m512i x = _mm512_loadu_si512(act.q256 + (long)(r0 + i) * act.k_pad + base);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot, s_lanes));
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const long r = r0 + i;
+      const float d256 = act.d256[r * chunks_per_row + c];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(d * d256), acc[i]);
+      const __m512i b = _mm512_loadu_si512(act.bsum + r * (act.k_pad / 16) + c * 16);
+      int32_t total = _mm512_reduce_add_epi32(_mm512_mullo_epi32(o16, b));
+      if constexpr (TYPE == Q6_K) total *= -32;
+      off[i] = std::fma((float)total, TYPE == Q6_K ? d * d256 : -(dmin * d256), off[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc[i]) + off[i];
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE, int MT>
+inline void run_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
+                 long ldo) {
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K)
+    row_tile_k<TYPE, MT>(row, k, r0, act, bias, n, out, ldo);
+  else
+    row_tile<TYPE, MT>(row, k, r0, act, bias, n, out, ldo);
+}
+
 template <int TYPE>
 void rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                  float* out, long ldo) {
@@ -134,14 +209,14 @@ void rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activati
       for (int n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * rb;
         switch (tile) {
-          case 1: row_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
-          case 2: row_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
-          case 3: row_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
-          case 4: row_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
-          case 5: row_tile<TYPE, 5>(row, k, r, act, bias, n, out, ldo); break;
-          case 6: row_tile<TYPE, 6>(row, k, r, act, bias, n, out, ldo); break;
-          case 7: row_tile<TYPE, 7>(row, k, r, act, bias, n, out, ldo); break;
-          default: row_tile<TYPE, 8>(row, k, r, act, bias, n, out, ldo); break;
+          case 1: run_tile<TYPE, 1>(row, k, r, act, bias, n, out, ldo); break;
+          case 2: run_tile<TYPE, 2>(row, k, r, act, bias, n, out, ldo); break;
+          case 3: run_tile<TYPE, 3>(row, k, r, act, bias, n, out, ldo); break;
+          case 4: run_tile<TYPE, 4>(row, k, r, act, bias, n, out, ldo); break;
+          case 5: run_tile<TYPE, 5>(row, k, r, act, bias, n, out, ldo); break;
+          case 6: run_tile<TYPE, 6>(row, k, r, act, bias, n, out, ldo); break;
+          case 7: run_tile<TYPE, 7>(row, k, r, act, bias, n, out, ldo); break;
+          default: run_tile<TYPE, 8>(row, k, r, act, bias, n, out, ldo); break;
         }
       }
     }

@@ -86,14 +86,69 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   }
 }
 
+// K-quants: whole chunks accumulate in int32 (qmatmul.h), one float step per chunk and row.
+template <int TYPE, int MT>
+inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n,
+                       float* out, long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  const int n_chunks = chunks_of(k);
+  const long chunks_per_row = act.k_pad / kChunk;
+  float32x4_t acc[MT][4];
+  float off[MT];
+  for (int i = 0; i < MT; ++i) {
+    for (int v = 0; v < 4; ++v) acc[i][v] = vdupq_n_f32(0.0f);
+    off[i] = 0.0f;
+  }
+  KScales ks;
+  for (int c = 0; c < n_chunks; ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    decode_k_scales<TYPE>(chunk, ks);
+    int32x4_t sum[MT][4];
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < 4; ++v) sum[i][v] = vdupq_n_s32(0);
+    for (int p = 0; p < 4; ++p) {
+      int8x16_t codes[4];
+      load_codes<TYPE>(chunk + SB + p * QB, codes);
+      const int base = c * kChunk + p * kQuarter;
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xq = act.q256 + (long)(r0 + i) * act.k_pad + base;
+        for (int v = 0; v < 4; ++v) {
+          const int32x4_t dot = vdotq_s32(vdupq_n_s32(0), codes[v], vld1q_s8(xq + 16 * v));
+          sum[i][v] = vmlaq_n_s32(sum[i][v], dot, ks.s[4 * p + v]);
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const long r = r0 + i;
+      const float d256 = act.d256[r * chunks_per_row + c];
+      for (int v = 0; v < 4; ++v) acc[i][v] = vfmaq_n_f32(acc[i][v], vcvtq_f32_s32(sum[i][v]), ks.d * d256);
+      const int32_t total = k_offset_sum<TYPE>(ks, act.bsum + r * (act.k_pad / 16) + c * 16);
+      off[i] = std::fma((float)total, k_offset_factor<TYPE>(ks, d256), off[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float y = hsum(acc[i]) + off[i];
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
 template <int TYPE>
 void rows_neon(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                float* out, long ldo) {
   const std::size_t rb = row_bytes_of<TYPE>(k);
   for (int n = n_begin; n < n_end; ++n) {
     int r = 0;
-    for (; r + 4 <= act.m; r += 4) row_tile<TYPE, 4>(w + n * rb, k, r, act, bias, n, out, ldo);
-    for (; r < act.m; ++r) row_tile<TYPE, 1>(w + n * rb, k, r, act, bias, n, out, ldo);
+    constexpr bool k_quant = TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K;
+    for (; r + 4 <= act.m; r += 4) {
+      if constexpr (k_quant) row_tile_k<TYPE, 4>(w + n * rb, k, r, act, bias, n, out, ldo);
+      else row_tile<TYPE, 4>(w + n * rb, k, r, act, bias, n, out, ldo);
+    }
+    for (; r < act.m; ++r) {
+      if constexpr (k_quant) row_tile_k<TYPE, 1>(w + n * rb, k, r, act, bias, n, out, ldo);
+      else row_tile<TYPE, 1>(w + n * rb, k, r, act, bias, n, out, ldo);
+    }
   }
 }
 

@@ -77,7 +77,74 @@ void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, flo
   }
 }
 
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum) {
+  const int k_pad = padded_k(k);
+  for (int r = 0; r < m; ++r) {
+    const float* xr = x + (long)r * ldx;
+    int8_t* qr = q + (long)r * k_pad;
+    for (int c = 0; c < k_pad / kChunk; ++c) {
+      const int begin = c * kChunk;
+      float amax = 0.0f;
+      for (int i = begin; i < std::min(begin + kChunk, k); ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      d[(long)r * (k_pad / kChunk) + c] = amax / 127.0f;
+      for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) {
+          const int at = begin + 16 * g + i;
+          int v = 0;
+          if (at < k) v = std::clamp((int)std::nearbyint(xr[at] * inv), -127, 127);
+          qr[at] = (int8_t)v;
+          sum += v;
+        }
+        bsum[(long)r * (k_pad / 16) + c * 16 + g] = sum;
+      }
+    }
+  }
+}
+
 namespace {
+
+template <int TYPE>
+void rows_scalar_k(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                   float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  const int n_chunks = chunks_of(k);
+  KScales ks;
+  int8_t codes[64];
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    for (int r = 0; r < act.m; ++r) {
+      const int8_t* xq = act.q256 + (long)r * act.k_pad;
+      float acc[16] = {0}, off = 0.0f;
+      for (int c = 0; c < n_chunks; ++c) {
+        const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+        decode_k_scales<TYPE>(chunk, ks);
+        int32_t isum[16] = {0};
+        for (int p = 0; p < 4; ++p) {
+          decode_quarter<TYPE>(chunk + scale_bytes_of<TYPE>() + p * quarter_bytes_of<TYPE>(), codes);
+          const int base = c * kChunk + p * kQuarter;
+          for (int lane = 0; lane < 16; ++lane) {
+            int dot = 0;
+            for (int e = 0; e < 4; ++e) dot += (int)codes[4 * lane + e] * (int)xq[base + 4 * lane + e];
+            isum[lane] += dot * ks.s[4 * p + lane / 4];
+          }
+        }
+        const float d256 = act.d256[(long)r * (act.k_pad / kChunk) + c];
+        const float scale = ks.d * d256;
+        for (int lane = 0; lane < 16; ++lane) acc[lane] = std::fma((float)isum[lane], scale, acc[lane]);
+        const int32_t ioff = k_offset_sum<TYPE>(ks, act.bsum + (long)r * (act.k_pad / 16) + c * 16);
+        off = std::fma((float)ioff, k_offset_factor<TYPE>(ks, d256), off);
+      }
+      float y = canonical_hsum(acc) + off;
+      if (bias) y += bias[n];
+      out[(long)r * ldo + n] = y;
+    }
+  }
+}
 
 template <int TYPE>
 void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
@@ -122,7 +189,12 @@ void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activati
 
 void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                          const float* bias, float* out, long ldo) {
-  dispatch_type(type, [&] <int T>() { rows_scalar<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+  dispatch_type(type, [&] <int T>() {
+    if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
+      rows_scalar_k<T>(w, k, n_begin, n_end, act, bias, out, ldo);
+    else
+      rows_scalar<T>(w, k, n_begin, n_end, act, bias, out, ldo);
+  });
 }
 
 void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out) {
