@@ -23,7 +23,7 @@ from sparsespec.speculative import (
     target_inflight_rows,
 )
 
-from sparsespec.edge.roofline import expected_tokens_per_pass
+from sparsespec.speedup import expected_tokens_per_pass
 
 from conftest import random_state, tiny_config, tiny_model
 

@@ -48,6 +48,8 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
+# The speed formulas are the decoding core's; the simulator uses them (and re-exports them for edge/__init__).
+from ..speedup import best_gamma, check_alpha_gamma, expected_tokens_per_pass, speculative_speedup  # noqa: F401
 from .profile import DeviceProfile
 
 # Bytes per weight, scales included. int8: a llama.cpp Q8_0 block holds 32 int8 weights and one fp16 scale
@@ -217,49 +219,6 @@ def forward_pass(
     )
 
 
-# --- speculative decoding formulas ------------------------------------------------------------------------------
-
-
-def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """Expected tokens per target pass with γ drafted tokens and per-token acceptance α (Leviathan et al. 2023).
-
-    ``(1 − α^(γ+1)) / (1 − α)``; ``γ + 1`` at α = 1, and 1 at α = 0 or γ = 0.
-    """
-    _check_alpha_gamma(alpha, gamma)
-    if alpha == 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def speculative_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Wall-time gain over autoregressive decoding: ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
-
-    ``c`` is the cost of one draft pass relative to one target pass (verification assumed to cost one target pass).
-    """
-    if c < 0:
-        raise UserError("The draft/target cost ratio c must be >= 0.")
-    return expected_tokens_per_pass(alpha, gamma) / (gamma * c + 1.0)
-
-
-def best_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
-    """The γ in ``0..max_gamma`` with the largest :func:`speculative_speedup` (the smallest on ties).
-
-    0 means speculation does not pay (speedup never above 1).
-    """
-    if max_gamma < 0:
-        raise UserError("max_gamma must be >= 0.")
-    gains = [speculative_speedup(alpha, g, c) for g in range(max_gamma + 1)]
-    best = max(gains)
-    return next(g for g, gain in enumerate(gains) if gain >= best * (1 - 1e-12))
-
-
-def _check_alpha_gamma(alpha: float, gamma: int) -> None:
-    if not 0.0 <= alpha <= 1.0:
-        raise UserError(f"Acceptance rate must lie in [0, 1], got {alpha}.")
-    if int(gamma) != gamma or gamma < 0:
-        raise UserError(f"γ (draft length) must be an integer >= 0, got {gamma}.")
-
-
 # --- SRAM placement ----------------------------------------------------------------------------------------------
 
 
@@ -424,7 +383,7 @@ def predict_speculative(
     :func:`expected_tokens_per_pass` with a measured mean (tokens per target pass, in ``[1, γ+1]``).
     """
     _check_context(context, budget)
-    _check_alpha_gamma(acceptance, gamma)
+    check_alpha_gamma(acceptance, gamma)
     if gamma < 1:
         raise UserError("Speculative decoding needs γ >= 1 drafted tokens per round.")
     if tokens_per_pass is not None and not 1.0 <= tokens_per_pass <= gamma + 1:

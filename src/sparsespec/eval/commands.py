@@ -12,8 +12,8 @@ import json
 import sys
 import time
 
-from ..cli import WEIGHT_CHOICES
 from ..errors import UserError
+from ..flags import WEIGHT_CHOICES, add_cache_arguments, add_model_arguments, cache_options, setup_torch
 
 DEFAULT_PPL_WINDOW = 256
 
@@ -49,8 +49,6 @@ def _check_window(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- ppl
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``sparsespec ppl``: model, cache, text and output flags."""
-    from ..cli import add_cache_arguments, add_model_arguments
-
     add_model_arguments(parser)
     add_cache_arguments(parser)
     _add_text_arguments(parser, required=True, max_tokens_default=None)
@@ -63,7 +61,6 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text through the chosen KV cache."""
-    from ..cli import cache_options, setup_torch
     from ..engine import check_fits_context
     from ..loading.load import load_model
     from .perplexity import measure_perplexity, plot_nll
@@ -125,8 +122,6 @@ def run_ppl(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------------- sweep
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``sparsespec sweep``: the grid axes, what to measure, where to write."""
-    from ..cli import add_cache_arguments, add_model_arguments
-
     add_model_arguments(parser)
     parser.add_argument("--draft", default="none",
                         help="comma-separated drafts: none, self, a model; NAME:BUDGET sets that draft's cache "
@@ -231,7 +226,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.text is not None:
         resolve_text(args.text)
 
-    from ..cli import setup_torch
     from ..loading.load import load_model
     from .sweep import SweepEvaluator, log_record, run_grid, setup_id
     from .texts import text_token_ids
@@ -301,8 +295,6 @@ def _draft_cache_flags(args: argparse.Namespace) -> dict:
 
 def _draft_cache(args: argparse.Namespace, positions: str, budget: int | None):
     """The draft's CacheOptions for one point: the ``--draft-*`` flags, the point's positions, a budget override."""
-    from ..cli import cache_options
-
     ns = argparse.Namespace(**vars(args))
     ns.positions = positions
     if budget is not None:

@@ -465,29 +465,28 @@ def aggregate_stats(runs: Sequence) -> dict:
     """Totals over several :class:`~sparsespec.engine.RunStats`: speeds are total tokens over total time."""
     new = sum(s.new_tokens for s in runs)
     decode = sum(s.decode_seconds for s in runs)
-    timed = sum(max(s.new_tokens - 1, 0) for s in runs)  # tokens after each run's first (see RunStats.tokens_per_s)
     out = {
         "prompts": len(runs),
         "prompt_tokens": sum(s.prompt_tokens for s in runs),
         "new_tokens": new,
-        "tokens_per_s": round(timed / decode, 3) if decode > 0 else 0.0,
+        "tokens_per_s": round(new / decode, 3) if decode > 0 else 0.0,  # as RunStats.tokens_per_s
         "prefill_seconds": round(sum(s.prefill_seconds for s in runs), 4),
         "decode_seconds": round(decode, 4),
         "kv_cache_bytes": max((s.kv_cache_bytes for s in runs), default=0),
     }
     spec = [s.speculative for s in runs if s.speculative is not None]
     if spec:
+        from ..speculative import cost_ratio
+
         drafted = sum(s.drafted for s in spec)
         passes = sum(s.target_passes for s in spec)
-        draft_passes = sum(s.draft_passes for s in spec)
         draft_s = sum(s.draft_seconds for s in spec)
         target_s = sum(s.target_seconds for s in spec)
         out.update(
             acceptance_rate=round(sum(s.accepted for s in spec) / drafted, 4) if drafted else 0.0,
             tokens_per_target_pass=round(sum(s.new_tokens for s in spec) / passes, 4) if passes else 0.0,
             target_passes=passes,
-            draft_target_cost_ratio=round((draft_s / draft_passes) / (target_s / passes), 4)
-            if draft_passes and passes and target_s > 0 else 0.0,
+            draft_target_cost_ratio=round(cost_ratio(draft_s, drafted, target_s, passes), 4),
         )
     return out
 
