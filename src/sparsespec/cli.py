@@ -33,6 +33,8 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     """
     if not args.draft:
         reject_without(draft_flags_given(args), "--draft")
+    elif args.draft == "self" and args.draft_weights is not None:
+        raise UserError("--draft self drafts with the target's own weights; drop --draft-weights.")
     if args.temperature == 0:
         sampling_flags = [flag for flag, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                                 ("--seed", args.seed is not None)) if on]

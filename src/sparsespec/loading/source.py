@@ -139,14 +139,35 @@ class _GGUFHeader:
         for _ in range(n_metadata):
             key = self.string()
             metadata[key] = self.value(self.take("<I"))
-        names = set()
+        self.tensors = {}
         for _ in range(n_tensors):
-            names.add(self.string())
-            n_dims = self.take("<I")
-            self.pos += 8 * n_dims + 4 + 8  # dimensions, type, data offset
+            name = self.string()
+            dims = [self.take("<Q") for _ in range(self.take("<I"))]
+            self.tensors[name] = (dims, self.take("<I"))
+            self.pos += 8  # data offset
         if self.pos > len(self.data):
             raise ValueError("the tensor table runs past the end of the file")
-        return metadata, names
+        return metadata, set(self.tensors)
+
+
+def read_gguf_tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of a GGUF file as stored (its GGML type's block size and bytes), from the header alone."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _GGUFHeader(data)
+            header.read()
+        sizes = {}
+        for name, (dims, kind) in header.tensors.items():
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            elements = 1
+            for d in dims:
+                elements *= d
+            sizes[name] = elements // block * block_bytes
+        return sizes
+    except (OSError, ValueError, KeyError, struct.error, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a readable GGUF file (truncated or corrupt: {exc}).") from None
 
 
 def read_config(source: ModelSource) -> ModelConfig:
