@@ -60,6 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .loading.tokenizer import eos_token_ids
     from .sampling import SamplingParams
 
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values first
     check_generate_flags(args)
     prompt = args.prompt
     if args.prompt_file is not None:
@@ -71,7 +72,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
     if prompt is None or not prompt.strip():
         raise UserError("The prompt is empty; pass --prompt TEXT (or --prompt-file FILE).")
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cache = cache_options(args)
     gamma = parse_gamma(args.gamma or DEFAULT_GAMMA) if args.draft else None
     draft_cache = cache_options(args, "draft_") if args.draft else None

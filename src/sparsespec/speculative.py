@@ -102,6 +102,7 @@ class AdaptiveGamma:
         self._draft_s: float | None = None  # per proposal
         self._single_s: float | None = None  # a 1-row target pass
         self._row_s: float | None = None  # verification cost per extra row
+        self._verifications: list[tuple[float, int]] = []  # (seconds, proposals) of verifications before t₁ is known
         self._wait = probe_every  # plain steps before the next probe
         self._backed_off = False  # drafting did not pay: plain steps, with probes
         self._plain_steps = 0  # plain steps since the last back-off or probe
@@ -137,13 +138,14 @@ class AdaptiveGamma:
             self._accepted = self.decay * self._accepted + accepted
             self._trials = self.decay * self._trials + accepted + rejected
             self._draft_s = self._average(self._draft_s, draft_s / drafted)
-            if self._single_s is not None:
-                self._row_s = self._average(self._row_s, (target_s - self._single_s) / drafted)
+            self._verifications.append((target_s, drafted))
             self._speculative_rounds += 1
         else:
             self._single_s = self._average(self._single_s, target_s)
-            if self._draft_s is not None:  # catch-up passes while the draft sits out are its cost too
-                self._draft_s += (1 - self.decay) * draft_s
+        if self._single_s is not None:  # extra-row costs of the verifications so far (t₁ known from now on)
+            for seconds, rows in self._verifications:
+                self._row_s = self._average(self._row_s, (seconds - self._single_s) / rows)
+            self._verifications.clear()
         self.gamma = self._choose(drafted)
 
     def _choose(self, drafted: int) -> int:
@@ -276,14 +278,23 @@ def speculative_tokens(
     if on_prefilled is not None:
         on_prefilled()
     target_pending = [last]  # accepted tokens the target has not been fed yet
-    draft_pending = [last]  # the same for the draft (two tokens after a fully accepted round)
+    draft_pending = [last]  # the same for the draft (two after a fully accepted round, more after γ = 0 rounds)
     generated = 0
     while generated < max_new_tokens:
         g = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
         g = min(g, max_new_tokens - generated - 1)
 
-        # 1. Draft γ proposals; they stay in flight in the draft's arena.
+        # 1. Draft γ proposals; they stay in flight in the draft's arena. A draft that sat out rounds (adaptive
+        #    γ = 0) first reads the backlog of accepted tokens; that is its time too.
         started = time.perf_counter()
+        catch_up_passes = 0
+        if g and len(draft_pending) + g - 1 > draft_cache.max_inflight:
+            backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
+            for start in range(0, len(backlog), draft_cache.max_inflight):
+                chunk = backlog[start : start + draft_cache.max_inflight]
+                draft.forward(torch.tensor(chunk), draft_cache)
+                draft_cache.commit(len(chunk))
+                catch_up_passes += 1
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         feed = draft_pending
@@ -314,17 +325,6 @@ def speculative_tokens(
         kept = min(draft_fed, len(draft_pending) + accepted)
         draft_cache.commit(kept)
         draft_pending = stream[kept:]
-        catch_up_passes = 0
-        if len(draft_pending) + gamma_cap - 1 > draft_cache.max_inflight:
-            # The draft sat out several rounds (adaptive γ = 0): feed it the backlog now (timed as the draft's).
-            started = time.perf_counter()
-            backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
-            for start in range(0, len(backlog), draft_cache.max_inflight):
-                chunk = backlog[start : start + draft_cache.max_inflight]
-                draft.forward(torch.tensor(chunk), draft_cache)
-                draft_cache.commit(len(chunk))
-                catch_up_passes += 1
-            draft_seconds += time.perf_counter() - started
 
         stats.target_passes += 1
         stats.draft_passes += g + catch_up_passes

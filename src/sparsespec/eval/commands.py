@@ -206,7 +206,7 @@ def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
             ("--ppl-window", args.ppl_window != DEFAULT_PPL_WINDOW),
         ) if on], "perplexity", " (--speed measures speed only)")
     if all(entry == "none" for entry in split_list(args.draft)):
-        reject_without([f.replace("--gamma", "--gammas") for f in draft_flags_given(args)], "a draft in --draft")
+        reject_without(["--gammas"] * (args.gammas is not None) + draft_flags_given(args), "a draft in --draft")
     if measure_quality and args.text is None:
         raise UserError("Perplexity needs --text FILE or --text corpus:NAME (or measure only --speed).")
     if args.context_tokens < 0:
