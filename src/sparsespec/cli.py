@@ -8,8 +8,7 @@ import sys
 
 from .errors import UserError
 
-from .flags import (  # noqa: F401  (the shared flags, re-exported for the commands registered below)
-    DEFAULT_DRAFT_BUDGET,
+from .flags import (  # the shared flags (also importable from here, as commands registered below do)
     WEIGHT_CHOICES,
     add_cache_arguments,
     add_model_arguments,
@@ -183,7 +182,7 @@ def _register_eval(sub) -> None:
 
 
 def _register_calibrate(sub) -> None:
-    from .calibrate import add_calibrate_arguments, run_calibrate
+    from .edge.calibrate import add_calibrate_arguments, run_calibrate
 
     p = sub.add_parser("calibrate", help="measure this machine and write the simulator's host profile")
     add_calibrate_arguments(p)

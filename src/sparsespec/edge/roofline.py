@@ -48,8 +48,7 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
-# The speed formulas are the decoding core's; the simulator uses them (and re-exports them for edge/__init__).
-from ..speedup import best_gamma, check_alpha_gamma, expected_tokens_per_pass, speculative_speedup  # noqa: F401
+from ..speedup import check_alpha_gamma, expected_tokens_per_pass  # the decoding core's formulas
 from .profile import DeviceProfile
 
 # Weight formats the engine runs (``linear.py``), by their real bytes, scales included:
