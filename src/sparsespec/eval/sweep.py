@@ -392,19 +392,27 @@ class SweepEvaluator:
         return DraftOptions(self._drafts[ref], cache, point.gamma)
 
     def check(self, point: SweepPoint) -> None:
-        """Raise :class:`UserError` now for a point that could not run (context too long for its positions)."""
-        from ..engine import check_fits_context
+        """Raise :class:`UserError` now for a point that could not run (context too long for its positions, or
+        in-cache ranks past the trained context)."""
+        from ..engine import check_fits_context, check_in_cache_ranks
+        from ..speculative import GAMMA_MAX, draft_inflight_rows, target_inflight_rows
 
-        cache = self.cache_options(point)
+        cache, o = self.cache_options(point), self.options
         if self.quality and self.text_ids is not None:
             check_fits_context(self.target, cache, len(self.text_ids), "The quality text (--max-tokens)")
+            chunk = o.chunk if o.chunk is not None else (o.prefill_chunk if cache.policy.is_full else 1)
+            check_in_cache_ranks(self.target, cache, min(chunk, len(self.text_ids)))
         if self.speed and self.prompts:
-            longest = max(len(ids) for ids in self.prompt_token_ids()) + self.options.new_tokens
+            longest = max(len(ids) for ids in self.prompt_token_ids()) + o.new_tokens
             check_fits_context(self.target, cache, longest, "The longest prompt plus context and --new-tokens")
             draft = self.draft(point)
+            gamma_cap = GAMMA_MAX if point.gamma == "auto" else (point.gamma or 0)
+            staging = min(o.prefill_chunk, longest)
+            check_in_cache_ranks(self.target, cache, max(staging, target_inflight_rows(gamma_cap) if draft else 1))
             if draft is not None:
                 check_fits_context(draft.model, draft.cache, longest,
                                    "The longest prompt plus context and --new-tokens (for the draft)")
+                check_in_cache_ranks(draft.model, draft.cache, max(staging, draft_inflight_rows(gamma_cap)))
 
     # -- measuring
     def __call__(self, point: SweepPoint) -> dict:
