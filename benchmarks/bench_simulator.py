@@ -17,6 +17,10 @@ a full cache, the budget for a budgeted one. Calibrate first, at the same thread
     sparsespec calibrate --threads 2
     python benchmarks/bench_simulator.py                # Qwen2.5-Coder 1.5B (+0.5B draft) and SmolLM2; minutes
     python benchmarks/bench_simulator.py --quick        # SmolLM2 only, few tokens, short contexts; under a minute
+    python benchmarks/bench_simulator.py --weights int8 --draft-weights int4   # the default formats, by their bytes
+
+The summary line reports the mean absolute and the mean signed error ((predicted − measured) / measured): a signed
+mean far from zero is a bias of the model, not noise.
 """
 
 from __future__ import annotations
@@ -119,8 +123,8 @@ SAME_PASS_S = 1e-3
 def steady_window(stamps: list[float]) -> tuple[float, int]:
     """(tok/s after the first pass, tokens of the first pass): tokens after the first burst over the time they took.
 
-    ``RunStats.tokens_per_s`` counts every token after the first over the time after the first; a speculative round
-    yields several tokens at once, so that count includes the rest of the first round's tokens without its time.
+    ``RunStats.tokens_per_s`` counts every token over the time after prefill, the first pass or round included; this
+    window leaves that first one out, as the simulator predicts the steady state.
     """
     first = 1
     while first < len(stamps) and stamps[first] - stamps[first - 1] < SAME_PASS_S:
@@ -163,24 +167,30 @@ def run_once(target, ids: list[int], new_tokens: int, config: Config, draft_mode
     return Run(tok_s, first, stamps[-1] - stamps[first - 1], stats)
 
 
-def predict(config: Config, target, draft_model, device, prompt_tokens: int, new_tokens: int, run: Run) -> dict:
+# The simulator's name of each engine weight format (its bytes: see edge/roofline.py).
+SIMULATOR_FORMAT = {"dense": "bf16", "int8": "int8", "int4": "int4"}
+
+
+def predict(config: Config, target, draft_model, device, prompt_tokens: int, new_tokens: int, run: Run,
+            formats: dict[str, str]) -> dict:
     """The simulator's tok/s for ``config`` (and the pieces it came from).
 
     Speculative runs are predicted three ways: ``predicted_tok_s`` replays the rounds of the measured window (their
     γ and accepted tokens) through the simulator's pass costs, so that only the time model is under test;
     ``predicted_tok_s_simulator`` is ``predict_speculative`` with the run's measured tokens per target pass (what
     ``sparsespec simulate`` gives for that acceptance); ``predicted_tok_s_iid`` feeds it the measured per-token
-    acceptance through the i.i.d. formula instead.
+    acceptance through the i.i.d. formula instead. ``formats``: the simulator's ``weights`` and ``draft_weights``.
     """
     context = prompt_tokens + new_tokens // 2
     if config.draft is None:
-        pred = predict_autoregressive(target.config, device, context=context, budget=config.budget)
+        pred = predict_autoregressive(target.config, device, context=context, budget=config.budget,
+                                      weights=formats["weights"])
         return {"predicted_tok_s": pred.tokens_per_second, "prediction": _brief(pred)}
     spec = run.stats.speculative
     gamma = config.gamma
     draft_cfg = None if config.draft == "self" else draft_model.config
     kw = dict(context=context, acceptance=min(max(spec.acceptance_rate, 0.0), 1.0), draft=draft_cfg,
-              budget=config.budget, draft_budget=config.draft_budget)
+              budget=config.budget, draft_budget=config.draft_budget, **formats)
     tokens_per_pass = min(max(spec.tokens_per_target_pass, 1.0), gamma + 1.0)
     pred = predict_speculative(target.config, device, gamma=gamma, tokens_per_pass=tokens_per_pass, **kw)
     iid = predict_speculative(target.config, device, gamma=gamma, **kw)
@@ -189,7 +199,8 @@ def predict(config: Config, target, draft_model, device, prompt_tokens: int, new
     round_s: dict[int, float] = {}
     for g in set(spec.gammas[1:]):
         if g == 0:
-            single = predict_autoregressive(target.config, device, context=context, budget=config.budget)
+            single = predict_autoregressive(target.config, device, context=context, budget=config.budget,
+                                            weights=formats["weights"])
             round_s[g] = single.seconds_per_token
         else:
             cost = predict_speculative(target.config, device, gamma=g, **kw).passes
@@ -221,6 +232,10 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated configuration names to run (default: all)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (16 with --quick)")
+    parser.add_argument("--weights", choices=("dense", "int8", "int4"), default="dense",
+                        help="the target's weight format, run by the engine and modelled by its bytes (default: dense)")
+    parser.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default=None,
+                        help="a draft model's weight format (default: as --weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None,
                         help="also append the JSON lines here (default: results/simulator.jsonl; none with --quick)")
@@ -237,19 +252,20 @@ def main() -> None:
 
     models: dict[str, object] = {}
 
-    def get(name: str):
-        if name not in models:
-            print(f"loading {name}", file=sys.stderr)
-            models[name] = load_model(name, torch.bfloat16)
-            warm = models[name]
+    def get(name: str, weights: str):
+        if (name, weights) not in models:
+            print(f"loading {name} ({weights})", file=sys.stderr)
+            models[name, weights] = load_model(name, torch.bfloat16, weights)
+            warm = models[name, weights]
             list(run_generation(warm, warm.tokenizer.encode(PROSE_PROMPT)[:32], max_new_tokens=4,
                                 sampling=SamplingParams(), cache=cache_for(None)))
-        return models[name]
+        return models[name, weights]
 
     errors = []
     for config in configs:
-        target = get(config.target)
-        draft_model = target if config.draft == "self" else (get(config.draft) if config.draft else None)
+        target = get(config.target, args.weights)
+        draft_weights = args.draft_weights or args.weights
+        draft_model = target if config.draft == "self" else (get(config.draft, draft_weights) if config.draft else None)
         ids = prompt_for(target, config.context)
         runs = [run_once(target, ids, new_tokens, config, draft_model) for _ in range(args.runs)]
         speeds = [r.tok_s for r in runs]
@@ -257,11 +273,14 @@ def main() -> None:
         run = runs[speeds.index(measured)] if measured in speeds else runs[0]
         stats = run.stats
         record = {"bench": "simulator", "config": config.name, "target": config.target, "draft": config.draft,
-                  "budget": config.budget, "draft_budget": config.draft_budget,
+                  "budget": config.budget, "draft_budget": config.draft_budget, "weights": args.weights,
+                  "draft_weights": (args.draft_weights or args.weights) if config.draft else None,
                   "gamma": config.gamma if config.draft else None, "prompt_tokens": len(ids),
                   "new_tokens": new_tokens, "measured_tok_s": measured, "runs": [round(s, 3) for s in speeds],
                   "engine_tok_s": median([r.stats.tokens_per_s for r in runs])}
-        prediction = predict(config, target, draft_model, device, len(ids), new_tokens, run)
+        formats = {"weights": SIMULATOR_FORMAT[args.weights],
+                   "draft_weights": SIMULATOR_FORMAT[args.weights if config.draft == "self" else draft_weights]}
+        prediction = predict(config, target, draft_model, device, len(ids), new_tokens, run, formats)
         record["predicted_tok_s"] = prediction.pop("predicted_tok_s")
         record["error_fraction"] = (record["predicted_tok_s"] - measured) / measured
         if "predicted_tok_s_simulator" in prediction:
@@ -276,12 +295,15 @@ def main() -> None:
                           measured_target_pass_s=spec.target_seconds / max(spec.target_passes, 1),
                           measured_other_s_per_round=_untimed_per_round(run))
         record.update(prediction, device=device.name, loadavg=loadavg(), date=machine()["date"])
-        errors.append(abs(record["error_fraction"]))
+        errors.append(record["error_fraction"])
         emit(record, out)
         gc.collect()
-    if errors:
-        emit({"bench": "simulator_summary", "configs": len(errors), "mean_abs_error": sum(errors) / len(errors),
-              "max_abs_error": max(errors), "device": device.name, **machine()}, out)
+    if errors:  # signed: (predicted − measured) / measured; a mean signed error far from 0 is a systematic bias
+        emit({"bench": "simulator_summary", "configs": len(errors),
+              "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
+              "mean_signed_error": sum(errors) / len(errors), "max_abs_error": max(abs(e) for e in errors),
+              "weights": args.weights, "draft_weights": args.draft_weights or args.weights, "device": device.name,
+              **machine()}, out)
 
 
 if __name__ == "__main__":

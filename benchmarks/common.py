@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sparsespec.edge.calibrate import loadavg  # noqa: F401  (the one definition; benchmarks import it from here)
 from sparsespec.loading.fixtures import MODEL_FIXTURES
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -46,13 +47,6 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-
-
-def loadavg() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except OSError:
-        return float("nan")
 
 
 def median(values: list[float]) -> float:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from common import RESULTS_DIR, machine
 
 from sparsespec.edge import load_profile
-from sparsespec.edge.commands import simulate
+from sparsespec.edge.commands import SimulateOptions, simulate
 from sparsespec.edge.profile import list_profiles
 from sparsespec.loading.source import read_config, resolve_model
 
@@ -57,11 +58,11 @@ def main() -> None:
         device = load_profile(name)
         for label, target, weights, draft, draft_weights in SCENARIOS:
             for context in (int(c) for c in args.contexts.split(",")):
-                common = dict(draft=configs[draft] if draft else None, model_name=target, draft_name=draft,
-                              weights=weights, draft_weights=draft_weights, acceptance=args.acceptance,
-                              context=context)
-                sized = simulate(configs[target], device, **common)
-                fixed = simulate(configs[target], device, budget=args.budget, **common)
+                options = SimulateOptions(weights=weights, draft_weights=draft_weights, acceptance=args.acceptance,
+                                          context=context)
+                names = dict(draft=configs[draft] if draft else None, model_name=target, draft_name=draft)
+                sized = simulate(configs[target], device, options, **names)
+                fixed = simulate(configs[target], device, replace(options, budget=args.budget), **names)
                 modes, info = fixed["modes"], fixed["model_info"]
                 row = {
                     "device": name, "scenario": label, "context": context, "acceptance": args.acceptance,

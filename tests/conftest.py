@@ -79,3 +79,20 @@ def smollm2_f32(smollm2_path):
     from sparsespec.loading.load import load_model
 
     return load_model("smollm2-135m", torch.float32)
+
+
+@pytest.fixture
+def row_by_row(monkeypatch):
+    """Counts the calls of ``KVArena._attend_row_by_row`` by arena: the path that evicts between the rows of a
+    multi-row block (a verification block that fills the budget)."""
+    calls: dict[int, int] = {}
+    from sparsespec.cache.arena import KVArena
+
+    original = KVArena._attend_row_by_row
+
+    def spy(self, *args, **kwargs):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVArena, "_attend_row_by_row", spy)
+    return calls

@@ -14,7 +14,7 @@ from conftest import tiny_config, tiny_model
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
-from sparsespec.calibrate import (
+from sparsespec.edge.calibrate import (
     KIB,
     MIB,
     QUICK,

@@ -287,6 +287,16 @@ def test_budget_beyond_context(capsys, cached_smollm2):
     )
 
 
+@pytest.mark.parametrize("budget", ["9000", "8190"])
+def test_in_cache_ranks_beyond_context(capsys, cached_smollm2, budget):
+    """In-cache ranks run up to budget + staged rows − 1: 8190 + the prompt's ~8 staged rows pass 8192 too."""
+    assert_user_error(
+        run_cli(capsys, "generate", "--prompt", PROMPT, "--policy", "window", "--budget", budget, "--positions",
+                "in-cache", "-n", "4", "--dtype", "float32"),
+        "--positions in-cache", f"--budget {budget}", "context of 8192",
+    )
+
+
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_max_new_tokens_below_one(capsys, cached_smollm2, value):
     assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, "-n", value, "--dtype", "float32"),
@@ -313,6 +323,14 @@ INVALID_FLAGS = [
      ["does not match --budget 10"]),
     (["--prefill-chunk", "0"], ["--prefill-chunk", "at least 1"]),
     (["--threads", "0"], ["--threads", "at least 1"]),
+    # Flags that would do nothing in this combination.
+    (["--gamma", "2"], ["--gamma", "nothing without --draft"]),
+    (["--draft-budget", "16", "--draft-weights", "int4"], ["--draft-weights, --draft-budget", "without --draft"]),
+    (["--draft", "self", "--draft-weights", "int4"], ["--draft self", "--draft-weights"]),
+    (["--top-k", "5"], ["--top-k", "nothing without sampling", "temperature"]),
+    (["--top-p", "0.9", "--seed", "3"], ["--top-p, --seed", "temperature 0"]),
+    (["--positions", "in-cache"], ["--positions in-cache", "full cache"]),
+    (["--prompt-file", "prompt.txt"], ["--prompt", "--prompt-file", "not both"]),
 ]
 
 

@@ -28,7 +28,7 @@ from sparsespec.edge import (
     speculative_speedup,
 )
 from sparsespec.edge.commands import add_simulate_arguments, run_simulate, simulate
-from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters
+from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters, weight_bytes
 from sparsespec.errors import UserError
 
 SHIPPED = {
@@ -135,7 +135,7 @@ def test_toy_sizes_by_hand():
     assert m.num_parameters() == 128 + 2 * 592 + 8 == 1320
     assert streamed_parameters(m) == 1320  # tied: the embedding is the head and is read whole
     assert streamed_parameters(toy_model(tie_word_embeddings=False)) == 1320  # +128 head, −128 gathered table
-    assert kv_bytes_per_token(m, "bf16") == 2 * 2 * 1 * 4 * 2 == 32 == m.kv_bytes_per_token
+    assert kv_bytes_per_token(m, "bf16") == 2 * 2 * 1 * 4 * 2 == 32 == m.kv_bytes_per_token()
     assert kv_bytes_per_token(m, "fp32") == 64
 
 
@@ -246,12 +246,26 @@ def test_weight_formats_and_efficiency():
     dev = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30})
     t = {w: forward_pass(m, dev, tokens=1, kv_entries=0, weights=w).time_s for w in ("bf16", "int8", "int4")}
     assert t["bf16"] == pytest.approx(1320 * 2 / 1000)
-    assert t["int8"] == pytest.approx(1320 * 34 / 32 / 1000)
-    assert t["int4"] == pytest.approx(1320 * 18 / 32 / 1000)
+    # The toy's in_features (8, 16) are padded as the engine pads them: int8 to 16, int4 to 32 (out to 16); the
+    # 40 norm weights stay bf16. int8: Σ out·(in₁₆ + 2) = 2592; int4: Σ out₁₆·in₃₂·(1/2 + 4/32) = 3520.
+    assert t["int8"] == pytest.approx((2592 + 80) / 1000)
+    assert t["int4"] == pytest.approx((3520 + 80) / 1000)
     half = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30}, dram_efficiency=0.5)
     assert forward_pass(m, half, tokens=1, kv_entries=0).time_s == pytest.approx(2 * t["bf16"])
     with pytest.raises(UserError):
         forward_pass(m, dev, tokens=1, kv_entries=0, weights="int3")
+
+
+def test_weight_bytes_are_the_engine_formats():
+    """Without padding: int4 is 0.625 bytes per weight (4 bits + bf16 scale and zero per 32), int8 one byte per
+    weight plus a bf16 scale per output channel; norms stay bf16."""
+    m = toy_model(hidden_size=64, intermediate_size=128, num_hidden_layers=1, head_dim=32, vocab_size=32)
+    matrix_weights = 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128 + 32 * 64  # qkv, o, gate_up, down, head
+    assert matrix_weights == 38912 and streamed_parameters(m) == matrix_weights + 192
+    assert weight_bytes(m, "bf16") == 2 * (38912 + 192)
+    assert weight_bytes(m, "int4") == 38912 * 0.625 + 2 * 192
+    assert weight_bytes(m, "int8") == 38912 + 2 * (128 + 64 + 256 + 64 + 32) + 2 * 192
+    assert weight_bytes(m, 1.5) == 1.5 * (38912 + 192)  # native: the file's bytes per streamed parameter
 
 
 def test_speculative_simulation_matches_the_speedup_formula():
@@ -463,3 +477,17 @@ def test_edge_imports_no_torch():
     env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_native_weights_are_the_gguf_files_bytes(smollm2_path, capsys):
+    """``--weights native`` streams what the GGUF file holds: SmolLM2 ties its head, so every tensor is streamed and
+    the bytes per forward are the tensors' bytes, which fill the file but for its header and alignment."""
+    args = _args("--weights", "native", "--json", model=str(smollm2_path))
+    assert run_simulate(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    per_forward = report["model_info"]["weight_bytes_per_forward"]
+    assert 0.97 * smollm2_path.stat().st_size < per_forward < smollm2_path.stat().st_size
+    assert report["settings"]["weights"] == "native"
+    with pytest.raises(UserError, match="GGUF"):
+        run_simulate(_args("--weights", "native"))  # a ModelConfig, not a file
+

@@ -241,7 +241,7 @@ def test_aggregate_stats_weights_by_tokens():
                  speculative=SpeculativeStats(target_passes=10, draft_passes=32, drafted=32, accepted=14,
                                               new_tokens=31, draft_seconds=1.6, target_seconds=2.0))
     out = aggregate_stats([a, b])
-    assert out["tokens_per_s"] == pytest.approx(40 / 3.0, abs=1e-3)
+    assert out["tokens_per_s"] == pytest.approx(42 / 3.0, abs=1e-3)  # every new token, over the decode time
     assert out["acceptance_rate"] == pytest.approx(20 / 40)
     assert out["tokens_per_target_pass"] == pytest.approx(42 / 15)
     assert out["draft_target_cost_ratio"] == pytest.approx((2.0 / 40) / (3.0 / 15))
@@ -301,7 +301,11 @@ def test_ppl_max_tokens_beyond_context_is_refused_before_loading(tmp_path):
         (["--out", "x.jsonl", "--speed", "--context-tokens", "10"], "give --text too"),
         (["--out", "x.jsonl", "--speed", "--new-tokens", "0"], "--new-tokens"),
         (["--out", "x.jsonl", "--speed", "--budgets", "32,abc"], "integers"),
-        (["--out", "x.jsonl", "--speed", "--gammas", "0"], "--gamma"),
+        (["--out", "x.jsonl", "--speed", "--draft", "self", "--gammas", "0"], "--gamma must be at least 1"),
+        (["--out", "x.jsonl", "--speed", "--gammas", "2"], "--gammas does nothing without a draft"),
+        (["--out", "x.jsonl", "--speed", "--draft-budget", "32"], "--draft-budget does nothing without a draft"),
+        (["--out", "x.jsonl", "--speed", "--chunk", "4", "--ppl-window", "64"], "--chunk, --ppl-window do nothing"),
+        (["--out", "x.jsonl", "--quality", "--new-tokens", "8"], "--new-tokens does nothing without the speed"),
         (["--out", "x.jsonl", "--speed", "--positions", "diagonal"], "position mode"),
         (["--out", "x.jsonl", "--speed", "--prompts", "poetry"], "prompt kind"),
         (["--out", "missing.jsonl", "--plot-only", "--plots", "DIR"], "no sweep records"),

@@ -95,8 +95,8 @@ def test_quantized_logits_stay_close_to_float32(arch):
         (fmt, str(dtype)): mean_kl(reference, full_logits(Transformer(config, state, dtype, fmt), ids))
         for fmt in ("dense", "int8", "int4")
         for dtype in (torch.float32, torch.bfloat16)
+        if (fmt, dtype) != ("dense", torch.float32)  # the reference itself
     }
-    assert kl[("dense", "torch.float32")] == 0.0
     for dtype in ("torch.float32", "torch.bfloat16"):
         # Measured (both archs): bf16 dense ~6e-5, int8 ~1.5e-4, int4 (group 32) ~1e-2.
         assert kl[("dense", "torch.bfloat16")] < 1e-3
@@ -163,7 +163,7 @@ def _arena(model, pol, max_inflight):
 @pytest.mark.parametrize(
     "target_fmt,draft_fmt", [("int8", "int4"), ("int4", "int4"), ("dense", "int4"), ("int4", "dense"), ("int8", "int8")]
 )
-def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_fmt, draft_fmt):
+def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_fmt, draft_fmt, row_by_row):
     """float32 compute, quantized target and/or draft, budgeted caches: speculative == autoregressive, token for
     token."""
     target = Transformer(SPEC_CONFIG, SPEC_STATE, torch.float32, target_fmt)
@@ -175,13 +175,16 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_
     expected = list(generate_tokens(target, _arena(target, target_policy, 1), ids, max_new_tokens=n,
                                     sampling=SamplingParams(), prefill_chunk=8))
     stats = SpeculativeStats()
+    row_by_row.clear()
+    target_arena = _arena(target, target_policy, target_inflight_rows(4))
     got = list(speculative_tokens(
-        target, _arena(target, target_policy, target_inflight_rows(4)),
-        draft, _arena(draft, draft_policy, draft_inflight_rows(4)),
+        target, target_arena, draft, _arena(draft, draft_policy, draft_inflight_rows(4)),
         ids, max_new_tokens=n, sampling=SamplingParams(), gamma=4, prefill_chunk=8, stats=stats,
     ))
     assert got == expected
-    assert target_policy.budget < len(ids) + n  # the target's cache evicted, including inside verification blocks
+    # The target's cache evicted, and did so inside verification blocks (the row-by-row path ran in its arena).
+    assert target_arena.evicted_tokens >= len(ids) + n - target_policy.budget - target_inflight_rows(4)
+    assert row_by_row.get(id(target_arena), 0) > 10
     # Both accept and reject paths ran.
     assert 10 < stats.accepted < stats.drafted - 10
 

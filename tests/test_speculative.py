@@ -23,7 +23,7 @@ from sparsespec.speculative import (
     target_inflight_rows,
 )
 
-from sparsespec.edge.roofline import expected_tokens_per_pass
+from sparsespec.speedup import expected_tokens_per_pass
 
 from conftest import random_state, tiny_config, tiny_model
 
@@ -51,11 +51,14 @@ TARGET_CONFIG = tiny_config("llama", tie_word_embeddings=False)
 TARGET_STATE = random_state(TARGET_CONFIG, seed=0, scale=1.0)
 
 
-def noisy_copy(noise: float, seed: int = 5) -> Transformer:
-    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+def _noisy_state(noise: float, seed: int = 5) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    state = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in TARGET_STATE.items()}
-    return Transformer(TARGET_CONFIG, state, torch.float32)
+    return {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in TARGET_STATE.items()}
+
+
+def noisy_copy(noise: float, seed: int = 5, weights: str = "dense") -> Transformer:
+    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+    return Transformer(TARGET_CONFIG, _noisy_state(noise, seed), torch.float32, weights)
 
 
 def prompt(n, vocab, seed=1):
@@ -84,18 +87,23 @@ DRAFT = noisy_copy(noise=0.01)
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
 @pytest.mark.parametrize("name", list(POLICY_SPECS))
-def test_greedy_speculative_equals_autoregressive(name, positions):
+def test_greedy_speculative_equals_autoregressive(name, positions, row_by_row):
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 256)
+    row_by_row.clear()
     stats = SpeculativeStats()
-    got, _, _ = spec_tokens(TARGET, DRAFT, pol, make_policy("hybrid", 10, sinks=2, heavy=3), positions, ids,
-                            256, gamma=4, stats=stats)
+    got, t_cache, _ = spec_tokens(TARGET, DRAFT, pol, make_policy("hybrid", 10, sinks=2, heavy=3), positions, ids,
+                                  256, gamma=4, stats=stats)
     assert got == expected
     # The draft must be neither perfect nor useless, so both accept and reject paths ran.
     assert 10 < stats.accepted < stats.drafted - 10
-    if name != "full":
-        assert pol.budget < len(ids) + 256  # eviction happened, including inside verification blocks
+    if name == "full":
+        assert t_cache.evicted_tokens == 0 and id(t_cache) not in row_by_row
+    else:
+        # The target evicted, and did so inside verification blocks (the row-by-row path ran in its arena).
+        assert t_cache.evicted_tokens >= len(ids) + 256 - pol.budget - target_inflight_rows(4)
+        assert row_by_row.get(id(t_cache), 0) > 10
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
@@ -172,7 +180,8 @@ SMALL_DRAFT = Transformer(SMALL, random_state(SMALL, seed=12, scale=1.0), torch.
 SMALL_PROMPT = [1, 3, 0, 2]
 SAMPLING_CASES = {
     "full-t1": (make_policy("full"), SamplingParams(temperature=1.0)),
-    "hybrid-top-p": (make_policy("hybrid", 3, sinks=1, heavy=1), SamplingParams(temperature=1.0, top_p=0.9)),
+    # Temperature 1.5: at 1.0 the top-p filter leaves target and draft one-hot on the same token at the first step.
+    "hybrid-top-p": (make_policy("hybrid", 3, sinks=1, heavy=1), SamplingParams(temperature=1.5, top_p=0.9)),
 }
 
 
@@ -222,17 +231,36 @@ def test_speculative_sampling_matches_autoregressive_distribution(case):
     assert chi_square_p(speculative_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) > 0.01
 
 
-def test_broken_acceptance_rule_is_caught(monkeypatch):
-    """Resampling from p instead of normalize(max(0, p − q)) after a rejection biases the output: χ² sees it."""
+def _resample_from_p(p, q, drafts, generator):
+    """Broken: after a rejection, draws from p instead of normalize(max(0, p − q))."""
+    for i, x in enumerate(drafts):
+        if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
+            return i, sample(p[i], generator)
+    return len(drafts), sample(p[len(drafts)], generator)
 
-    def broken_accept(p, q, drafts, generator):
-        for i, x in enumerate(drafts):
-            if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
-                return i, sample(p[i], generator)
-        return len(drafts), sample(p[len(drafts)], generator)
 
-    monkeypatch.setattr(speculative, "_accept", broken_accept)
-    pol, sampling = SAMPLING_CASES["full-t1"]
+def _bonus_from_last_draft_row(p, q, drafts, generator):
+    """Broken: when every proposal passes, draws the bonus token from the last proposal's row of p (p_γ) instead
+    of the row after it (p_{γ+1})."""
+    for i, x in enumerate(drafts):
+        if not bool(torch.rand((), generator=generator) < p[i, x] / q[i][x]):
+            residual = (p[i] - q[i]).clamp_(min=0.0)
+            return i, sample(residual / residual.sum() if residual.sum() > 0 else p[i], generator)
+    return len(drafts), sample(p[len(drafts) - 1], generator)
+
+
+@pytest.mark.slow  # shows the power of the χ² test above (that a wrong rule fails it), not a property of the code
+@pytest.mark.parametrize("case,broken", [
+    ("full-t1", _resample_from_p),
+    ("hybrid-top-p", _resample_from_p),
+    ("full-t1", _bonus_from_last_draft_row),
+    ("hybrid-top-p", _bonus_from_last_draft_row),
+], ids=["residual-full", "residual-hybrid-top-p", "bonus-full", "bonus-hybrid-top-p"])
+def test_broken_acceptance_rule_is_caught(monkeypatch, case, broken):
+    """A rule that is wrong after a rejection, or for the bonus token, biases the output: χ² sees it, for the full
+    cache at temperature 1 and for a sparse target with top-p."""
+    monkeypatch.setattr(speculative, "_accept", broken)
+    pol, sampling = SAMPLING_CASES[case]
     assert chi_square_p(speculative_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) < 0.01
 
 
@@ -251,6 +279,107 @@ def test_expected_tokens_formula():
     assert expected_tokens_per_pass(0.0, 4) == 1.0
     assert expected_tokens_per_pass(1.0, 4) == 5.0
     assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+
+
+def simulated_decode(gamma: AdaptiveGamma, n_tokens: int, alpha: float, draft_s: float, row_s: float = 0.0,
+                     single_s: float = 1.0, seed: int = 0) -> tuple[float, list[int]]:
+    """Drive ``gamma`` through a fake decode of ``n_tokens``: each proposal passes with probability ``alpha``; a round
+    with γ proposals takes γ·draft_s + single_s + γ·row_s seconds. Returns the total seconds and the γ of each round.
+    """
+    rng = torch.Generator().manual_seed(seed)
+    seconds, produced, gammas = 0.0, 0, []
+    while produced < n_tokens:
+        g = gamma.gamma
+        accepted = 0
+        while accepted < g and float(torch.rand((), generator=rng)) < alpha:
+            accepted += 1
+        target_s = single_s + g * row_s
+        seconds += g * draft_s + target_s
+        produced += accepted + 1
+        gammas.append(g)
+        gamma.update(g, accepted, g * draft_s, target_s)
+    return seconds, gammas
+
+
+def test_adaptive_gamma_backs_off_when_drafting_does_not_pay():
+    """A useless draft (nothing accepted, a proposal costing 0.4 of a target pass): after the first round and the
+    plain step that measures the target, γ = 0; probes come back with growing gaps; a 64-token answer costs at most
+    5% more than decoding without a draft."""
+    gamma = AdaptiveGamma()
+    seconds, gammas = simulated_decode(gamma, 64, alpha=0.0, draft_s=0.4)
+    assert gammas[:3] == [4, 0, 0]
+    probes = [i for i, g in enumerate(gammas) if g and i > 0]
+    assert all(gammas[i] == 1 for i in probes) and len(probes) >= 2
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the wait doubles after each failed probe
+    assert seconds <= 1.05 * 64  # 64 plain steps take 64 s
+
+
+def test_adaptive_gamma_backs_off_when_verification_rows_are_dear():
+    """Proposals are accepted but each extra verification row costs as much as a pass (the int4 multi-row kernel at
+    its worst): speculation does not pay, so γ goes to 0; a cheap draft with cheap rows keeps speculating."""
+    seconds, gammas = simulated_decode(AdaptiveGamma(), 64, alpha=0.6, draft_s=0.1, row_s=1.0)
+    assert set(gammas[2:]) <= {0, 1} and gammas[2:].count(0) > 0.8 * len(gammas[2:])  # after round 1 and t₁
+    assert seconds <= 1.1 * 64
+    seconds, gammas = simulated_decode(AdaptiveGamma(), 64, alpha=0.8, draft_s=0.05, row_s=0.02)
+    assert seconds < 64 / 1.8 and sum(g >= 2 for g in gammas) > 0.8 * len(gammas)
+
+
+def test_adaptive_gamma_probes_and_resumes_when_the_draft_recovers():
+    gamma = AdaptiveGamma()
+    simulated_decode(gamma, 30, alpha=0.0, draft_s=0.1)
+    assert gamma.gamma in (0, 1)
+    _, gammas = simulated_decode(gamma, 200, alpha=0.95, draft_s=0.1)
+    assert gammas[-1] >= 3  # a probe saw the acceptance come back and speculation resumed
+
+
+class FakeClock:
+    """``time.perf_counter`` stand-in whose every reading advances by a random step: timings that differ from run
+    to run as wall-clock ones do."""
+
+    def __init__(self, seed: int) -> None:
+        self.now, self.rng = 0.0, torch.Generator().manual_seed(seed)
+
+    def perf_counter(self) -> float:
+        self.now += 0.001 + 0.2 * float(torch.rand((), generator=self.rng))
+        return self.now
+
+
+def test_sampled_output_with_auto_gamma_is_reproducible(monkeypatch):
+    """``--gamma auto`` at temperature 1: the same seed gives the same text whatever the timings, because γ then
+    follows acceptance and the weight-bytes cost ratio. The same run with timing-driven γ under the same two clocks
+    gives two γ schedules and two texts, so the clocks do matter."""
+    from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
+    from sparsespec.loading.load import LoadedModel
+
+    # An int8 draft streams a quarter of the float32 target's bytes: speculating pays in the byte cost model.
+    small_draft = noisy_copy(0.01, weights="int8")
+    target = LoadedModel("target", None, TARGET_CONFIG, TARGET, None)
+    draft = DraftOptions(LoadedModel("draft", None, TARGET_CONFIG, small_draft, None), CacheOptions(), "auto")
+    ids = prompt(20, TARGET_CONFIG.vocab_size, seed=8)
+    sampling = SamplingParams(temperature=1.0)
+
+    def run(clock_seed: int) -> tuple[list[int], list[int]]:
+        monkeypatch.setattr(speculative, "time", FakeClock(clock_seed))
+        stats = RunStats()
+        out = list(run_generation(target, ids, max_new_tokens=96, sampling=sampling, cache=CacheOptions(), seed=3,
+                                  draft=draft, stats=stats))
+        return out, stats.speculative.gammas
+
+    (out_1, gammas_1), (out_2, gammas_2) = run(1), run(2)
+    assert out_1 == out_2 and gammas_1 == gammas_2
+    assert sum(g >= 1 for g in gammas_1) > len(gammas_1) / 2  # it did speculate
+
+    def timed_run(clock_seed: int) -> tuple[list[int], list[int]]:
+        monkeypatch.setattr(speculative, "time", FakeClock(clock_seed))
+        stats = SpeculativeStats()
+        out, _, _ = spec_tokens(TARGET, small_draft, policy("full"), policy("full"),
+                                "original", ids, 96, gamma=AdaptiveGamma(), sampling=sampling,
+                                generator=torch.Generator().manual_seed(3), stats=stats)
+        return out, stats.gammas
+
+    (out_1, gammas_1), (out_2, gammas_2) = timed_run(1), timed_run(2)
+    assert gammas_1 != gammas_2 and out_1 != out_2
 
 
 def test_adaptive_gamma_follows_acceptance():

@@ -8,74 +8,40 @@ import sys
 
 from .errors import UserError
 
-WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
-DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
+from .flags import (  # the shared flags (also importable from here, as commands registered below do)
+    WEIGHT_CHOICES,
+    add_cache_arguments,
+    add_model_arguments,
+    cache_options,
+    draft_flags_given,
+    reject_without,
+    setup_torch,
+)
 
 
-# --------------------------------------------------------------------------------------------- shared flags
-def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
-    parser.add_argument("--model", "-m", default=default_model,
-                        help="fixture name, .gguf file or Hugging Face folder (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
-                        help="weight format of the projections: native (the GGUF file's own blocks, native kernels), "
-                        "dense (= bf16: in --dtype), int8, int4, or auto (native for a GGUF file the kernels read, "
-                        "else target int8, draft int4); default: auto")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    """Cache flags; ``prefix="draft-"`` gives the draft's copies (``--draft-policy`` …)."""
-    p = f"--{prefix}"
-    parser.add_argument(f"{p}policy", default=None,
-                        help="full | window | streaming | h2o | hybrid (default: "
-                        + ("hybrid, budget 64)" if prefix else "full, or hybrid when a budget or size is given)"))
-    parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
-    parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")
-    parser.add_argument(f"{p}heavy", type=int, default=None, help="heavy hitters kept")
-    parser.add_argument(f"{p}window", type=int, default=None, help="most recent tokens kept")
-    if not prefix:
-        parser.add_argument("--positions", choices=("original", "in-cache"), default="original",
-                            help="RoPE positions: true positions, or ranks inside the cache (StreamingLLM)")
-        parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
-        parser.add_argument("--force-context", action="store_true",
-                            help="allow true positions beyond the model's trained context")
-
-
-def cache_options(args: argparse.Namespace, prefix: str = ""):
-    """CacheOptions from parsed flags (``prefix="draft_"`` for the draft, which shares positions and chunk)."""
-    from .cache.policy import make_policy
-    from .engine import CacheOptions
-
-    name = getattr(args, f"{prefix}policy")
-    budget = getattr(args, f"{prefix}budget")
-    sizes = {part: getattr(args, f"{prefix}{part}") for part in ("sinks", "heavy", "window")}
-    sized = budget is not None or any(v is not None for v in sizes.values())
-    if name is None:
-        name = "hybrid" if prefix or sized else "full"
-        if prefix and not sized:
-            budget = DEFAULT_DRAFT_BUDGET
-    policy = make_policy(name, budget, **sizes)
-    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context)
-
-
-def setup_torch(args: argparse.Namespace):
-    import torch
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1 (got {args.threads}).")
-        torch.set_num_threads(args.threads)
-    from .loading.load import DTYPES
-
-    if args.weights is None:  # float32 is for exactness: keep its weights dense unless asked otherwise
-        args.weights = "auto" if args.dtype == "bfloat16" else "dense"
-    if getattr(args, "draft_weights", "") is None:
-        args.draft_weights = args.weights
-    return DTYPES[args.dtype]
+DEFAULT_GAMMA = "4"
 
 
 # ------------------------------------------------------------------------------------------------ commands
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """Raise :class:`UserError` for ``generate`` flags that would do nothing in this combination.
+
+    Speculative flags need ``--draft``; ``--top-k``, ``--top-p`` and ``--seed`` shape sampling, which temperature 0
+    (greedy) does not do; ``--prompt`` and ``--prompt-file`` exclude each other. (``--stop`` works with ``--json``:
+    the JSON text ends before the stop string and decoding stops there.)
+    """
+    if not args.draft:
+        reject_without(draft_flags_given(args), "--draft")
+    elif args.draft == "self" and args.draft_weights is not None:
+        raise UserError("--draft self drafts with the target's own weights; drop --draft-weights.")
+    if args.temperature == 0:
+        sampling_flags = [flag for flag, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                                ("--seed", args.seed is not None)) if on]
+        reject_without(sampling_flags, "sampling", " (--temperature above 0; temperature 0 is greedy)")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UserError("Give the prompt once: --prompt TEXT or --prompt-file FILE, not both.")
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from .loading.fetch import fetch
 
@@ -93,7 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .loading.tokenizer import eos_token_ids
     from .sampling import SamplingParams
 
-    prompt = args.prompt if args.prompt is not None else None
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values first
+    check_generate_flags(args)
+    prompt = args.prompt
     if args.prompt_file is not None:
         try:
             prompt = open(args.prompt_file, encoding="utf-8").read()
@@ -103,9 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
     if prompt is None or not prompt.strip():
         raise UserError("The prompt is empty; pass --prompt TEXT (or --prompt-file FILE).")
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cache = cache_options(args)
-    gamma = parse_gamma(args.gamma) if args.draft else None
+    gamma = parse_gamma(args.gamma or DEFAULT_GAMMA) if args.draft else None
     draft_cache = cache_options(args, "draft_") if args.draft else None
     dtype = setup_torch(args)
 
@@ -131,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = RunStats()
     tokens = run_generation(
         target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
-        seed=args.seed, eos_ids=eos, draft=draft, stats=stats,
+        seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
     )
     pieces = []
     for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
@@ -175,15 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler (default: 0); the same seed gives the same text, also with "
+                   "--gamma auto (see README: Reproducibility)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable; also ends the --json text)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
     p.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                    help="the draft's weight format (default: as --weights)")
-    p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto'")
+    p.add_argument("--gamma", default=None,
+                   help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
     add_cache_arguments(p, prefix="draft-")
     p.set_defaults(func=cmd_generate)
 
@@ -212,7 +182,7 @@ def _register_eval(sub) -> None:
 
 
 def _register_calibrate(sub) -> None:
-    from .calibrate import add_calibrate_arguments, run_calibrate
+    from .edge.calibrate import add_calibrate_arguments, run_calibrate
 
     p = sub.add_parser("calibrate", help="measure this machine and write the simulator's host profile")
     add_calibrate_arguments(p)

@@ -56,10 +56,9 @@ class ModelConfig:
     def queries_per_kv_head(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
-        return 2 * 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    def kv_bytes_per_token(self, bytes_per_element: float = 2) -> float:
+        """Bytes of K and V per token over all layers, at ``bytes_per_element`` (2: bf16)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_element
 
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (embedding counted once when tied)."""

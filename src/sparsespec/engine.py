@@ -25,6 +25,7 @@ from .speculative import (
     draft_inflight_rows,
     speculative_tokens,
     target_inflight_rows,
+    weight_cost_ratio,
 )
 
 
@@ -45,7 +46,8 @@ class CacheOptions:
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
     """Raise :class:`UserError` when a run would show the model positions beyond its trained context.
 
-    With ``in-cache`` positions and a budgeted policy positions stay below budget + staging, so any length works.
+    With ``in-cache`` positions and a budgeted policy, positions are ranks below budget + staging whatever the
+    length (:func:`check_in_cache_ranks` checks those against the context).
     """
     context = loaded.config.max_position_embeddings
     budget = cache.policy.budget
@@ -59,14 +61,35 @@ def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: i
         )
 
 
+def check_in_cache_ranks(loaded: LoadedModel, cache: CacheOptions, staging: int) -> None:
+    """Raise :class:`UserError` when in-cache ranks would pass the model's trained context.
+
+    A budgeted arena holds up to ``budget + staging`` entries (``staging``: the most rows staged at once, the
+    prefill chunk or the rows in flight), and ``in-cache`` positions rank them ``0 … budget + staging − 1``.
+    """
+    budget = cache.policy.budget
+    context = loaded.config.max_position_embeddings
+    if cache.positions != "in-cache" or budget is None or cache.force_context or budget + staging <= context:
+        return
+    raise UserError(
+        f"With --positions in-cache the ranks reach --budget {budget} + {staging} staged rows = {budget + staging}, "
+        f"past {loaded.name}'s context of {context} tokens; lower --budget or the chunk (or --force-context)."
+    )
+
+
 def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int) -> KVArena:
-    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that)."""
+    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that).
+
+    Raises :class:`UserError` when its in-cache ranks would pass the trained context (:func:`check_in_cache_ranks`).
+    """
+    max_block = min(cache.prefill_chunk, max_tokens)
+    check_in_cache_ranks(loaded, cache, max(max_block, max_inflight))
     return KVArena(
         loaded.config,
         cache.policy,
         dtype=loaded.model.dtype,
         max_tokens=max_tokens,
-        max_block=min(cache.prefill_chunk, max_tokens),
+        max_block=max_block,
         max_inflight=max_inflight,
         positions=cache.positions,
     )
@@ -87,10 +110,11 @@ class RunStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode speed: new tokens after the first, over the time after the first token appeared."""
-        if self.new_tokens <= 1 or self.decode_seconds <= 0:
+        """Decode speed: new tokens over the time after the prompt was read (so a speculative first round's tokens
+        come with that round's time)."""
+        if not self.new_tokens or self.decode_seconds <= 0:
             return 0.0
-        return (self.new_tokens - 1) / self.decode_seconds
+        return self.new_tokens / self.decode_seconds
 
     def to_dict(self) -> dict:
         out = {
@@ -162,12 +186,18 @@ def run_generation(
     stats = stats if stats is not None else RunStats()
     stats.prompt_tokens = len(prompt_ids)
     generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+    started = time.perf_counter()
+    prefilled_at = [started]
+
+    def on_prefilled() -> None:
+        prefilled_at[0] = time.perf_counter()
+        stats.prefill_seconds = prefilled_at[0] - started
 
     if draft is None:
         arena = make_arena(target, cache, total, max_inflight=1)
         tokens = generate_tokens(
             target.model, arena, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk,
+            generator=generator, eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk, on_prefilled=on_prefilled,
         )
         arenas = [arena]
     else:
@@ -176,7 +206,11 @@ def run_generation(
                 target.tokenizer, draft.model.tokenizer, target.config.vocab_size, draft.model.config.vocab_size
             )
         check_fits_context(draft.model, draft.cache, total, "The prompt plus --max-new-tokens (for the draft)")
-        gamma = AdaptiveGamma() if draft.gamma == "auto" else draft.gamma
+        gamma = draft.gamma
+        if gamma == "auto":
+            # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
+            fixed = None if sampling.greedy else weight_cost_ratio(target.model, draft.model.model)
+            gamma = AdaptiveGamma(cost_ratio=fixed)
         gamma_cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
         target_arena = make_arena(target, cache, total, target_inflight_rows(gamma_cap))
         draft_arena = make_arena(draft.model, draft.cache, total, draft_inflight_rows(gamma_cap))
@@ -184,19 +218,13 @@ def run_generation(
         tokens = speculative_tokens(
             target.model, target_arena, draft.model.model, draft_arena, prompt_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
-            eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk, stats=stats.speculative,
+            eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk, stats=stats.speculative, on_prefilled=on_prefilled,
         )
         arenas = [target_arena, draft_arena]
 
-    started = time.perf_counter()
-    first_token_at = None
     for token in tokens:
-        now = time.perf_counter()
-        if first_token_at is None:
-            first_token_at = now
-            stats.prefill_seconds = now - started
         stats.new_tokens += 1
-        stats.decode_seconds = now - first_token_at
+        stats.decode_seconds = time.perf_counter() - prefilled_at[0]
         yield token
     stats.kv_cache_bytes = sum(a.nbytes for a in arenas)
     stats.evicted_tokens = arenas[0].evicted_tokens

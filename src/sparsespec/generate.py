@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -32,15 +32,18 @@ def generate_tokens(
     generator: torch.Generator | None = None,
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` new token ids, one forward pass each, stopping after an EOS id.
 
     The prompt's last token is fed like a generated one (a single row), so that this loop and speculative
-    decoding see the same cache at every step.
+    decoding see the same cache at every step. ``on_prefilled`` is called once the rest of the prompt is read.
     """
     eos = set(eos_ids)
     *context, token = prompt_ids
     prefill(model, cache, context, prefill_chunk)
+    if on_prefilled is not None:
+        on_prefilled()
     for step in range(max_new_tokens):
         logits = model.forward(torch.tensor([token]), cache)[-1]
         cache.commit(1)

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .cache.arena import KVArena
-from .edge.roofline import speculative_speedup
 from .errors import UserError
 from .generate import prefill
 from .model import Transformer
 from .sampling import SamplingParams, sample, warp
+from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
 
@@ -61,26 +61,52 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, 
 
 
 class AdaptiveGamma:
-    """Chooses γ each round from the observed acceptance and the measured draft / target cost ratio.
+    """Chooses γ each round from the observed acceptance and the measured costs, backing off to γ = 0 (the target
+    decodes alone) as soon as drafting does not pay, and probing again later.
 
-    Acceptance α is estimated as accepted / (accepted + rejections), with exponentially decaying counts (so it
-    follows a change of text); the cost ratio c from decaying averages of the draft's time per proposal and the
-    target's time per verification. γ maximises :func:`~sparsespec.edge.roofline.speculative_speedup`; when no γ ≥ 1 beats plain decoding,
-    γ = 0 (the target decodes alone) except for an occasional probe round with γ = 1 that keeps the estimates
-    fresh.
+    Model: a round with γ proposals takes ``γ·d + t₁ + γ·r`` seconds and yields ``E(α, γ)`` tokens (the core's
+    :func:`~sparsespec.speedup.expected_tokens_per_pass`), where ``d`` is the draft's time per proposal (everything
+    the draft does, catch-up passes included), ``t₁`` a 1-row target pass and ``r`` the verification's cost per
+    extra row; a plain step takes ``t₁`` per token. So γ gains :func:`~sparsespec.speedup.speculative_speedup` with
+    the cost ratio ``c = (d + r) / t₁``, and γ = 0 is chosen when no γ ≥ 1 gains more than 1.
+
+    Acceptance α is accepted / (accepted + rejections) with exponentially decaying counts (a weak prior of 0.5, so
+    a draft that is never accepted is dropped after one or two rounds); the times are decaying averages. The second
+    round is a plain step (γ = 0) that measures ``t₁``; one in every ``remeasure_every`` speculative rounds is
+    another. After a back-off a probe round (γ = 1) runs after ``probe_every`` plain steps, the wait doubling after
+    every probe that does not pay (up to ``max_probe_every``).
+
+    ``cost_ratio``: a fixed ``c`` instead of measured times. Decisions then depend only on the accepted tokens, so
+    sampled output is reproducible for a fixed seed (timings differ from run to run; see :func:`weight_cost_ratio`).
     """
 
-    def __init__(self, initial: int = 4, gamma_max: int = GAMMA_MAX, decay: float = 0.9, probe_every: int = 8):
+    def __init__(
+        self,
+        initial: int = 4,
+        gamma_max: int = GAMMA_MAX,
+        decay: float = 0.7,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+        remeasure_every: int = 16,
+        cost_ratio: float | None = None,
+    ):
         self.gamma = initial
         self.gamma_max = gamma_max
         self.decay = decay
         self.probe_every = probe_every
-        self._accepted = 2.0  # prior: α ≈ 0.67 until measured
-        self._trials = 3.0
-        self._draft_s = 0.0
-        self._target_s = 0.0
-        self._timed = False
-        self._rounds_without_draft = 0
+        self.max_probe_every = max_probe_every
+        self.remeasure_every = remeasure_every
+        self.fixed_cost_ratio = cost_ratio
+        self._accepted = 0.5  # prior: α = 0.5 until measured, weighing as one trial
+        self._trials = 1.0
+        self._draft_s: float | None = None  # per proposal
+        self._single_s: float | None = None  # a 1-row target pass
+        self._row_s: float | None = None  # verification cost per extra row
+        self._verifications: list[tuple[float, int]] = []  # (seconds, proposals) of verifications before t₁ is known
+        self._wait = probe_every  # plain steps before the next probe
+        self._backed_off = False  # drafting did not pay: plain steps, with probes
+        self._plain_steps = 0  # plain steps since the last back-off or probe
+        self._speculative_rounds = 0
 
     @property
     def alpha(self) -> float:
@@ -88,26 +114,65 @@ class AdaptiveGamma:
 
     @property
     def cost_ratio(self) -> float:
-        return self._draft_s / self._target_s if self._timed and self._target_s > 0 else 0.5
+        """c = (d + r) / t₁ (the fixed one if given; 0.5 until measured)."""
+        if self.fixed_cost_ratio is not None:
+            return self.fixed_cost_ratio
+        if self._draft_s is None or not self._single_s:
+            return 0.5
+        return (self._draft_s + max(self._row_s or 0.0, 0.0)) / self._single_s
 
-    def update(self, drafted: int, accepted: int, draft_s_per_token: float | None, target_s: float) -> None:
-        """Record one round: ``drafted`` proposals, ``accepted`` of them, and the measured times."""
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def best(self) -> tuple[int, float]:
+        """The γ ≥ 1 with the largest modelled gain, and that gain."""
+        alpha, c = self.alpha, self.cost_ratio
+        g = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
+        return g, speculative_speedup(alpha, g, c)
+
+    def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
+        """Record one round: ``drafted`` proposals, ``accepted`` of them, the draft's seconds in the round (catch-up
+        passes included) and the target pass's seconds; then choose the next round's γ."""
         if drafted:
             rejected = 1 if accepted < drafted else 0
             self._accepted = self.decay * self._accepted + accepted
             self._trials = self.decay * self._trials + accepted + rejected
-        if draft_s_per_token is not None:
-            if not self._timed:
-                self._draft_s, self._target_s, self._timed = draft_s_per_token, target_s, True
-            else:
-                self._draft_s = self.decay * self._draft_s + (1 - self.decay) * draft_s_per_token
-                self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s
-        best = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(self.alpha, g, self.cost_ratio))
-        if speculative_speedup(self.alpha, best, self.cost_ratio) > 1.0:
-            self.gamma, self._rounds_without_draft = best, 0
+            self._draft_s = self._average(self._draft_s, draft_s / drafted)
+            self._verifications.append((target_s, drafted))
+            self._speculative_rounds += 1
         else:
-            self._rounds_without_draft += 1
-            self.gamma = 1 if self._rounds_without_draft % self.probe_every == 0 else 0
+            self._single_s = self._average(self._single_s, target_s)
+        if self._single_s is not None:  # extra-row costs of the verifications so far (t₁ known from now on)
+            for seconds, rows in self._verifications:
+                self._row_s = self._average(self._row_s, (seconds - self._single_s) / rows)
+            self._verifications.clear()
+        self.gamma = self._choose(drafted)
+
+    def _choose(self, drafted: int) -> int:
+        measuring = self.fixed_cost_ratio is None
+        if measuring and self._single_s is None:
+            return 0  # measure a plain step first
+        g, gain = self.best()
+        if gain > 1.0:
+            self._backed_off, self._wait = False, self.probe_every
+            if measuring and drafted and self._speculative_rounds % self.remeasure_every == 0:
+                return 0  # t₁ drifts as the context grows
+            return g
+        if drafted and self._backed_off:  # a probe that did not pay: wait longer for the next
+            self._wait = min(2 * self._wait, self.max_probe_every)
+        if drafted or not self._backed_off:  # back off
+            self._backed_off, self._plain_steps = True, 0
+            return 0
+        self._plain_steps += 1
+        if self._backed_off and self._plain_steps >= self._wait:
+            self._plain_steps = 0
+            return 1
+        return 0
+
+
+def weight_cost_ratio(target: Transformer, draft: Transformer) -> float:
+    """c from weight bytes: a draft pass over a target pass, for decoding bound by streaming the weights."""
+    return draft.bytes_read_per_token() / target.bytes_read_per_token()
 
 
 @dataclass
@@ -133,10 +198,19 @@ class SpeculativeStats:
 
     @property
     def draft_target_cost_ratio(self) -> float:
-        """Seconds per draft forward pass over seconds per target verification pass."""
-        if not self.draft_passes or not self.target_passes:
-            return 0.0
-        return (self.draft_seconds / self.draft_passes) / (self.target_seconds / self.target_passes)
+        """The draft's seconds per proposal over the target's seconds per pass: c of the speed formula.
+
+        ``draft_seconds`` is everything the draft does (proposals and the catch-up passes after γ = 0 rounds), so
+        c is what a proposal really costs.
+        """
+        return cost_ratio(self.draft_seconds, self.drafted, self.target_seconds, self.target_passes)
+
+
+def cost_ratio(draft_seconds: float, drafted: int, target_seconds: float, target_passes: int) -> float:
+    """Draft seconds per proposal over target seconds per pass (0 when either is unmeasured)."""
+    if not drafted or not target_passes or target_seconds <= 0:
+        return 0.0
+    return (draft_seconds / drafted) / (target_seconds / target_passes)
 
 
 def _accept(
@@ -180,11 +254,14 @@ def speculative_tokens(
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
     stats: SpeculativeStats | None = None,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` token ids decoded speculatively (stops after an EOS id).
 
     ``gamma`` is a fixed number of proposals per round (≥ 1) or an :class:`AdaptiveGamma`. The arenas must allow
-    :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target itself (self-speculation) with its own arena.
+    :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target
+    itself (self-speculation) with its own arena. ``on_prefilled`` is called once the prompt is read (so callers
+    can time decoding over the span that produces every new token).
     """
     if isinstance(gamma, int) and gamma < 1:
         raise UserError(f"--gamma must be at least 1 (got {gamma}).")
@@ -198,15 +275,26 @@ def speculative_tokens(
     *context, last = prompt_ids
     prefill(target, target_cache, context, prefill_chunk)
     prefill(draft, draft_cache, context, prefill_chunk)
+    if on_prefilled is not None:
+        on_prefilled()
     target_pending = [last]  # accepted tokens the target has not been fed yet
-    draft_pending = [last]  # the same for the draft (two tokens after a fully accepted round)
+    draft_pending = [last]  # the same for the draft (two after a fully accepted round, more after γ = 0 rounds)
     generated = 0
     while generated < max_new_tokens:
         g = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
         g = min(g, max_new_tokens - generated - 1)
 
-        # 1. Draft γ proposals; they stay in flight in the draft's arena.
+        # 1. Draft γ proposals; they stay in flight in the draft's arena. A draft that sat out rounds (adaptive
+        #    γ = 0) first reads the backlog of accepted tokens; that is its time too.
         started = time.perf_counter()
+        catch_up_passes = 0
+        if g and len(draft_pending) + g - 1 > draft_cache.max_inflight:
+            backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
+            for start in range(0, len(backlog), draft_cache.max_inflight):
+                chunk = backlog[start : start + draft_cache.max_inflight]
+                draft.forward(torch.tensor(chunk), draft_cache)
+                draft_cache.commit(len(chunk))
+                catch_up_passes += 1
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         feed = draft_pending
@@ -237,23 +325,16 @@ def speculative_tokens(
         kept = min(draft_fed, len(draft_pending) + accepted)
         draft_cache.commit(kept)
         draft_pending = stream[kept:]
-        if len(draft_pending) + gamma_cap - 1 > draft_cache.max_inflight:
-            # The draft sat out several rounds (adaptive γ = 0): feed it the backlog now.
-            backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
-            for start in range(0, len(backlog), draft_cache.max_inflight):
-                chunk = backlog[start : start + draft_cache.max_inflight]
-                draft.forward(torch.tensor(chunk), draft_cache)
-                draft_cache.commit(len(chunk))
 
         stats.target_passes += 1
-        stats.draft_passes += g
+        stats.draft_passes += g + catch_up_passes
         stats.drafted += g
         stats.accepted += accepted
         stats.draft_seconds += draft_seconds
         stats.target_seconds += target_seconds
         stats.gammas.append(g)
         if isinstance(gamma, AdaptiveGamma):
-            gamma.update(g, accepted, draft_seconds / g if g else None, target_seconds)
+            gamma.update(g, accepted, draft_seconds, target_seconds)
 
         for token in drafts[:accepted] + [next_token]:
             generated += 1

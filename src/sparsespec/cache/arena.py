@@ -152,7 +152,7 @@ class KVArena:
 
     def end(self) -> None:
         """Close the block opened by :meth:`begin` (after the last layer)."""
-        first, n_rows, per_block = self._block
+        _, n_rows, per_block = self._block
         alive = self.n_visible
         budget = self.policy.budget
         for _ in range(n_rows):

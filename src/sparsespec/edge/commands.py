@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,13 +20,13 @@ from ..config import ModelConfig
 from ..errors import UserError
 from .profile import DeviceProfile, list_profiles, load_profile
 from .roofline import (
-    BYTES_PER_WEIGHT,
     KV_BYTES_PER_ELEMENT,
     best_budget,
     best_gamma_on_device,
     kv_bytes_per_token,
     predict_autoregressive,
     predict_speculative,
+    resident_weight_bytes,
     streamed_parameters,
     weight_bytes,
 )
@@ -37,7 +38,7 @@ DEFAULT_ACCEPTANCE = 0.8
 FALLBACK_BUDGET = 256
 # Cache of the self-speculative draft (the target's weights over a small sparse cache) when none is given.
 DEFAULT_SELF_DRAFT_BUDGET = 64
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "native")
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,8 +68,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         help=f"draft KV budget (default: the target's cache size for a draft model, "
         f"{DEFAULT_SELF_DRAFT_BUDGET} for self-speculation)",
     )
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help="target weight format")
-    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None, help="draft weight format")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
+                        help="target weight format, by the engine's real bytes (int8: per-channel scales; int4: "
+                        "groups of 32 with bf16 scale and zero, 0.625 bytes/weight), or native: the GGUF file's own "
+                        "tensor types (default: %(default)s)")
+    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
+                        help="draft weight format (needs --draft; default: as --weights)")
     parser.add_argument(
         "--kv-dtype", choices=tuple(KV_BYTES_PER_ELEMENT), default="bf16", help="KV cache element type"
     )
@@ -99,23 +104,63 @@ def _devices(name: str) -> list[DeviceProfile]:
     return [load_profile(name)]
 
 
+@dataclass(frozen=True)
+class SimulateOptions:
+    """The settings of one :func:`simulate` report (the ``simulate`` flags, less model and device).
+
+    ``policy``: a cache policy label (``"full"`` drops the sparse modes); ``budget`` / ``draft_budget``: KV budgets
+    (None: sized to the SRAM, see :func:`simulate`); ``weights`` / ``draft_weights``: weight formats
+    (:data:`~sparsespec.edge.roofline.BYTES_PER_WEIGHT`, or ``native``: the GGUF file's own tensors, whose bytes per
+    streamed parameter ``native_bytes`` / ``draft_native_bytes`` give, see :func:`native_bytes_per_parameter`);
+    ``kv_dtype``; ``gamma`` and ``acceptance`` α of the speculative modes; ``context``: tokens already cached;
+    ``max_gamma``: the largest γ searched for the best γ.
+    """
+
+    policy: str | None = None
+    budget: int | None = None
+    draft_budget: int | None = None
+    weights: str = "bf16"
+    draft_weights: str | None = None
+    kv_dtype: str = "bf16"
+    gamma: int = DEFAULT_GAMMA
+    acceptance: float = DEFAULT_ACCEPTANCE
+    context: int = DEFAULT_CONTEXT
+    max_gamma: int = 16
+    native_bytes: float | None = None
+    draft_native_bytes: float | None = None
+
+
+def native_bytes_per_parameter(ref: Any) -> float:
+    """Bytes per streamed parameter of a GGUF model as its file stores it (sum of the streamed tensors' bytes from
+    the header: every tensor but an untied token-embedding table, of which a forward reads only its rows)."""
+    from ..loading.source import read_config, read_gguf_tensor_bytes, resolve_model
+
+    source = None if isinstance(ref, ModelConfig) else resolve_model(str(ref))
+    if source is None or source.kind != "gguf":
+        raise UserError("--weights native / --draft-weights native read the model's GGUF file; give a .gguf model.")
+    config = read_config(source)
+    sizes = read_gguf_tensor_bytes(source.path)
+    streamed = sum(sizes.values()) - (0 if config.tie_word_embeddings else sizes.get("token_embd.weight", 0))
+    return streamed / streamed_parameters(config)
+
+
+def _format(name: str, native: float | None) -> str | float:
+    """A weight format for the roofline: the name, or for ``native`` the file's bytes per streamed parameter."""
+    if name != "native":
+        return name
+    if native is None:
+        raise UserError("The native weight format needs the model's GGUF file to count its bytes.")
+    return native
+
+
 def simulate(
     target: ModelConfig,
     device: DeviceProfile,
+    options: SimulateOptions = SimulateOptions(),
     *,
     draft: ModelConfig | None = None,
     model_name: str = "model",
     draft_name: str | None = None,
-    policy: str | None = None,
-    budget: int | None = None,
-    draft_budget: int | None = None,
-    weights: str = "bf16",
-    draft_weights: str | None = None,
-    kv_dtype: str = "bf16",
-    gamma: int = DEFAULT_GAMMA,
-    acceptance: float = DEFAULT_ACCEPTANCE,
-    context: int = DEFAULT_CONTEXT,
-    max_gamma: int = 16,
 ) -> dict[str, Any]:
     """Predict every mode for ``target`` on ``device`` and return the report (JSON-ready dictionary).
 
@@ -123,6 +168,10 @@ def simulate(
     ``budget``, ``sparse`` uses the largest budget that keeps the target's cache in SRAM and ``combined`` the
     largest that keeps it there beside the draft's cache (falling back to the former when none does).
     """
+    o = options
+    policy, budget, draft_budget = o.policy, o.budget, o.draft_budget
+    weights = _format(o.weights, o.native_bytes)
+    kv_dtype, gamma, acceptance, context = o.kv_dtype, o.gamma, o.acceptance, o.context
     if draft is not None and draft.vocab_size != target.vocab_size:
         raise UserError(
             f"The draft's vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}); "
@@ -130,8 +179,9 @@ def simulate(
         )
     if policy == "full" and budget is not None:
         raise UserError("Policy 'full' keeps every token; drop --budget or choose a budgeted policy.")
-    draft_weights = draft_weights or weights
     self_draft = draft is None
+    draft_format = o.draft_weights or o.weights
+    draft_weights = _format(draft_format, o.native_bytes if self_draft else o.draft_native_bytes)
     if self_draft and draft_budget is None:
         draft_budget = DEFAULT_SELF_DRAFT_BUDGET
     sparse_modes = policy != "full"
@@ -179,13 +229,13 @@ def simulate(
         if mode not in modes:
             continue
         g, pred = best_gamma_on_device(
-            target, device, context=context, acceptance=acceptance, max_gamma=max_gamma, budget=mode_budget, **spec
+            target, device, context=context, acceptance=acceptance, max_gamma=o.max_gamma, budget=mode_budget, **spec
         )
         best_gammas[mode] = {"gamma": g, "tokens_per_second": pred.tokens_per_second}
 
-    total_weights = target.num_parameters() * BYTES_PER_WEIGHT[weights]
+    total_weights = resident_weight_bytes(target, weights)
     if not self_draft:
-        total_weights += draft.num_parameters() * BYTES_PER_WEIGHT[draft_weights]
+        total_weights += resident_weight_bytes(draft, draft_weights)
     resident = total_weights + (context + gamma + 1) * kv_bytes_per_token(target, kv_dtype)
     return {
         "device": device.name,
@@ -199,8 +249,8 @@ def simulate(
             "combined_budget": combined_budget if sparse_modes else None,
             "budget_source": budget_source if sparse_modes else None,
             "draft_budget": draft_budget,
-            "weights": weights,
-            "draft_weights": draft_weights,
+            "weights": o.weights,
+            "draft_weights": draft_format,
             "kv_dtype": kv_dtype,
             "gamma": gamma,
             "acceptance": acceptance,
@@ -291,7 +341,7 @@ def plot_context_sweep(
     devices: Sequence[DeviceProfile],
     path: str | Path,
     *,
-    settings: dict[str, Any],
+    options: SimulateOptions,
     draft: ModelConfig | None = None,
     title: str = "",
 ) -> Path:
@@ -301,14 +351,14 @@ def plot_context_sweep(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = _sweep_contexts(target, settings["context"])
+    contexts = _sweep_contexts(target, options.context)
     cols = min(3, len(devices))
     rows = -(-len(devices) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     for ax, device in zip(axes.flat, devices):
         curves: dict[str, list[float]] = {}
         for ctx in contexts:
-            report = simulate(target, device, draft=draft, context=ctx, **_without_context(settings))
+            report = simulate(target, device, replace(options, context=ctx), draft=draft)
             for mode, m in report["modes"].items():
                 curves.setdefault(mode, []).append(m["tokens_per_second"])
         for mode, values in curves.items():
@@ -331,29 +381,24 @@ def plot_context_sweep(
     return path
 
 
-def _without_context(settings: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in settings.items() if k != "context"}
-
-
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``sparsespec simulate`` from parsed arguments; ``args.model`` / ``args.draft`` may be ModelConfigs."""
     target, model_name = _resolve(args.model, "model")
     draft, draft_name = _resolve(args.draft, "draft") if getattr(args, "draft", None) is not None else (None, None)
     devices = _devices(args.device)
-    settings = dict(
-        policy=args.policy,
-        budget=args.budget,
-        draft_budget=args.draft_budget,
-        weights=args.weights,
-        draft_weights=args.draft_weights,
-        kv_dtype=args.kv_dtype,
-        gamma=args.gamma,
-        acceptance=args.acceptance,
-        context=args.context,
-        max_gamma=args.max_gamma,
+    if draft is None and args.draft_weights is not None:
+        raise UserError("--draft-weights needs --draft; self-speculation drafts with the target's --weights.")
+    native = args.weights == "native"
+    draft_native = args.draft_weights == "native" or (native and args.draft_weights is None)
+    options = SimulateOptions(
+        policy=args.policy, budget=args.budget, draft_budget=args.draft_budget, weights=args.weights,
+        draft_weights=args.draft_weights, kv_dtype=args.kv_dtype, gamma=args.gamma, acceptance=args.acceptance,
+        context=args.context, max_gamma=args.max_gamma,
+        native_bytes=native_bytes_per_parameter(args.model) if native else None,
+        draft_native_bytes=native_bytes_per_parameter(args.draft) if draft_native and draft is not None else None,
     )
     reports = [
-        simulate(target, device, draft=draft, model_name=model_name, draft_name=draft_name, **settings)
+        simulate(target, device, options, draft=draft, model_name=model_name, draft_name=draft_name)
         for device in devices
     ]
     if args.json:
@@ -362,6 +407,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         print("\n\n".join(format_report(r) for r in reports))
     if args.plot:
         title = f"{model_name}, " + (f"draft: {draft_name}" if draft is not None else "self-speculation")
-        path = plot_context_sweep(target, devices, args.plot, settings=settings, draft=draft, title=title)
+        path = plot_context_sweep(target, devices, args.plot, options=options, draft=draft, title=title)
         print(f"Wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -2,7 +2,7 @@
 
 One forward pass of ``T`` new tokens over a KV cache of ``N`` entries moves, per memory level:
 
-- DRAM: the streamed weights once (``streamed_parameters × bytes_per_weight``), plus the KV cache when it does not fit
+- DRAM: the streamed weights once (:func:`weight_bytes`, each matrix at its format's real bytes), plus the KV cache when it does not fit
   the device's SRAM budget;
 - SRAM: the KV cache when its ``(N + T)`` slots fit ``sram_bytes × sram_kv_fraction``, plus the activations.
 
@@ -48,11 +48,20 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..speedup import check_alpha_gamma, expected_tokens_per_pass  # the decoding core's formulas
 from .profile import DeviceProfile
 
-# Bytes per weight, scales included. int8: a llama.cpp Q8_0 block holds 32 int8 weights and one fp16 scale
-# (34 bytes / 32 weights); int4: a Q4_0 block holds 32 4-bit weights and one fp16 scale (18 bytes / 32 weights).
-BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+# Weight formats the engine runs (``linear.py``), by their real bytes, scales included:
+# - ``bf16`` / ``fp16`` / ``fp32``: dense, 2 / 2 / 4 bytes per weight;
+# - ``int8``: one byte per weight plus a bf16 scale per output channel (``Int8Linear``; in_features padded to 16);
+# - ``int4``: groups of 32 weights along in_features, 4 bits each plus a bf16 scale and a bf16 zero point per group:
+#   (16 + 4) bytes / 32 weights = 0.625 (``Int4Linear`` at the models' group size 32; in padded to 32, out to 16);
+# - ``native``: the GGUF file's own tensors (their bytes from the file header; see ``native_bytes_per_parameter``).
+# Norm vectors and biases stay dense (bf16). The nominal bytes per weight, for labels and rough totals:
+BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.625}
+WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
+INT4_GROUP = 32
+_DENSE_VECTOR_BYTES = 2.0
 
 # Bytes per stored K or V element of the cache.
 KV_BYTES_PER_ELEMENT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32}
@@ -80,15 +89,51 @@ def streamed_parameters(model: ModelConfig) -> int:
     return model.num_parameters() - (0 if model.tie_word_embeddings else embedding)
 
 
-def weight_bytes(model: ModelConfig, weights: str = "bf16") -> float:
-    """Bytes of weights streamed from DRAM per forward for the weight format ``weights``."""
-    return streamed_parameters(model) * _check_choice(weights, BYTES_PER_WEIGHT, "weight format")
+def matrices(model: ModelConfig) -> list[tuple[int, int]]:
+    """``(out_features, in_features)`` of every streamed matrix: per layer the fused q/k/v, o, fused gate/up and down
+    projections, then the output head."""
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    return layer * model.num_hidden_layers + [(model.vocab_size, h)]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def matrix_bytes(out_features: int, in_features: int, weights: str) -> float:
+    """Bytes of one ``[out, in]`` matrix in the engine's format ``weights`` (see :data:`BYTES_PER_WEIGHT`)."""
+    if weights == "int8":
+        return out_features * (_round_up(in_features, 16) + 2)
+    if weights == "int4":
+        n, k = _round_up(out_features, 16), _round_up(in_features, INT4_GROUP)
+        return n * k / 2 + n * (k // INT4_GROUP) * 4
+    return out_features * in_features * _check_choice(weights, BYTES_PER_WEIGHT, "weight format")
+
+
+def weight_bytes(model: ModelConfig, weights: str | float = "bf16") -> float:
+    """Bytes of weights streamed from DRAM per forward.
+
+    ``weights`` is a format of :data:`BYTES_PER_WEIGHT` (each matrix by its real bytes, norms and biases dense) or,
+    for a format known only by its total (``native``), a number of bytes per streamed parameter.
+    """
+    if not isinstance(weights, str):
+        return streamed_parameters(model) * float(weights)
+    shapes = matrices(model)
+    vectors = streamed_parameters(model) - sum(o * i for o, i in shapes)
+    return sum(matrix_bytes(o, i, weights) for o, i in shapes) + vectors * _DENSE_VECTOR_BYTES
+
+
+def resident_weight_bytes(model: ModelConfig, weights: str | float = "bf16") -> float:
+    """Bytes of all weights held in memory: the streamed ones plus an untied embedding table (kept dense)."""
+    untied = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size * _DENSE_VECTOR_BYTES
+    return weight_bytes(model, weights) + untied
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16") -> float:
     """Bytes of K and V per cached token over all layers at the cache dtype."""
-    per_element = _check_choice(kv_dtype, KV_BYTES_PER_ELEMENT, "KV cache dtype")
-    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * per_element
+    return model.kv_bytes_per_token(_check_choice(kv_dtype, KV_BYTES_PER_ELEMENT, "KV cache dtype"))
 
 
 def activation_bytes(model: ModelConfig, tokens: int) -> float:
@@ -215,49 +260,6 @@ def forward_pass(
         tokens, kv_entries, kv_in_sram, dram, sram, flops, memory_s, compute_s, overhead_s, extra_rows_s, attention_s,
         evicting,
     )
-
-
-# --- speculative decoding formulas ------------------------------------------------------------------------------
-
-
-def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """Expected tokens per target pass with γ drafted tokens and per-token acceptance α (Leviathan et al. 2023).
-
-    ``(1 − α^(γ+1)) / (1 − α)``; ``γ + 1`` at α = 1, and 1 at α = 0 or γ = 0.
-    """
-    _check_alpha_gamma(alpha, gamma)
-    if alpha == 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def speculative_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Wall-time gain over autoregressive decoding: ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
-
-    ``c`` is the cost of one draft pass relative to one target pass (verification assumed to cost one target pass).
-    """
-    if c < 0:
-        raise UserError("The draft/target cost ratio c must be >= 0.")
-    return expected_tokens_per_pass(alpha, gamma) / (gamma * c + 1.0)
-
-
-def best_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
-    """The γ in ``0..max_gamma`` with the largest :func:`speculative_speedup` (the smallest on ties).
-
-    0 means speculation does not pay (speedup never above 1).
-    """
-    if max_gamma < 0:
-        raise UserError("max_gamma must be >= 0.")
-    gains = [speculative_speedup(alpha, g, c) for g in range(max_gamma + 1)]
-    best = max(gains)
-    return next(g for g, gain in enumerate(gains) if gain >= best * (1 - 1e-12))
-
-
-def _check_alpha_gamma(alpha: float, gamma: int) -> None:
-    if not 0.0 <= alpha <= 1.0:
-        raise UserError(f"Acceptance rate must lie in [0, 1], got {alpha}.")
-    if int(gamma) != gamma or gamma < 0:
-        raise UserError(f"γ (draft length) must be an integer >= 0, got {gamma}.")
 
 
 # --- SRAM placement ----------------------------------------------------------------------------------------------
@@ -424,7 +426,7 @@ def predict_speculative(
     :func:`expected_tokens_per_pass` with a measured mean (tokens per target pass, in ``[1, γ+1]``).
     """
     _check_context(context, budget)
-    _check_alpha_gamma(acceptance, gamma)
+    check_alpha_gamma(acceptance, gamma)
     if gamma < 1:
         raise UserError("Speculative decoding needs γ >= 1 drafted tokens per round.")
     if tokens_per_pass is not None and not 1.0 <= tokens_per_pass <= gamma + 1:

@@ -12,10 +12,23 @@ import json
 import sys
 import time
 
-from ..cli import WEIGHT_CHOICES
 from ..errors import UserError
+from ..flags import (
+    WEIGHT_CHOICES,
+    add_cache_arguments,
+    add_model_arguments,
+    cache_options,
+    draft_flags_given,
+    reject_without,
+    setup_torch,
+)
+from .sweep import split_list
 
 DEFAULT_PPL_WINDOW = 256
+DEFAULT_GAMMAS = "4"
+DEFAULT_PROMPTS = "code,prose,chat"
+DEFAULT_NEW_TOKENS = 64
+DEFAULT_SWEEP_MAX_TOKENS = 1024
 
 
 def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tokens_default: int | None) -> None:
@@ -49,8 +62,6 @@ def _check_window(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- ppl
 def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``sparsespec ppl``: model, cache, text and output flags."""
-    from ..cli import add_cache_arguments, add_model_arguments
-
     add_model_arguments(parser)
     add_cache_arguments(parser)
     _add_text_arguments(parser, required=True, max_tokens_default=None)
@@ -63,7 +74,6 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text through the chosen KV cache."""
-    from ..cli import cache_options, setup_torch
     from ..engine import check_fits_context
     from ..loading.load import load_model
     from .perplexity import measure_perplexity, plot_nll
@@ -125,8 +135,6 @@ def run_ppl(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------------- sweep
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``sparsespec sweep``: the grid axes, what to measure, where to write."""
-    from ..cli import add_cache_arguments, add_model_arguments
-
     add_model_arguments(parser)
     parser.add_argument("--draft", default="none",
                         help="comma-separated drafts: none, self, a model; NAME:BUDGET sets that draft's cache "
@@ -139,18 +147,19 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--budgets", default="256", help="comma-separated budgets (default: %(default)s)")
     parser.add_argument("--positions", default="original",
                         help="comma-separated position modes: original, in-cache (default: %(default)s)")
-    parser.add_argument("--gammas", default="4", help="comma-separated γ values or auto (default: %(default)s)")
+    parser.add_argument("--gammas", default=None,
+                        help=f"comma-separated γ values or auto (default: {DEFAULT_GAMMAS}; needs a draft)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
     parser.add_argument("--force-context", action="store_true",
                         help="allow true positions beyond the model's trained context")
-    _add_text_arguments(parser, required=False, max_tokens_default=1024)
-    parser.add_argument("--prompts", default="code,prose,chat",
+    _add_text_arguments(parser, required=False, max_tokens_default=DEFAULT_SWEEP_MAX_TOKENS)
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS,
                         help="prompt kinds for the speed runs: code, prose, chat or all (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of each kind")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="tokens of --text read before every prompt (a long context) (default: 0)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                        help="new tokens per prompt (default: %(default)s)")
     parser.add_argument("--quality", action="store_true", help="measure only perplexity (default: both)")
     parser.add_argument("--speed", action="store_true", help="measure only speed / acceptance (default: both)")
     parser.add_argument("--out", required=True, metavar="FILE.jsonl",
@@ -174,7 +183,7 @@ def _sweep_grid(args: argparse.Namespace):
             if not ref:
                 raise UserError(f"Empty draft model in --draft entry {entry!r}.")
             drafts.append(entry)
-    gammas = [parse_gamma(g) for g in split_list(args.gammas)]
+    gammas = [parse_gamma(g) for g in split_list(args.gammas or DEFAULT_GAMMAS)]
     if not gammas:
         raise UserError("--gammas is empty; give at least one γ (a positive integer or auto).")
     return build_grid(split_list(args.policies), parse_budgets(args.budgets), split_list(args.positions),
@@ -182,8 +191,22 @@ def _sweep_grid(args: argparse.Namespace):
 
 
 def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
+    """What to measure (quality, speed); raises :class:`UserError` for bad values and for flags that would do
+    nothing (flags of the measurement not made; draft flags without a draft)."""
     measure_quality = args.quality or not args.speed
     measure_speed = args.speed or not args.quality
+    if not measure_speed:
+        reject_without([flag for flag, on in (
+            ("--prompts", args.prompts != DEFAULT_PROMPTS), ("--max-prompts", args.max_prompts is not None),
+            ("--new-tokens", args.new_tokens != DEFAULT_NEW_TOKENS), ("--context-tokens", args.context_tokens != 0),
+        ) if on], "the speed runs", " (--quality measures perplexity only)")
+    if not measure_quality:
+        reject_without([flag for flag, on in (
+            ("--max-tokens", args.max_tokens != DEFAULT_SWEEP_MAX_TOKENS), ("--chunk", args.chunk is not None),
+            ("--ppl-window", args.ppl_window != DEFAULT_PPL_WINDOW),
+        ) if on], "perplexity", " (--speed measures speed only)")
+    if all(entry == "none" for entry in split_list(args.draft)):
+        reject_without(["--gammas"] * (args.gammas is not None) + draft_flags_given(args), "a draft in --draft")
     if measure_quality and args.text is None:
         raise UserError("Perplexity needs --text FILE or --text corpus:NAME (or measure only --speed).")
     if args.context_tokens < 0:
@@ -231,9 +254,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.text is not None:
         resolve_text(args.text)
 
-    from ..cli import setup_torch
     from ..loading.load import load_model
-    from .sweep import SweepEvaluator, log_record, run_grid, setup_id
+    from .sweep import SweepEvaluator, SweepOptions, log_record, run_grid, setup_id
     from .texts import text_token_ids
 
     # The draft's cache flags are checked now, not when the first speculative point starts.
@@ -264,7 +286,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         "measure": [m for m, on in (("quality", measure_quality), ("speed", measure_speed)) if on],
         "prompts": [p.id for p in prompts], "context_tokens": args.context_tokens if measure_speed else 0,
         "new_tokens": args.new_tokens if measure_speed else None, "prefill_chunk": args.prefill_chunk,
-        "force_context": args.force_context, "seed": args.seed,
+        "force_context": args.force_context, "seed": 0,  # speed runs are greedy; the field keeps setup ids as before
         "draft_weights": args.draft_weights if any(p.draft for p in points) else None,
         "draft_cache": _draft_cache_flags(args) if any(p.draft for p in points) else None,
         "threads": args.threads,
@@ -276,13 +298,14 @@ def run_sweep(args: argparse.Namespace) -> int:
             loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights, role="draft")
         return loaded_drafts[ref]
 
-    evaluator = SweepEvaluator(
-        target, text_ids=text_ids if measure_quality else None, prompts=prompts, context=context,
-        new_tokens=args.new_tokens, chunk=args.chunk, full_chunk=args.prefill_chunk, window=args.ppl_window,
-        prefill_chunk=args.prefill_chunk,
-        force_context=args.force_context, draft_cache=lambda positions, budget: _draft_cache(args, positions, budget),
-        load_draft=load_draft, quality=measure_quality, speed=measure_speed, seed=args.seed,
+    options = SweepOptions(
+        quality=measure_quality, speed=measure_speed, context=context, new_tokens=args.new_tokens, chunk=args.chunk,
+        window=args.ppl_window, prefill_chunk=args.prefill_chunk, force_context=args.force_context,
         progress=not args.quiet,
+    )
+    evaluator = SweepEvaluator(
+        target, options, text_ids=text_ids if measure_quality else None, prompts=prompts,
+        draft_cache=lambda positions, budget: _draft_cache(args, positions, budget), load_draft=load_draft,
     )
     for point in points:
         evaluator.check(point)
@@ -301,8 +324,6 @@ def _draft_cache_flags(args: argparse.Namespace) -> dict:
 
 def _draft_cache(args: argparse.Namespace, positions: str, budget: int | None):
     """The draft's CacheOptions for one point: the ``--draft-*`` flags, the point's positions, a budget override."""
-    from ..cli import cache_options
-
     ns = argparse.Namespace(**vars(args))
     ns.positions = positions
     if budget is not None:

@@ -163,23 +163,22 @@ def setup_id(setup: Mapping) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the file
+def _parse_record(line: str) -> dict | None:
+    """The record on one line of a sweep file, or None for a blank, broken or foreign line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "key" in record else None
+
+
 def read_records(path: str | Path) -> list[dict]:
     """Every complete JSON object line of a sweep file (a missing file has none; broken lines are skipped)."""
     path = Path(path)
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "key" in record:
-            records.append(record)
-    return records
+    records = (_parse_record(line) for line in path.read_text(encoding="utf-8").splitlines())
+    return [r for r in records if r is not None]
 
 
 def _drop_broken_lines(path: Path) -> None:
@@ -187,14 +186,7 @@ def _drop_broken_lines(path: Path) -> None:
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8").splitlines()
-    good = []
-    for line in lines:
-        try:
-            ok = isinstance(json.loads(line), dict) and "key" in json.loads(line)
-        except ValueError:
-            ok = False
-        if ok:
-            good.append(line)
+    good = [line for line in lines if _parse_record(line) is not None]
     if len(good) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in good), encoding="utf-8")
@@ -303,63 +295,62 @@ def run_grid(
 
 
 # --------------------------------------------------------------------------------------- the real evaluator
+@dataclass(frozen=True)
+class SweepOptions:
+    """How :class:`SweepEvaluator` measures.
+
+    Args:
+        quality, speed: what to measure.
+        context: text read before every prompt (empty for none).
+        new_tokens: new tokens per prompt (speed runs decode greedily, EOS ignored).
+        chunk: perplexity chunk (1 = exact decoding semantics); None: 1 for budgeted caches, ``prefill_chunk`` for
+            the full cache (whose perplexity does not depend on the chunk).
+        window: tokens per window of the perplexity summary.
+        prefill_chunk: prompt tokens per prefill pass.
+        force_context: allow positions beyond the trained context.
+        progress: tqdm bar while computing perplexity.
+    """
+
+    quality: bool = True
+    speed: bool = True
+    context: str = ""
+    new_tokens: int = 64
+    chunk: int | None = None
+    window: int = 256
+    prefill_chunk: int = 512
+    force_context: bool = False
+    progress: bool = False
+
+
 class SweepEvaluator:
     """Measures points for one loaded target model (and drafts loaded on demand).
 
     Args:
         target: the loaded target model.
+        options: what to measure and how.
         text_ids: token ids of the quality text (needed for ``quality``), already cut to ``--max-tokens``.
         prompts: the speed prompt set (needed for ``speed``).
-        context: text read before every prompt (empty for none).
-        new_tokens: new tokens per prompt.
-        chunk: perplexity chunk (1 = exact decoding semantics); None: 1 for budgeted caches, ``full_chunk`` for
-            the full cache (whose perplexity does not depend on the chunk).
-        window: tokens per window of the perplexity summary.
-        prefill_chunk: prompt tokens per prefill pass.
-        force_context: allow true positions beyond the trained context.
         draft_cache: ``(positions, budget override) -> CacheOptions`` of the draft.
         load_draft: ``reference -> LoadedModel`` for draft entries other than ``self``.
-        quality, speed: what to measure.
-        seed: sampling seed (decoding is greedy; kept for completeness).
-        progress: tqdm bar while computing perplexity.
     """
 
     def __init__(
         self,
         target,
+        options: SweepOptions = SweepOptions(),
         *,
-        text_ids: Sequence[int] | None,
+        text_ids: Sequence[int] | None = None,
         prompts: Sequence = (),
-        context: str = "",
-        new_tokens: int = 64,
-        chunk: int | None = None,
-        full_chunk: int = 512,
-        window: int = 256,
-        prefill_chunk: int = 512,
-        force_context: bool = False,
         draft_cache: Callable[[str, int | None], object] | None = None,
         load_draft: Callable[[str], object] | None = None,
-        quality: bool = True,
-        speed: bool = True,
-        seed: int = 0,
-        progress: bool = False,
     ) -> None:
         self.target = target
+        self.options = options
+        self.quality, self.speed = options.quality, options.speed
         self.text_ids = list(text_ids) if text_ids is not None else None
         self.prompts = list(prompts)
-        self.context = context
-        self.new_tokens = new_tokens
-        self.chunk = chunk
-        self.full_chunk = full_chunk
-        self.window = window
-        self.prefill_chunk = prefill_chunk
-        self.force_context = force_context
         self.draft_cache = draft_cache
         self.load_draft = load_draft
-        self.quality = quality
-        self.speed = speed
-        self.seed = seed
-        self.progress = progress
         self._quality_memo: dict[tuple, dict] = {}
         self._drafts: dict[str, object] = {}
         self._prompt_ids: list[list[int]] | None = None
@@ -371,7 +362,7 @@ class SweepEvaluator:
         from ..engine import CacheOptions
 
         policy = make_policy(point.policy, point.budget)
-        return CacheOptions(policy, point.positions, self.prefill_chunk, self.force_context)
+        return CacheOptions(policy, point.positions, self.options.prefill_chunk, self.options.force_context)
 
     def remember(self, records: Iterable[dict]) -> None:
         """Reuse quality results of earlier records with the same cache (they do not depend on draft or γ)."""
@@ -383,7 +374,7 @@ class SweepEvaluator:
         from .prompts import prompt_ids
 
         if self._prompt_ids is None:
-            self._prompt_ids = [prompt_ids(self.target.tokenizer, p, self.context) for p in self.prompts]
+            self._prompt_ids = [prompt_ids(self.target.tokenizer, p, self.options.context) for p in self.prompts]
         return self._prompt_ids
 
     def draft(self, point: SweepPoint):
@@ -401,19 +392,27 @@ class SweepEvaluator:
         return DraftOptions(self._drafts[ref], cache, point.gamma)
 
     def check(self, point: SweepPoint) -> None:
-        """Raise :class:`UserError` now for a point that could not run (context too long for its positions)."""
-        from ..engine import check_fits_context
+        """Raise :class:`UserError` now for a point that could not run (context too long for its positions, or
+        in-cache ranks past the trained context)."""
+        from ..engine import check_fits_context, check_in_cache_ranks
+        from ..speculative import GAMMA_MAX, draft_inflight_rows, target_inflight_rows
 
-        cache = self.cache_options(point)
+        cache, o = self.cache_options(point), self.options
         if self.quality and self.text_ids is not None:
             check_fits_context(self.target, cache, len(self.text_ids), "The quality text (--max-tokens)")
+            chunk = o.chunk if o.chunk is not None else (o.prefill_chunk if cache.policy.is_full else 1)
+            check_in_cache_ranks(self.target, cache, min(chunk, len(self.text_ids)))
         if self.speed and self.prompts:
-            longest = max(len(ids) for ids in self.prompt_token_ids()) + self.new_tokens
+            longest = max(len(ids) for ids in self.prompt_token_ids()) + o.new_tokens
             check_fits_context(self.target, cache, longest, "The longest prompt plus context and --new-tokens")
             draft = self.draft(point)
+            gamma_cap = GAMMA_MAX if point.gamma == "auto" else (point.gamma or 0)
+            staging = min(o.prefill_chunk, longest)
+            check_in_cache_ranks(self.target, cache, max(staging, target_inflight_rows(gamma_cap) if draft else 1))
             if draft is not None:
                 check_fits_context(draft.model, draft.cache, longest,
                                    "The longest prompt plus context and --new-tokens (for the draft)")
+                check_in_cache_ranks(draft.model, draft.cache, max(staging, draft_inflight_rows(gamma_cap)))
 
     # -- measuring
     def __call__(self, point: SweepPoint) -> dict:
@@ -424,10 +423,9 @@ class SweepEvaluator:
             if memo_key not in self._quality_memo:
                 from .perplexity import measure_perplexity
 
-                chunk = self.chunk if self.chunk is not None else (self.full_chunk if cache.policy.is_full else 1)
-                _, summary = measure_perplexity(
-                    self.target, cache, self.text_ids, chunk, self.window, progress=self.progress
-                )
+                o = self.options
+                chunk = o.chunk if o.chunk is not None else (o.prefill_chunk if cache.policy.is_full else 1)
+                _, summary = measure_perplexity(self.target, cache, self.text_ids, chunk, o.window, progress=o.progress)
                 self._quality_memo[memo_key] = summary
             result["quality"] = self._quality_memo[memo_key]
         if self.speed and self.prompts:
@@ -450,8 +448,8 @@ class SweepEvaluator:
         for prompt, ids in zip(self.prompts, self.prompt_token_ids()):
             stats = RunStats()
             for _ in run_generation(
-                self.target, ids, max_new_tokens=self.new_tokens, sampling=SamplingParams(0.0),
-                cache=cache, seed=self.seed, eos_ids=frozenset(), draft=draft, stats=stats,
+                self.target, ids, max_new_tokens=self.options.new_tokens, sampling=SamplingParams(0.0),
+                cache=cache, eos_ids=frozenset(), draft=draft, stats=stats,
             ):
                 pass
             per_kind.setdefault(prompt.kind, []).append(stats)
@@ -465,29 +463,28 @@ def aggregate_stats(runs: Sequence) -> dict:
     """Totals over several :class:`~sparsespec.engine.RunStats`: speeds are total tokens over total time."""
     new = sum(s.new_tokens for s in runs)
     decode = sum(s.decode_seconds for s in runs)
-    timed = sum(max(s.new_tokens - 1, 0) for s in runs)  # tokens after each run's first (see RunStats.tokens_per_s)
     out = {
         "prompts": len(runs),
         "prompt_tokens": sum(s.prompt_tokens for s in runs),
         "new_tokens": new,
-        "tokens_per_s": round(timed / decode, 3) if decode > 0 else 0.0,
+        "tokens_per_s": round(new / decode, 3) if decode > 0 else 0.0,  # as RunStats.tokens_per_s
         "prefill_seconds": round(sum(s.prefill_seconds for s in runs), 4),
         "decode_seconds": round(decode, 4),
         "kv_cache_bytes": max((s.kv_cache_bytes for s in runs), default=0),
     }
     spec = [s.speculative for s in runs if s.speculative is not None]
     if spec:
+        from ..speculative import cost_ratio
+
         drafted = sum(s.drafted for s in spec)
         passes = sum(s.target_passes for s in spec)
-        draft_passes = sum(s.draft_passes for s in spec)
         draft_s = sum(s.draft_seconds for s in spec)
         target_s = sum(s.target_seconds for s in spec)
         out.update(
             acceptance_rate=round(sum(s.accepted for s in spec) / drafted, 4) if drafted else 0.0,
             tokens_per_target_pass=round(sum(s.new_tokens for s in spec) / passes, 4) if passes else 0.0,
             target_passes=passes,
-            draft_target_cost_ratio=round((draft_s / draft_passes) / (target_s / passes), 4)
-            if draft_passes and passes and target_s > 0 else 0.0,
+            draft_target_cost_ratio=round(cost_ratio(draft_s, drafted, target_s, passes), 4),
         )
     return out
 

@@ -116,13 +116,16 @@ def _write_stamp(path: Path, sha256: str) -> None:
     os.replace(tmp, _stamp_path(path))
 
 
-def _stamp_says(path: Path) -> str | None:
-    """The sha256 recorded for ``path`` if its stamp still matches the file's size and mtime, else None."""
+def stamped_sha256(path: Path) -> str | None:
+    """The sha256 (64 lowercase hex digits) recorded in ``path``'s stamp if the stamp still matches the file's size
+    and mtime, else None. The tensor cache keys fetched files by it too (``loading/weights.py``)."""
     try:
         stamp = json.loads(_stamp_path(path).read_text())
         st = path.stat()
         if stamp["size"] == st.st_size and stamp["mtime_ns"] == st.st_mtime_ns:
-            return str(stamp["sha256"])
+            sha = str(stamp["sha256"]).lower()
+            if len(sha) == 64 and all(c in "0123456789abcdef" for c in sha):
+                return sha
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
@@ -145,7 +148,7 @@ def _is_verified(fixture: ModelFixture, progress: bool) -> bool:
     path = fixture.path
     if not path.is_file():
         return False
-    if _stamp_says(path) == fixture.sha256:
+    if stamped_sha256(path) == fixture.sha256:
         return True
     if _hash_file(path, fixture.name, progress) == fixture.sha256:
         _write_stamp(path, fixture.sha256)

@@ -74,7 +74,7 @@ def load_model(
             and stores it. For GGUF files the tokenizer is cached too (next to the tensors).
     """
     source = resolve_model(ref)
-    fmt = choose_format(source, weights, role)
+    fmt = choose_format(source, weights, role, dtype)
     if fmt == NATIVE and source.kind == "gguf":
         config, state, linears = load_gguf_native(source.path, dtype)
         model = Transformer(config, state, dtype, fmt, linears=linears)
@@ -102,7 +102,7 @@ def load_model(
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
 
 
-def choose_format(source: ModelSource, weights: str, role: str) -> str:
+def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """The concrete weight format for a requested one; ``native`` only for GGUF files the kernels can read.
 
     ``auto`` picks ``native`` when the kernels are built and read every weight of the file, else the torch format
@@ -115,10 +115,12 @@ def choose_format(source: ModelSource, weights: str, role: str) -> str:
 
     if weights not in ("auto", NATIVE):
         return resolve_format(weights, role)
+    # float32 is for exactness: without native weights its automatic choice is the unquantized model
+    torch_auto = "dense" if dtype == torch.float32 else resolve_format("auto", role)
     if not kernels.available():
-        return resolve_format("auto", role)
+        return torch_auto
     if source.kind != "gguf":  # a Hugging Face folder: native only when asked (its weights quantized to Q8_0)
-        return NATIVE if weights == NATIVE else resolve_format("auto", role)
+        return NATIVE if weights == NATIVE else torch_auto
     unreadable = gguf_native_types(source.path)
     if unreadable:
         if weights == NATIVE:

@@ -161,11 +161,31 @@ class _GGUFHeader:
             name = self.string()
             dims = tuple(self.take("<Q") for _ in range(self.take("<I")))
             table.append((name, dims, self.take("<I"), self.take("<Q")))
+        if self.pos > len(self.data):
+            raise ValueError("the tensor table runs past the end of the file")
         alignment = metadata.get("general.alignment", 32)
         alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         start = -(-self.pos // alignment) * alignment
         tensors = {name: GGUFTensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in table}
         return metadata, tensors
+
+
+def read_gguf_tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of a GGUF file as stored (its GGML type's block size and bytes), from the header alone."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, tensors = read_gguf_tensor_table(path)
+    sizes = {}
+    for name, t in tensors.items():
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        except (KeyError, ValueError):
+            raise UserError(f"{path}: tensor {name} has an unknown type {t.ggml_type}.") from None
+        elements = 1
+        for d in t.dims:
+            elements *= d
+        sizes[name] = elements // block * block_bytes
+    return sizes
 
 
 def read_config(source: ModelSource) -> ModelConfig:

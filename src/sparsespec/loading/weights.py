@@ -44,6 +44,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
+from .fetch import stamped_sha256
 from .fixtures import cache_dir
 from .source import ModelSource, open_gguf, read_gguf_header, read_gguf_tensor_table
 
@@ -296,25 +297,11 @@ def tensor_cache_root(cache: bool | str | Path = True) -> Path | None:
     return Path(env).expanduser() if env and env.lower() not in ("1", "on", "true", "yes") else cache_dir() / "tensors"
 
 
-def _stamped_sha256(path: Path) -> str | None:
-    """The sha256 in ``<file>.sha256.json`` (``sparsespec fetch``'s stamp) if its size and mtime still match."""
-    try:
-        stamp = json.loads(path.with_name(path.name + ".sha256.json").read_text())
-        st = path.stat()
-        if stamp["size"] == st.st_size and stamp["mtime_ns"] == st.st_mtime_ns:
-            sha = str(stamp["sha256"]).lower()
-            if len(sha) == 64 and all(c in "0123456789abcdef" for c in sha):
-                return sha
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
-
-
 def source_cache_key(source: ModelSource) -> str:
     """The cache key of a model source: ``sha256-<hex>`` from a matching fetch stamp, else ``stat-<hex>``."""
     path = Path(source.path)
     if source.kind == "gguf":
-        sha = _stamped_sha256(path)
+        sha = stamped_sha256(path)
         if sha is not None:
             return f"sha256-{sha}"
         files = [path]

@@ -45,9 +45,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ModelConfig
-from .edge.profile import DeviceProfile, save_profile, user_devices_dir
-from .errors import UserError
+from ..config import ModelConfig
+from ..errors import UserError
+from .profile import DeviceProfile, save_profile, user_devices_dir
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
@@ -387,7 +387,7 @@ def probe_layer_counts(shape: tuple[int, int, int, int, int], l3_bytes: int) -> 
 def _arena(model, policy, max_tokens: int, max_inflight: int):
     import torch
 
-    from .cache.arena import KVArena
+    from ..cache.arena import KVArena
 
     return KVArena(model.config, policy, dtype=torch.bfloat16, max_tokens=max_tokens, max_block=64,
                    max_inflight=max_inflight, positions="original")
@@ -395,8 +395,8 @@ def _arena(model, policy, max_tokens: int, max_inflight: int):
 
 def decode_step_seconds(model, policy, context: int, steps: int) -> float:
     """Seconds of the median step of the engine's decode loop (forward, commit, greedy sampling)."""
-    from .generate import generate_tokens
-    from .sampling import SamplingParams
+    from ..generate import generate_tokens
+    from ..sampling import SamplingParams
 
     arena = _arena(model, policy, context + steps + 2, 1)
     prompt = [(7 * i + 3) % model.config.vocab_size for i in range(context + 1)]
@@ -412,7 +412,7 @@ def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> fl
     tokens, as a greedy verification pass does it."""
     import torch
 
-    from .generate import prefill
+    from ..generate import prefill
 
     arena = _arena(model, policy, context + rows + 2, rows + 1)
     prefill(model, arena, [(5 * i + 1) % model.config.vocab_size for i in range(context)], 64)
@@ -429,7 +429,7 @@ def sampling_seconds(vocab: int, *, trials: int = 5, min_seconds: float = 0.05) 
     """Seconds to turn one row of float32 logits over ``vocab`` entries into the greedy token (median trial)."""
     import torch
 
-    from .sampling import SamplingParams, next_token
+    from ..sampling import SamplingParams, next_token
 
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
     greedy = SamplingParams()
@@ -448,8 +448,8 @@ def attention_seconds(
     """
     import torch
 
-    from .cache.arena import KVArena
-    from .cache.policy import make_policy
+    from ..cache.arena import KVArena
+    from ..cache.policy import make_policy
 
     heads, kv_heads, hd = shape
     config = ModelConfig(
@@ -524,46 +524,103 @@ def calibrate(settings: CalibrationSettings = FULL, *, threads: int | None = Non
 
 
 def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Calibration:
-    import torch
-
-    from .cache.policy import make_policy
-
-    s = settings
+    """The measurements in order; each step reports its progress and keeps its raw timings in ``raw``."""
     started = time.perf_counter()
-    load_before = loadavg()
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = _machine(threads, quiet)
+    raw: dict[str, Any] = {}
+    memory = _memory_rates(settings, machine, quiet)
+    peaks = _compute_peaks(settings, quiet)
+    stream, extra_row_flops = _weight_streaming(settings, raw, quiet)
+    residency, kv_fraction = _kv_residency_fraction(settings, machine, quiet)
+    per_vocab = _sampling_cost(settings, raw)
+    probe = _probe_engine(settings, machine, raw, quiet)
+    overheads = _fit_overheads(settings, probe, stream["bytes_per_s"], extra_row_flops, per_vocab, quiet)
+    attention = _attention_rates(settings, raw, quiet)
+    return Calibration(
+        date=machine.date, threads=threads, loadavg_before=machine.load_before, loadavg_after=loadavg(),
+        seconds=time.perf_counter() - started, cpu=machine.cpu, cores=machine.cores, hypervisor=machine.hypervisor,
+        flags=machine.flags, memory_bytes=memory_bytes(), caches=machine.caches, cache_source=machine.cache_source,
+        bandwidth_curve=memory.curve, dram_bandwidth=memory.dram, dram_sizes=memory.dram_sizes,
+        sram_bandwidth=memory.sram, sram_sizes=memory.sram_sizes, peak_flops=peaks,
+        stream_bandwidth=stream["bytes_per_s"], stream_bytes=int(stream["bytes"]), extra_row_flops=extra_row_flops,
+        residency=residency, sram_kv_fraction=kv_fraction, overhead_s=overheads.overhead_s,
+        per_layer_overhead_s=overheads.per_layer_s, per_row_layer_overhead_s=overheads.per_row_layer_s,
+        evict_layer_overhead_s=overheads.evict_layer_s, evict_row_layer_overhead_s=overheads.evict_row_layer_s,
+        per_vocab_overhead_s=per_vocab, attention_flops=attention, raw=raw,
+    )
+
+
+@dataclass(frozen=True)
+class _Machine:
+    """What the machine says about itself before any measurement."""
+
+    date: str
+    load_before: float
+    cpu: str
+    flags: list[str]
+    hypervisor: bool
+    cores: int
+    threads: int
+    caches: dict[str, int]
+    cache_source: str
+
+    @property
+    def l2(self) -> int:
+        return self.caches.get("cpu_l2_per_core", DEFAULT_L2_PER_CORE)
+
+    @property
+    def l3(self) -> int:
+        return self.caches.get("cpu_l3", DEFAULT_L3)
+
+
+def _machine(threads: int, quiet: bool) -> _Machine:
     cpu, flags, hypervisor = _cpuinfo()
     caches, cache_source = cache_sizes()
-    l2 = caches.get("cpu_l2_per_core", DEFAULT_L2_PER_CORE)
-    l3 = caches.get("cpu_l3", DEFAULT_L3)
-    cores = os.cpu_count() or 1
-    _progress(f"{cpu}, {cores} cores, {threads} threads, load average {load_before:.2f}", quiet)
-    raw: dict[str, Any] = {}
-    kw = dict(trials=s.trials, min_seconds=s.min_seconds)
+    machine = _Machine(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), loadavg(), cpu, flags, hypervisor,
+                       os.cpu_count() or 1, threads, caches, cache_source)
+    _progress(f"{cpu}, {machine.cores} cores, {threads} threads, load average {machine.load_before:.2f}", quiet)
+    return machine
 
-    # Read bandwidth curve.
+
+@dataclass(frozen=True)
+class _MemoryRates:
+    curve: list[dict[str, float]]
+    dram: float
+    dram_sizes: list[int]
+    sram: float
+    sram_sizes: list[int]
+
+
+def _memory_rates(s: CalibrationSettings, machine: _Machine, quiet: bool) -> _MemoryRates:
+    """The read-bandwidth curve and its DRAM and L3 plateaus (measured at one more size where the curve has none)."""
+    kw = dict(trials=s.trials, min_seconds=s.min_seconds)
     curve = []
     for size in s.sizes:
         rate = read_bandwidth(size, **kw)
         curve.append({"bytes": float(size), "bytes_per_s": rate})
         _progress(f"read {size / MIB:9.2f} MiB: {rate / 1e9:7.1f} GB/s", quiet)
-    dram, dram_sizes = _plateau(curve, 4 * l3, math.inf)
+    dram, dram_sizes = _plateau(curve, 4 * machine.l3, math.inf)
     if dram is None:
-        size = max(4 * l3, max(s.sizes))
+        size = max(4 * machine.l3, max(s.sizes))
         dram, dram_sizes = read_bandwidth(size, **kw), [size]
-    sram, sram_sizes = _plateau(curve, 2 * l2 * min(threads, cores), l3 / 2)
+    sram, sram_sizes = _plateau(curve, 2 * machine.l2 * min(machine.threads, machine.cores), machine.l3 / 2)
     if sram is None:
-        size = max(l3 // 4, 1)
+        size = max(machine.l3 // 4, 1)
         sram, sram_sizes = read_bandwidth(size, **kw), [size]
     sram = max(sram, dram)
     _progress(f"DRAM {dram / 1e9:.1f} GB/s, L3 {sram / 1e9:.1f} GB/s", quiet)
+    return _MemoryRates(curve, dram, dram_sizes, sram, sram_sizes)
 
-    # Compute peaks.
-    peaks = {dt: matmul_flops(dt, s.gemm_n, **kw) for dt in ("bf16", "fp32")}
+
+def _compute_peaks(s: CalibrationSettings, quiet: bool) -> dict[str, float]:
+    peaks = {dt: matmul_flops(dt, s.gemm_n, trials=s.trials, min_seconds=s.min_seconds) for dt in ("bf16", "fp32")}
     _progress(f"GEMM {s.gemm_n}: bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s", quiet)
+    return peaks
 
-    # Decode-style streaming and extra rows.
-    stream = stream_weights(s.stream_bytes, s.stream_shapes, s.rows, **kw)
+
+def _weight_streaming(s: CalibrationSettings, raw: dict, quiet: bool) -> tuple[dict[str, float], float | None]:
+    """Decode-style weight streaming, and the FLOP rate of the extra rows of a multi-row pass (None: free)."""
+    stream = stream_weights(s.stream_bytes, s.stream_shapes, s.rows, trials=s.trials, min_seconds=s.min_seconds)
     raw["stream"] = stream
     extra = stream["rows_s"] - stream["one_row_s"]
     extra_row_flops = (s.rows - 1) * 2.0 * stream["parameters"] / extra if extra > 0 else None
@@ -572,45 +629,67 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
         f"{s.rows} rows take {stream['rows_s'] / stream['one_row_s']:.2f}x one row",
         quiet,
     )
+    return stream, extra_row_flops
 
-    # KV residency while weights stream through the cache.
-    residency = kv_residency(l3, s.residency_fractions, max(4 * l3, 64 * MIB), trials=s.trials)
+
+def _kv_residency_fraction(s: CalibrationSettings, machine: _Machine, quiet: bool) -> tuple[dict[str, float], float]:
+    """KV residency while weights stream through the cache, and the largest fraction of the L3 that stays."""
+    residency = kv_residency(machine.l3, s.residency_fractions, max(4 * machine.l3, 64 * MIB), trials=s.trials)
     resident = [float(f) for f, share in residency.items() if share >= 0.5]
     kv_fraction = max(resident) if resident else min(s.residency_fractions) / 2
     _progress(f"KV residency after streaming 4x L3: {residency} -> sram_kv_fraction {kv_fraction:.3g}", quiet)
+    return residency, kv_fraction
 
-    # Sampling cost per vocabulary entry.
+
+def _sampling_cost(s: CalibrationSettings, raw: dict) -> float:
+    """Sampling seconds per vocabulary entry (the slope between a small and a large vocabulary)."""
     vocab_small, vocab_large = s.vocab_sizes
-    sample_small = sampling_seconds(vocab_small, **kw)
-    sample_large = sampling_seconds(vocab_large, **kw)
-    per_vocab = max(0.0, _slope(vocab_small, sample_small, vocab_large, sample_large))
+    sample_small = sampling_seconds(vocab_small, trials=s.trials, min_seconds=s.min_seconds)
+    sample_large = sampling_seconds(vocab_large, trials=s.trials, min_seconds=s.min_seconds)
     raw["sampling_seconds"] = {str(vocab_small): sample_small, str(vocab_large): sample_large}
+    return max(0.0, _slope(vocab_small, sample_small, vocab_large, sample_large))
 
-    # The engine's own costs: decode steps of a probe model with few and many layers. Its weights stream from DRAM
-    # as a real model's do; their streaming time (at the rate measured above) is taken out of the per-layer slope.
-    from .model import Transformer
 
-    lo, hi = s.probe_layers or probe_layer_counts(s.probe_shape, l3)
+@dataclass(frozen=True)
+class _Probe:
+    """Median seconds of the probe model's decode steps and passes, by kind and layer count."""
+
+    lo: int
+    hi: int
+    times: dict[str, dict[int, float]]
+    weights: dict[int, int]  # weight bytes streamed per token
+    head_bytes: int
+    vocab: int
+
+
+def _probe_engine(s: CalibrationSettings, machine: _Machine, raw: dict, quiet: bool) -> _Probe:
+    """Decode steps and passes of a probe model with few and many layers, in interleaved rounds (median of each: a
+    burst of contention spoils one at most). Its weights stream from DRAM as a real model's do."""
+    import torch
+
+    from ..cache.policy import make_policy
+    from ..model import Transformer
+
+    lo, hi = s.probe_layers or probe_layer_counts(s.probe_shape, machine.l3)
     full, evict = make_policy("full"), make_policy("hybrid", s.probe_budget)
-    kinds = ("ar_full", "ar_evict", "pass_1", "pass_rows", "pass_rows_evict")
     state = random_state(probe_config(hi, s.probe_shape))
     models = {n: Transformer(probe_config(n, s.probe_shape), state, torch.bfloat16) for n in (lo, hi)}
     del state
     weights = {n: m.bytes_read_per_token() for n, m in models.items()}
     head_bytes = models[lo].lm_head.nbytes
     ctx, steps = s.probe_context, s.probe_steps
-    rounds: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
-    for _ in range(s.probe_rounds):  # interleaved rounds, median of each: a burst of contention spoils one at most
+    measures = {
+        "ar_full": lambda m: decode_step_seconds(m, full, ctx, steps),
+        "ar_evict": lambda m: decode_step_seconds(m, evict, ctx, steps),
+        "pass_1": lambda m: block_pass_seconds(m, full, ctx, 1, steps),
+        "pass_rows": lambda m: block_pass_seconds(m, full, ctx, s.rows, steps),
+        "pass_rows_evict": lambda m: block_pass_seconds(m, evict, ctx, s.rows, steps),
+    }
+    rounds: dict[str, dict[int, list[float]]] = {k: {} for k in measures}
+    for _ in range(s.probe_rounds):
         for layers, model in models.items():
-            found = {
-                "ar_full": decode_step_seconds(model, full, ctx, steps),
-                "ar_evict": decode_step_seconds(model, evict, ctx, steps),
-                "pass_1": block_pass_seconds(model, full, ctx, 1, steps),
-                "pass_rows": block_pass_seconds(model, full, ctx, s.rows, steps),
-                "pass_rows_evict": block_pass_seconds(model, evict, ctx, s.rows, steps),
-            }
-            for kind, value in found.items():
-                rounds[kind].setdefault(layers, []).append(value)
+            for kind, measure in measures.items():
+                rounds[kind].setdefault(layers, []).append(measure(model))
     times = {kind: {layers: statistics.median(values) for layers, values in by_layers.items()}
              for kind, by_layers in rounds.items()}
     for layers in (lo, hi):
@@ -621,16 +700,30 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
             f"{times['pass_1'][layers] * 1e3:.2f} ms",
             quiet,
         )
-    del models
     raw["probe"] = {
         "layers": [lo, hi],
         "shape": list(s.probe_shape),
         "weight_bytes": {str(k): v for k, v in weights.items()},
         "seconds": {k: {str(n): v for n, v in d.items()} for k, d in times.items()},
     }
+    return _Probe(lo, hi, times, weights, head_bytes, probe_config(lo, s.probe_shape).vocab_size)
 
-    rate = stream["bytes_per_s"]
-    layer_bytes = (weights[hi] - weights[lo]) / (hi - lo)
+
+@dataclass(frozen=True)
+class _Overheads:
+    overhead_s: float
+    per_layer_s: float
+    per_row_layer_s: float
+    evict_layer_s: float
+    evict_row_layer_s: float
+
+
+def _fit_overheads(s: CalibrationSettings, probe: _Probe, rate: float, extra_row_flops: float | None,
+                   per_vocab: float, quiet: bool) -> _Overheads:
+    """The engine's own costs from the probe's times: intercept and slope over layers, less the weights' streaming
+    time at ``rate`` (bytes/s) and the sampling cost."""
+    lo, hi, times = probe.lo, probe.hi, probe.times
+    layer_bytes = (probe.weights[hi] - probe.weights[lo]) / (hi - lo)
 
     def slope(kind: str, minus: str | None = None) -> float:
         y = {n: times[kind][n] - (times[minus][n] if minus else 0.0) for n in (lo, hi)}
@@ -638,11 +731,10 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
 
     step_slope = slope("ar_full")
     per_layer = max(0.0, step_slope - layer_bytes / rate)
-    vocab = probe_config(lo, s.probe_shape).vocab_size
-    overhead = times["ar_full"][lo] - lo * step_slope - head_bytes / rate - vocab * per_vocab
+    overhead = times["ar_full"][lo] - lo * step_slope - probe.head_bytes / rate - probe.vocab * per_vocab
     if overhead < 0:  # noise tilted the line: put it through the origin and the larger probe instead
         overhead = 0.0
-        per_layer = max(0.0, (times["ar_full"][hi] - weights[hi] / rate - vocab * per_vocab) / hi)
+        per_layer = max(0.0, (times["ar_full"][hi] - probe.weights[hi] / rate - probe.vocab * per_vocab) / hi)
     # Extra rows cost little and mostly per layer (small-M products and masks); their slope over layers is too
     # small to separate from noise, so each probe's extra time is spread over its layers and the two are averaged.
     extra_rows_per_layer = (s.rows - 1) * layer_bytes / extra_row_flops if extra_row_flops else 0.0  # 2·P FLOPs/row
@@ -659,34 +751,23 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
         "vocabulary entry",
         quiet,
     )
+    return _Overheads(overhead, per_layer, per_row_layer, evict_layer, evict_row_layer)
 
-    # Attention kernels of the arena.
+
+def _attention_rates(s: CalibrationSettings, raw: dict, quiet: bool) -> dict[str, float]:
+    """FLOP rates of the arena's attention paths, from two cache sizes each."""
     entries = s.attention_entries
     attention: dict[str, float] = {}
     raw["attention_seconds"] = {}
     for path, rows, evicting in (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True)):
-        small = attention_seconds(entries[0], rows, evicting=evicting, **kw)
-        large = attention_seconds(entries[1], rows, evicting=evicting, **kw)
+        small = attention_seconds(entries[0], rows, evicting=evicting, trials=s.trials, min_seconds=s.min_seconds)
+        large = attention_seconds(entries[1], rows, evicting=evicting, trials=s.trials, min_seconds=s.min_seconds)
         raw["attention_seconds"][path] = {str(entries[0]): small, str(entries[1]): large, "rows": rows}
         flops = attention_rate(small, large, entries, rows)
         if flops is not None:
             attention[path] = flops
-    _progress(
-        "attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in attention.items()), quiet
-    )
-
-    load_after = loadavg()
-    return Calibration(
-        date=date, threads=threads, loadavg_before=load_before, loadavg_after=load_after,
-        seconds=time.perf_counter() - started, cpu=cpu, cores=cores, hypervisor=hypervisor, flags=flags,
-        memory_bytes=memory_bytes(), caches=caches, cache_source=cache_source, bandwidth_curve=curve,
-        dram_bandwidth=dram, dram_sizes=dram_sizes, sram_bandwidth=sram, sram_sizes=sram_sizes, peak_flops=peaks,
-        stream_bandwidth=stream["bytes_per_s"], stream_bytes=int(stream["bytes"]), extra_row_flops=extra_row_flops,
-        residency=residency, sram_kv_fraction=kv_fraction, overhead_s=overhead, per_layer_overhead_s=per_layer,
-        per_row_layer_overhead_s=per_row_layer, evict_layer_overhead_s=evict_layer,
-        evict_row_layer_overhead_s=evict_row_layer, per_vocab_overhead_s=per_vocab,
-        attention_flops=attention, raw=raw,
-    )
+    _progress("attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in attention.items()), quiet)
+    return attention
 
 
 # -------------------------------------------------------------------------------------------------- profile

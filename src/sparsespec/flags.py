@@ -1,0 +1,104 @@
+"""Command-line flags shared by several commands: model, weights, threads and KV cache options.
+
+The command modules (``cli.py``, ``eval/commands.py``, ``edge/calibrate.py`` …) import these; this module imports
+only the core, so commands depend on the core and never on each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import UserError
+
+WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
+DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
+CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
+    parser.add_argument("--model", "-m", default=default_model,
+                        help="fixture name, .gguf file or Hugging Face folder (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                        help="weight format of the projections: native (the GGUF file's own blocks, native kernels), "
+                        "dense (= bf16: in --dtype), int8, int4, or auto (default: native for a GGUF file the "
+                        "kernels read; else target int8 / draft int4 with bfloat16, dense with float32)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """Cache flags; ``prefix="draft-"`` gives the draft's copies (``--draft-policy`` …)."""
+    p = f"--{prefix}"
+    parser.add_argument(f"{p}policy", default=None,
+                        help="full | window | streaming | h2o | hybrid (default: "
+                        + ("hybrid, budget 64)" if prefix else "full, or hybrid when a budget or size is given)"))
+    parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
+    parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")
+    parser.add_argument(f"{p}heavy", type=int, default=None, help="heavy hitters kept")
+    parser.add_argument(f"{p}window", type=int, default=None, help="most recent tokens kept")
+    if not prefix:
+        parser.add_argument("--positions", choices=("original", "in-cache"), default="original",
+                            help="RoPE positions: true positions, or ranks inside a budgeted cache (StreamingLLM)")
+        parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
+        parser.add_argument("--force-context", action="store_true",
+                            help="allow positions (true ones, or in-cache ranks) beyond the model's trained context")
+
+
+def cache_options(args: argparse.Namespace, prefix: str = ""):
+    """CacheOptions from parsed flags (``prefix="draft_"`` for the draft, which shares positions and chunk).
+
+    ``--positions in-cache`` with the target's full cache is an error: with nothing evicted, ranks inside the cache
+    are the true positions, so the flag would do nothing.
+    """
+    from .cache.policy import make_policy
+    from .engine import CacheOptions
+
+    name = getattr(args, f"{prefix}policy")
+    budget = getattr(args, f"{prefix}budget")
+    sizes = {part: getattr(args, f"{prefix}{part}") for part in ("sinks", "heavy", "window")}
+    sized = budget is not None or any(v is not None for v in sizes.values())
+    if name is None:
+        name = "hybrid" if prefix or sized else "full"
+        if prefix and not sized:
+            budget = DEFAULT_DRAFT_BUDGET
+    policy = make_policy(name, budget, **sizes)
+    if not prefix and policy.is_full and args.positions == "in-cache":
+        raise UserError("--positions in-cache ranks tokens inside a budgeted cache; the full cache evicts nothing, "
+                        "so give --policy/--budget or drop --positions.")
+    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context)
+
+
+def draft_flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``--draft-*`` flags (and ``--gamma``) set on the command line, by their option names.
+
+    Their defaults are all None, so "set" means "not None".
+    """
+    names = ["weights", "policy", *CACHE_SIZE_FLAGS]
+    given = [f"--draft-{n}" for n in names if getattr(args, f"draft_{n}", None) is not None]
+    if getattr(args, "gamma", None) is not None:
+        given.insert(0, "--gamma")
+    return given
+
+
+def reject_without(given: list[str], needed: str, reason: str = "") -> None:
+    """Raise :class:`UserError` naming ``given`` flags that do nothing without ``needed``."""
+    if given:
+        verb = "does" if len(given) == 1 else "do"
+        raise UserError(f"{', '.join(given)} {verb} nothing without {needed}{reason}; drop "
+                        + ("it." if len(given) == 1 else "them."))
+
+
+def setup_torch(args: argparse.Namespace):
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1 (got {args.threads}).")
+        torch.set_num_threads(args.threads)
+    from .loading.load import DTYPES
+
+    if args.weights is None:
+        args.weights = "auto"
+    if getattr(args, "draft_weights", "") is None:
+        args.draft_weights = args.weights
+    return DTYPES[args.dtype]
