@@ -4,7 +4,8 @@ For each model:
 
 * decode: greedy autoregressive decoding of ``--new-tokens`` tokens for each prompt (EOS ignored), llama.cpp
   (through ``llama-cpp-python``, the file's own quantization) and sparsespec in each ``--formats`` weight format
-  (``bf16`` = dense bfloat16, ``int8``, ``int4``). Decode tok/s counts the tokens after the first over the time
+  (``native`` = the file's own blocks through the native kernels, ``bf16`` = dense bfloat16, ``int8``, ``int4``).
+  Decode tok/s counts the tokens after the first over the time
   after the first; prefill tok/s is prompt tokens over the time to the first token. Median of ``--runs`` runs.
 * prefill: time to the first token for the first ``--prefill-tokens`` tokens of the corpus text.
 * memory: RSS of a fresh process that loaded the model and decoded 8 tokens, per engine / format (``rss_mb``),
@@ -412,7 +413,7 @@ def bench_speculative(pair: str, args, out: Path | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=DEFAULT_MODELS)
-    parser.add_argument("--formats", default="bf16,int8,int4", help="sparsespec weight formats")
+    parser.add_argument("--formats", default="native", help="sparsespec weight formats (native, bf16, int8, int4)")
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="prompt ids of the sweep's prompt set, or 'all'")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
@@ -423,8 +424,8 @@ def main() -> None:
     parser.add_argument("--ppl-chunk", type=int, default=256)
     parser.add_argument("--spec", default="qwen2.5-coder-0.5b:qwen2.5-coder-1.5b",
                         help="DRAFT:TARGET pairs, comma-separated ('' for none)")
-    parser.add_argument("--draft-weights", default="int4")
-    parser.add_argument("--spec-target-weights", default="bf16,int8,int4")
+    parser.add_argument("--draft-weights", default="native")
+    parser.add_argument("--spec-target-weights", default="native")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--no-rss", dest="rss", action="store_false", help="skip the fresh-process RSS probes")
     parser.add_argument("--skip-llamacpp", action="store_true")

@@ -126,3 +126,24 @@ def test_native_speculative_equals_autoregressive(name, spec, dtype):
     assert spec_out == ar
     if name != "full":
         assert t_cache.evicted_tokens > 0
+
+
+def test_draft_with_a_limited_vocabulary_keeps_speculation_exact():
+    """A draft scoring only the first ids (q = 0 elsewhere) reads fewer head rows and greedy speculative output
+    still equals autoregressive decoding, including tokens the draft can never propose."""
+    target = native_tiny()
+    draft = native_tiny(seed=5, noise=0.05)
+    full_head_bytes = draft.lm_head.nbytes
+    draft.limit_vocabulary(40)
+    assert draft.lm_head.out_features == 40 and draft.lm_head.nbytes < full_head_bytes / 2
+    ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = draft.forward(torch.tensor(ids), full_arena(draft, chunk=32))
+    assert torch.isinf(logits[:, 40:]).all() and torch.isfinite(logits[:, :40]).all()
+    ar = list(generate_tokens(target, full_arena(target, chunk=8), ids, max_new_tokens=40, sampling=SamplingParams(),
+                              prefill_chunk=8))
+    t_cache = full_arena(target, chunk=8, max_inflight=target_inflight_rows(4))
+    d_cache = full_arena(draft, chunk=8, max_inflight=draft_inflight_rows(4))
+    out = list(speculative_tokens(target, t_cache, draft, d_cache, ids, max_new_tokens=40,
+                                  sampling=SamplingParams(), gamma=4, prefill_chunk=8))
+    assert out == ar
+    assert any(t >= 40 for t in ar)  # the target still emits ids the draft cannot propose

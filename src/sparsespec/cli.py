@@ -32,8 +32,9 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     """
     if not args.draft:
         reject_without(draft_flags_given(args), "--draft")
-    elif args.draft == "self" and args.draft_weights is not None:
-        raise UserError("--draft self drafts with the target's own weights; drop --draft-weights.")
+    elif args.draft == "self" and (args.draft_weights is not None or args.draft_vocab is not None):
+        raise UserError("--draft self drafts with the target's own weights and head; drop --draft-weights and "
+                        "--draft-vocab.")
     if args.temperature == 0:
         sampling_flags = [flag for flag, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                                 ("--seed", args.seed is not None)) if on]
@@ -83,7 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.draft == "self":
             draft = DraftOptions(target, draft_cache, gamma, is_self=True)
         else:
-            draft = DraftOptions(load_model(args.draft, dtype, args.draft_weights, role="draft"), draft_cache, gamma)
+            draft_model = load_model(args.draft, dtype, args.draft_weights, role="draft")
+            if args.draft_vocab is not None:
+                draft_model.model.limit_vocabulary(args.draft_vocab)
+            draft = DraftOptions(draft_model, draft_cache, gamma)
     load_seconds = time.perf_counter() - started
 
     tokenizer = target.tokenizer
@@ -152,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
     p.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                    help="the draft's weight format (default: as --weights)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
     p.add_argument("--gamma", default=None,
                    help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
     add_cache_arguments(p, prefix="draft-")

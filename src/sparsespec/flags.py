@@ -73,7 +73,7 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
 
     Their defaults are all None, so "set" means "not None".
     """
-    names = ["weights", "policy", *CACHE_SIZE_FLAGS]
+    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS]
     given = [f"--draft-{n}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")

@@ -411,6 +411,19 @@ class NativeLinear:
         y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
         return y.reshape(*lead, self.out_features) if len(lead) != 1 else y
 
+    def first_rows(self, n: int) -> "NativeLinear":
+        """The same weight cut to its first ``n`` outputs (views of the blocks, no copy)."""
+        if n > self.out_features:
+            raise ValueError(f"cannot keep {n} of {self.out_features} outputs")
+        segments, left = [], n
+        for kind, blob, rows in zip(self.types, self.blobs, self.rows):
+            keep = min(rows, left)
+            if keep:
+                segments.append((kind, blob[: blob.numel() // rows * keep], keep))
+            left -= keep
+        bias = None if self.bias is None else self.bias[:n]
+        return NativeLinear(segments, self.in_features, self.padded_in, bias)
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int = NATIVE_FLOAT_TYPE):
         """Quantize a float ``weight [out, in]`` to one GGUF block type (default Q8_0) with ``gguf``'s quantizer:

@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .cache.arena import KVArena
 from .config import ModelConfig
+from .errors import UserError
 from .linear import default_linear_options, make_linear, resolve_format
 
 
@@ -60,6 +63,7 @@ class Transformer:
         """
         self.config = config
         self.dtype = dtype
+        self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
         weights = resolve_format(weights, role)
         self.weights_format = weights
         options = dict(default_linear_options(weights, dtype) if linear_options is None else linear_options)
@@ -100,6 +104,25 @@ class Transformer:
             if head is None or config.tie_word_embeddings:
                 head = state["model.embed_tokens.weight"]
             self.lm_head = make_linear(head, None, dtype, weights, **options)
+
+    def limit_vocabulary(self, n: int) -> None:
+        """Score only token ids below ``n``; the others get logit -inf (probability 0).
+
+        For a draft: its head then reads ``n`` of its rows, a quarter of the 0.5B Qwen draft's bytes at full size.
+        BPE ids follow merge order, so the first ids are the frequent tokens. Speculative decoding stays exact: the
+        draft's q is 0 outside the first ``n`` ids and rejection sampling corrects for any q.
+        """
+        vocab = self.config.vocab_size
+        if not 0 < n <= vocab:
+            raise UserError(f"The draft vocabulary limit must be between 1 and {vocab} (got {n}).")
+        self.lm_head = self.lm_head.first_rows(n) if hasattr(self.lm_head, "first_rows") else self._dense_rows(n)
+        self.vocab_limit = n
+
+    def _dense_rows(self, n: int):
+        weight = getattr(self.lm_head, "weight", None)
+        if weight is None:
+            raise UserError("Limiting the draft's vocabulary needs native or dense weights.")
+        return make_linear(weight[:n], None, self.dtype, "dense")
 
     def linear_items(self) -> list[tuple[str, object]]:
         """Every projection with its key for the ``linears`` argument of :class:`Transformer`, in model order."""
@@ -172,4 +195,7 @@ class Transformer:
         cache.end()
         if last_only:
             x = x[-1:]
-        return self.lm_head(self._rms_norm(x, self.norm)).float()
+        logits = self.lm_head(self._rms_norm(x, self.norm)).float()
+        if self.vocab_limit < cfg.vocab_size:
+            logits = F.pad(logits, (0, cfg.vocab_size - self.vocab_limit), value=-math.inf)
+        return logits

@@ -126,7 +126,7 @@ def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dty
         if weights == NATIVE:
             raise UserError(f"{source.path} has weights in {', '.join(sorted(unreadable))}, which the native kernels "
                             "do not read; use --weights int8, int4 or dense.")
-        return resolve_format("auto", role)
+        return torch_auto
     return NATIVE
 
 
