@@ -186,3 +186,16 @@ def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("int8 kernels: torch (disabled by SPARSESPEC_KERNELS=torch)")
+
+
+def test_without_a_compiler_one_warning_and_the_torch_kernels(tmp_path):
+    """A machine whose C++ compiler fails: one warning line, the torch kernels, exit 0, no traceback."""
+    env = dict(os.environ, SPARSESPEC_HOME=str(tmp_path), CXX="/bin/false")
+    env.pop("SPARSESPEC_KERNELS", None)
+    out = subprocess.run([sys.executable, "-m", "sparsespec.cli", "info"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    warnings = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("sparsespec: warning: native kernels unavailable")
+    assert "kernels: torch" in out.stdout

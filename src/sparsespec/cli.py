@@ -51,6 +51,21 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    """One line each: the version, and which kernels, instruction set and threads decoding uses."""
+    import torch
+
+    from . import __version__, kernels
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1 (got {args.threads}).")
+        torch.set_num_threads(args.threads)
+    print(f"sparsespec {__version__}, torch {torch.__version__}")
+    print(kernels.info())
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
@@ -136,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_FIXTURES)}, corpus (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("info", help="version, kernels (native or torch), instruction set and threads")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="stream a continuation of a prompt")
     add_model_arguments(p)
