@@ -59,6 +59,7 @@ class Chat:
         self.messages = []
         self.session.reset()
         self.last = None
+        self.turns = 0
 
     def answer(self, text: str) -> None:
         """Stream the answer to ``text``; Ctrl-C stops it (what was said so far stays in the conversation)."""
@@ -86,7 +87,7 @@ class Chat:
 
     def stats_text(self) -> str:
         policy = self.session.cache.policy
-        lines = [f"conversation: {self.turns} turns, {self.session.held_tokens} tokens in the cache, "
+        lines = [f"conversation: {self.turns} turn{'' if self.turns == 1 else 's'}, {self.session.held_tokens} tokens in the cache, "
                  f"{self.session.evicted_tokens} evicted, cache {policy.describe()}, "
                  f"{self.session.kv_cache_bytes / 2**20:.1f} MiB of KV"]
         if self.last is not None:

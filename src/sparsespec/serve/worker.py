@@ -177,13 +177,16 @@ class EngineWorker:
         self.metrics = Metrics()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._serve, name="sparsespec-engine", daemon=True)
+        self._current: Job | None = None  # the job the thread is running
 
     # ------------------------------------------------------------------------------------- event-loop side
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Let the running job finish its step, then end the thread (waiting jobs are dropped)."""
+        """Cancel the running job (it ends after its current step), drop the waiting ones and end the thread."""
+        if self._current is not None:
+            self._current.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -238,7 +241,9 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self.metrics.add(requests_cancelled_total=1)
                 continue
+            self._current = job
             self._run(job)
+            self._current = None
 
     def _run(self, job: Job) -> None:
         request = job.request
