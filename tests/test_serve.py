@@ -23,7 +23,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 import uvicorn
 from openai import APIError, OpenAI
 
@@ -223,8 +222,12 @@ def test_budget_conversation_reports_evictions(smollm2_f32):
 
 def test_no_evict_overflow_refuses_what_outgrows_the_context(tiny_loaded):
     cache = CacheOptions(make_policy("hybrid", 32), "in-cache")
+    overlong = {"prompt": list(range(100, 2100)), "max_tokens": 100}  # 2000 + 100 tokens; the context is 2048
+    with live_server(lambda: EngineWorker(tiny_loaded, cache)) as (url, _):
+        status, body = post(url + "/v1/completions", overlong)
+        assert status == 200 and body["usage"]["prompt_tokens"] == 2000 and body["sparsespec"]["evicted_tokens"] > 0
     with live_server(lambda: EngineWorker(tiny_loaded, cache, no_evict_overflow=True)) as (url, _):
-        status, body = post(url + "/v1/completions", {"prompt": list(range(100, 2100)), "max_tokens": 100})
+        status, body = post(url + "/v1/completions", overlong)
         assert status == 400 and "no-evict-overflow" in body["error"]["message"]
         status, body = post(url + "/v1/completions", {"prompt": list(range(100, 2000)), "max_tokens": 2})
         assert status == 200 and body["sparsespec"]["evicted_tokens"] > 0
@@ -249,7 +252,8 @@ def test_bad_requests_get_400_error_objects(tiny_server):
         assert status == 400, body
         assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
         assert answer["error"]["param"] == param
-    status, answer = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 1, "unknown_field": [1]})
+    status, answer = post(url + "/v1/completions",
+                          {"prompt": "hi", "max_tokens": 1, "temperature": 0, "unknown_field": [1]})
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
     assert get(url + "/nowhere")[0] == 404
     assert get(url + "/health") == (200, '{"status":"ok"}')
@@ -274,7 +278,7 @@ def test_client_leaving_mid_stream_cancels_its_generation(tiny_server):
         assert time.monotonic() < deadline, "the generation was not cancelled"
         time.sleep(0.05)
     assert metric(url, "generated_tokens_total") - generated < 2000
-    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
 
 
@@ -294,7 +298,7 @@ def test_flood_past_the_queue_bound_gets_503_and_the_server_recovers(tiny_server
     assert 1 <= statuses.count(200) <= 3  # one running, two waiting
     assert get(url + "/health")[0] == 200
     assert metric(url, "requests_rejected_total") >= statuses.count(503)
-    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 1})[0] == 200
+    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0})[0] == 200
 
 
 def test_an_exception_inside_generation_ends_the_stream_with_an_error(tiny_server, monkeypatch):
@@ -313,10 +317,10 @@ def test_an_exception_inside_generation_ends_the_stream_with_an_error(tiny_serve
     with pytest.raises(APIError, match="simulated fault"):
         for _ in stream:
             pass
-    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": False})
+    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0})
     assert status == 500 and "simulated fault" in answer["error"]["message"]
     monkeypatch.undo()
-    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})[0] == 200
     assert get(url + "/health")[0] == 200
 
 

@@ -155,7 +155,12 @@ class Session:
     """
 
     def __init__(
-        self, target: LoadedModel, cache: CacheOptions, draft: DraftOptions | None = None, *, capacity: int | None = None
+        self,
+        target: LoadedModel,
+        cache: CacheOptions,
+        draft: DraftOptions | None = None,
+        *,
+        capacity: int | None = None,
     ) -> None:
         if draft is not None and not draft.is_self:
             check_same_vocabulary(
@@ -169,7 +174,7 @@ class Session:
         self._text: list[int] = []  # the text whose first ``arena.next_position`` tokens each arena holds
 
     @property
-    def gamma_cap(self) -> int:
+    def _gamma_cap(self) -> int:
         gamma = self.draft.gamma
         return AdaptiveGamma().gamma_max if gamma == "auto" else gamma
 
@@ -220,7 +225,7 @@ class Session:
         if self.draft is None:
             inflight = [1]
         else:
-            inflight = [target_inflight_rows(self.gamma_cap), draft_inflight_rows(self.gamma_cap)]
+            inflight = [target_inflight_rows(self._gamma_cap), draft_inflight_rows(self._gamma_cap)]
         self.arenas = []  # free the old buffers before allocating new ones
         self.arenas = [
             make_arena(loaded, cache, size, rows) for loaded, cache, rows in zip(self._models(), caches, inflight)
@@ -249,7 +254,9 @@ class Session:
         total = len(prompt_ids) + max_new_tokens
         check_fits_context(self.target, self.cache, total, "The prompt plus --max-new-tokens")
         if self.draft is not None:
-            check_fits_context(self.draft.model, self.draft.cache, total, "The prompt plus --max-new-tokens (for the draft)")
+            check_fits_context(
+                self.draft.model, self.draft.cache, total, "The prompt plus --max-new-tokens (for the draft)"
+            )
         stats = stats if stats is not None else RunStats()
         stats.prompt_tokens = len(prompt_ids)
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)

@@ -87,7 +87,8 @@ class Chat:
 
     def stats_text(self) -> str:
         policy = self.session.cache.policy
-        lines = [f"conversation: {self.turns} turn{'' if self.turns == 1 else 's'}, {self.session.held_tokens} tokens in the cache, "
+        turns = f"{self.turns} turn{'' if self.turns == 1 else 's'}"
+        lines = [f"conversation: {turns}, {self.session.held_tokens} tokens in the cache, "
                  f"{self.session.evicted_tokens} evicted, cache {policy.describe()}, "
                  f"{self.session.kv_cache_bytes / 2**20:.1f} MiB of KV"]
         if self.last is not None:
