@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparsespec.cache import KVArena, make_policy
@@ -118,3 +119,29 @@ def test_budget_reuse_reports_evictions_and_equals_fresh_until_the_budget_fills(
     # Turn 3 outgrows the budget: the resumed cache evicts while decoding and says how many.
     assert stats[2].reused_tokens > 0 and stats[2].evicted_tokens > 0
     assert session.evicted_tokens == sum(s.evicted_tokens for s in stats)
+
+
+def test_a_run_that_fails_inside_a_pass_is_not_resumed_from(monkeypatch):
+    loaded = tiny_loaded()
+    session = Session(loaded, CacheOptions(prefill_chunk=8), capacity=256)
+    forward = loaded.model.forward
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            args[1].begin(1)  # the arena is left with an open block, as an interrupted pass leaves it
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(loaded.model, "forward", failing)
+    answer = []
+    with pytest.raises(KeyboardInterrupt):
+        for token in session.run(prompt(20), max_new_tokens=10, sampling=GREEDY):
+            answer.append(token)
+    monkeypatch.undo()
+    assert len(answer) == 2
+    follow = prompt(20) + answer + prompt(5, seed=3)  # extends the text, but the arena is broken
+    assert session.reusable(follow) == 0
+    expected = run_generation(loaded, follow, max_new_tokens=6, sampling=GREEDY, cache=CacheOptions(prefill_chunk=8))
+    assert list(session.run(follow, max_new_tokens=6, sampling=GREEDY)) == list(expected)

@@ -283,8 +283,10 @@ class Session:
                 stats.decode_seconds = now - first_token_at
                 text.append(token)
                 yield token
-        except Exception:
-            self._text = []  # an arena may have been left mid-block: never resume from it
+        except GeneratorExit:  # closed at a yield: the arenas are committed and consistent
+            raise
+        except BaseException:  # an error or Ctrl-C inside a pass may leave an arena mid-block: never resume from it
+            self._text = []
             raise
         finally:
             stats.kv_cache_bytes = self.kv_cache_bytes
