@@ -1,4 +1,4 @@
-"""The ``sparsespec`` command: fetch, generate, ppl, sweep, simulate, calibrate."""
+"""The ``sparsespec`` command: fetch, generate, ppl, sweep, simulate, calibrate, serve, chat."""
 
 from __future__ import annotations
 
@@ -214,7 +214,18 @@ def _register_calibrate(sub) -> None:
     p.set_defaults(func=run_calibrate)
 
 
-_EXTRA_COMMANDS = [_register_simulate, _register_eval, _register_calibrate]
+def _register_serve(sub) -> None:
+    from .serve.commands import add_chat_arguments, add_serve_arguments, run_chat, run_serve
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming)")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    p = sub.add_parser("chat", help="an interactive chat in the terminal, the conversation kept in the cache")
+    add_chat_arguments(p)
+    p.set_defaults(func=run_chat)
+
+
+_EXTRA_COMMANDS = [_register_simulate, _register_eval, _register_calibrate, _register_serve]
 
 
 def main(argv: list[str] | None = None) -> int:

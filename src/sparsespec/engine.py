@@ -15,7 +15,7 @@ import torch
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
 from .errors import UserError
-from .generate import generate_tokens
+from .generate import generate_tokens, prefill
 from .loading.load import LoadedModel
 from .sampling import SamplingParams
 from .speculative import (
@@ -100,6 +100,7 @@ class RunStats:
     """What one generation run measured."""
 
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # leading prompt tokens resumed from a previous run's cache (not read again)
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -161,6 +162,187 @@ def parse_gamma(text: str) -> int | str:
     return value
 
 
+class Session:
+    """Arenas kept from one run to the next, so that a prompt extending the text they hold resumes from them.
+
+    After a run the arenas hold the start of that run's text: its prompt and the tokens it yielded, except the
+    last yielded token, which is never fed back (with a draft, the two arenas may stop at different points). A
+    later prompt that begins with everything the arenas hold, and goes on past it, is fed from there on (prefix
+    reuse: the next turn of a chat reads only the new messages); any other prompt starts from empty arenas.
+
+    With the full cache a resumed run equals a fresh run over the whole prompt (up to floating-point rounding of
+    the prefill's chunking). With a budget the two differ once anything has been evicted: the resumed cache
+    evicted token by token as the previous answers were decoded, a fresh run evicts once per prefill chunk.
+
+    ``capacity`` sizes the full cache (e.g. the model's context) so that the arenas outlive one run; without it
+    they are sized for each run. A run that needs more than the full cache holds starts from new, larger arenas.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        cache: CacheOptions,
+        draft: DraftOptions | None = None,
+        *,
+        capacity: int | None = None,
+    ) -> None:
+        if draft is not None and not draft.is_self:
+            check_same_vocabulary(
+                target.tokenizer, draft.model.tokenizer, target.config.vocab_size, draft.model.config.vocab_size
+            )
+        self.target = target
+        self.cache = cache
+        self.draft = draft
+        self.capacity = capacity
+        self.arenas: list[KVArena] = []  # the target's, then the draft's
+        self._text: list[int] = []  # the text whose first ``arena.next_position`` tokens each arena holds
+
+    @property
+    def _gamma_cap(self) -> int:
+        gamma = self.draft.gamma
+        return AdaptiveGamma().gamma_max if gamma == "auto" else gamma
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of text the arenas hold and a later prompt can skip (0 when there is nothing to resume from)."""
+        if not self.arenas:
+            return 0
+        held = max(arena.next_position for arena in self.arenas)
+        return held if held <= len(self._text) else 0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(arena.nbytes for arena in self.arenas)
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens the target's arena has evicted since it was last empty (per layer and head)."""
+        return self.arenas[0].evicted_tokens if self.arenas else 0
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of ``prompt_ids`` the arenas hold already (0: a run starts from empty arenas)."""
+        held = self.held_tokens
+        if held == 0 or held >= len(prompt_ids) or self._text[:held] != list(prompt_ids[:held]):
+            return 0
+        return held
+
+    def reset(self) -> None:
+        """Forget the text: the next run starts from empty arenas."""
+        for arena in self.arenas:
+            arena.reset()
+        self._text = []
+
+    def _models(self) -> list[LoadedModel]:
+        return [self.target] if self.draft is None else [self.target, self.draft.model]
+
+    def _prepare_arenas(self, total: int) -> None:
+        """Arenas that can take a run of ``total`` tokens, keeping the current ones when they can."""
+        caches = [self.cache] if self.draft is None else [self.cache, self.draft.cache]
+        fits = all(
+            (not arena.policy.is_full or arena.capacity - arena.staging >= total)
+            and arena.max_block >= min(self.cache.prefill_chunk, total)
+            for arena in self.arenas
+        )
+        if self.arenas and fits:
+            return
+        size = max(self.capacity or 0, total)
+        if self.draft is None:
+            inflight = [1]
+        else:
+            inflight = [target_inflight_rows(self._gamma_cap), draft_inflight_rows(self._gamma_cap)]
+        self.arenas = []  # free the old buffers before allocating new ones
+        self.arenas = [
+            make_arena(loaded, cache, size, rows) for loaded, cache, rows in zip(self._models(), caches, inflight)
+        ]
+        self._text = []
+
+    def run(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None = None,
+        eos_ids: set[int] | frozenset[int] = frozenset(),
+        stats: RunStats | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids for ``prompt_ids``, resuming from the arenas where they hold its start.
+
+        Checks the inputs first (empty prompt, context length) and raises :class:`UserError`; ``stats`` is filled
+        in as the run goes.
+        """
+        if not prompt_ids:
+            raise UserError("The prompt is empty; give some text to continue.")
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens}).")
+        total = len(prompt_ids) + max_new_tokens
+        check_fits_context(self.target, self.cache, total, "The prompt plus --max-new-tokens")
+        if self.draft is not None:
+            check_fits_context(
+                self.draft.model, self.draft.cache, total, "The prompt plus --max-new-tokens (for the draft)"
+            )
+        stats = stats if stats is not None else RunStats()
+        stats.prompt_tokens = len(prompt_ids)
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+
+        self._prepare_arenas(total)
+        reuse = self.reusable(prompt_ids)
+        if reuse == 0:
+            self.reset()
+        stats.reused_tokens = reuse
+        evicted_before = self.evicted_tokens
+        started = time.perf_counter()
+        prefilled_at = [started]
+
+        def on_prefilled() -> None:
+            prefilled_at[0] = time.perf_counter()
+            stats.prefill_seconds = prefilled_at[0] - started
+
+        text = self._text = list(prompt_ids)
+        try:
+            for arena, loaded in zip(self.arenas, self._models()):  # a draft's arena may lag the target's
+                prefill(loaded.model, arena, text[arena.next_position : reuse], self.cache.prefill_chunk)
+            tokens = self._tokens(text[reuse:], max_new_tokens, sampling, generator, eos_ids, stats, on_prefilled)
+            for token in tokens:
+                stats.new_tokens += 1
+                stats.decode_seconds = time.perf_counter() - prefilled_at[0]
+                text.append(token)
+                yield token
+        except GeneratorExit:  # closed at a yield: the arenas are committed and consistent
+            raise
+        except BaseException:  # an error or Ctrl-C inside a pass may leave an arena mid-block: never resume from it
+            self._text = []
+            raise
+        finally:
+            stats.kv_cache_bytes = self.kv_cache_bytes
+            stats.evicted_tokens = self.evicted_tokens - evicted_before
+
+    def _tokens(self, suffix, max_new_tokens, sampling, generator, eos_ids, stats: RunStats,
+                on_prefilled) -> Iterator[int]:
+        """The decoding loop over the arenas, fed the prompt's ``suffix`` that they do not hold yet."""
+        chunk = self.cache.prefill_chunk
+        if self.draft is None:
+            yield from generate_tokens(
+                self.target.model, self.arenas[0], suffix, max_new_tokens=max_new_tokens, sampling=sampling,
+                generator=generator, eos_ids=eos_ids, prefill_chunk=chunk, on_prefilled=on_prefilled,
+            )
+            return
+        gamma = self.draft.gamma
+        if gamma == "auto":
+            # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
+            fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, self.draft.model.model)
+            gamma = AdaptiveGamma(cost_ratio=fixed)
+        stats.speculative = SpeculativeStats()
+        try:
+            yield from speculative_tokens(
+                self.target.model, self.arenas[0], self.draft.model.model, self.arenas[1], suffix,
+                max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
+                eos_ids=eos_ids, prefill_chunk=chunk, stats=stats.speculative, on_prefilled=on_prefilled,
+            )
+        finally:
+            stats.final_gamma = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
+
+
 def run_generation(
     target: LoadedModel,
     prompt_ids: list[int],
@@ -173,60 +355,10 @@ def run_generation(
     draft: DraftOptions | None = None,
     stats: RunStats | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids for ``prompt_ids``; ``stats`` is filled in as the run goes.
+    """Yield new token ids for ``prompt_ids`` from fresh arenas; ``stats`` is filled in as the run goes.
 
     Checks the inputs first (empty prompt, context length, γ, vocabularies) and raises :class:`UserError`.
     """
-    if not prompt_ids:
-        raise UserError("The prompt is empty; give some text to continue.")
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens}).")
-    total = len(prompt_ids) + max_new_tokens
-    check_fits_context(target, cache, total, "The prompt plus --max-new-tokens")
-    stats = stats if stats is not None else RunStats()
-    stats.prompt_tokens = len(prompt_ids)
-    generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-    started = time.perf_counter()
-    prefilled_at = [started]
-
-    def on_prefilled() -> None:
-        prefilled_at[0] = time.perf_counter()
-        stats.prefill_seconds = prefilled_at[0] - started
-
-    if draft is None:
-        arena = make_arena(target, cache, total, max_inflight=1)
-        tokens = generate_tokens(
-            target.model, arena, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk, on_prefilled=on_prefilled,
-        )
-        arenas = [arena]
-    else:
-        if not draft.is_self:
-            check_same_vocabulary(
-                target.tokenizer, draft.model.tokenizer, target.config.vocab_size, draft.model.config.vocab_size
-            )
-        check_fits_context(draft.model, draft.cache, total, "The prompt plus --max-new-tokens (for the draft)")
-        gamma = draft.gamma
-        if gamma == "auto":
-            # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
-            fixed = None if sampling.greedy else weight_cost_ratio(target.model, draft.model.model)
-            gamma = AdaptiveGamma(cost_ratio=fixed)
-        gamma_cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
-        target_arena = make_arena(target, cache, total, target_inflight_rows(gamma_cap))
-        draft_arena = make_arena(draft.model, draft.cache, total, draft_inflight_rows(gamma_cap))
-        stats.speculative = SpeculativeStats()
-        tokens = speculative_tokens(
-            target.model, target_arena, draft.model.model, draft_arena, prompt_ids,
-            max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
-            eos_ids=eos_ids, prefill_chunk=cache.prefill_chunk, stats=stats.speculative, on_prefilled=on_prefilled,
-        )
-        arenas = [target_arena, draft_arena]
-
-    for token in tokens:
-        stats.new_tokens += 1
-        stats.decode_seconds = time.perf_counter() - prefilled_at[0]
-        yield token
-    stats.kv_cache_bytes = sum(a.nbytes for a in arenas)
-    stats.evicted_tokens = arenas[0].evicted_tokens
-    if draft is not None:
-        stats.final_gamma = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
+    yield from Session(target, cache, draft).run(
+        prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids, stats=stats
+    )

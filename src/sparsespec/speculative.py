@@ -318,11 +318,14 @@ def speculative_tokens(
             accepted, next_token = _accept(warp(logits[len(target_pending) - 1 :], sampling), q, drafts, generator)
         target_seconds = time.perf_counter() - started
 
-        # 3. Commit what was accepted; roll back the rest.
-        target_cache.commit(len(target_pending) + accepted)
-        target_pending = [next_token]
-        stream = draft_pending + drafts[:accepted] + [next_token]
-        kept = min(draft_fed, len(draft_pending) + accepted)
+        # 3. Commit what was accepted; roll back the rest. An accepted EOS ends the run, so the tokens after it
+        # are neither yielded nor committed: the arenas then hold only the text this generator yielded.
+        ends = next((i for i, x in enumerate(drafts[:accepted]) if x in eos), None)
+        emitted = drafts[:accepted] + [next_token] if ends is None else drafts[: ends + 1]
+        target_cache.commit(len(target_pending) + len(emitted) - 1)
+        target_pending = emitted[-1:]
+        stream = draft_pending + emitted
+        kept = min(draft_fed, len(draft_pending) + len(emitted) - 1)
         draft_cache.commit(kept)
         draft_pending = stream[kept:]
 
@@ -336,7 +339,7 @@ def speculative_tokens(
         if isinstance(gamma, AdaptiveGamma):
             gamma.update(g, accepted, draft_seconds, target_seconds)
 
-        for token in drafts[:accepted] + [next_token]:
+        for token in emitted:
             generated += 1
             stats.new_tokens += 1
             yield token

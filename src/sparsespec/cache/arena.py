@@ -182,6 +182,17 @@ class KVArena:
         self.next_position += n_rows
         self._alive_after_row = []
 
+    def reset(self) -> None:
+        """Forget every token, keeping the buffers: the arena is as freshly built (stale slots are never read, since
+        every slot is written when its row is staged)."""
+        self.evicted_at.fill_(NEVER)
+        self.n_committed = 0
+        self.next_position = 0
+        self.evicted_tokens = 0
+        self._alive_after_row = []
+        self._block = None
+        self._per_block_inflight = False
+
     def rollback(self) -> None:
         """Drop every in-flight row, restoring the committed state exactly."""
         self.commit(0)

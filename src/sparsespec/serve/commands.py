@@ -1,0 +1,133 @@
+"""``sparsespec serve`` and ``sparsespec chat``: their flags, and loading the engine they share."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..flags import WEIGHT_CHOICES
+from ..errors import UserError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, cache and draft flags, as ``sparsespec generate`` has them."""
+    from ..flags import add_cache_arguments, add_model_arguments
+
+    add_model_arguments(parser)
+    add_cache_arguments(parser)
+    parser.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
+    parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
+                        help="the draft's weight format (default: as --weights)")
+    parser.add_argument("--gamma", default=None, help="draft tokens per round, or 'auto' (default: 4)")
+    add_cache_arguments(parser, prefix="draft-")
+
+
+def engine_options(args: argparse.Namespace):
+    """``(cache, draft cache, γ)`` from the flags, checked before anything is loaded."""
+    from ..flags import cache_options
+    from ..engine import parse_gamma
+
+    cache = cache_options(args)
+    if args.draft is None:
+        draft_flags = [f"--draft-{part}" for part in ("policy", "budget", "sinks", "heavy", "window", "weights")
+                       if getattr(args, f"draft_{part}") is not None]
+        if args.gamma is not None:
+            draft_flags.append("--gamma")
+        if draft_flags:
+            raise UserError(f"{', '.join(draft_flags)} apply only with --draft; drop them or add --draft.")
+        return cache, None, None
+    return cache, cache_options(args, "draft_"), parse_gamma(args.gamma or "4")
+
+
+def load_engine(args: argparse.Namespace, options):
+    """Load the target (and draft) named by the flags: ``(target, cache, draft options or None)``."""
+    from ..flags import setup_torch
+    from ..engine import DraftOptions
+    from ..loading.load import load_model
+
+    cache, draft_cache, gamma = options
+    dtype = setup_torch(args)
+    target = load_model(args.model, dtype, args.weights, role="target")
+    draft = None
+    if args.draft == "self":
+        draft = DraftOptions(target, draft_cache, gamma, is_self=True)
+    elif args.draft is not None:
+        draft = DraftOptions(load_model(args.draft, dtype, args.draft_weights, role="draft"), draft_cache, gamma)
+    return target, cache, draft
+
+
+# ----------------------------------------------------------------------------------------------------- serve
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--queue-size", type=int, default=16,
+                        help="requests that may wait for the engine; more get 503 (default: %(default)s)")
+    parser.add_argument("--no-evict-overflow", action="store_true",
+                        help="with a budget and in-cache positions, answer 400 to a request that would run past "
+                        "the model's context instead of evicting")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve the model over HTTP until interrupted."""
+    import uvicorn
+
+    from ..loading.source import resolve_model
+    from .server import ServerState, create_app
+    from .worker import EngineWorker, check_worker_options
+
+    options = engine_options(args)
+    check_worker_options(options[0], args.queue_size, args.no_evict_overflow)
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be from 0 to 65535 (got {args.port}).")
+    resolve_model(args.model)  # a wrong name fails now, not after the port is open
+    if args.draft not in (None, "self"):
+        resolve_model(args.draft)
+
+    def load() -> EngineWorker:
+        target, cache, draft = load_engine(args, options)
+        print(f"sparsespec: {target.name} loaded; serving.", file=sys.stderr, flush=True)
+        return EngineWorker(target, cache, draft, queue_size=args.queue_size, no_evict_overflow=args.no_evict_overflow)
+
+    state = ServerState(load)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning"))
+    state.on_failure = lambda exc: setattr(server, "should_exit", True)
+    print(f"sparsespec: loading {args.model}; the API will be at http://{args.host}:{args.port}/v1 "
+          "(GET /health answers 503 until then)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
+        pass
+    if state.error is not None:
+        raise state.error
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ chat
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--max-new-tokens", "-n", type=int, default=512, help="longest answer (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """An interactive chat in the terminal."""
+    from ..engine import Session
+    from ..sampling import SamplingParams
+    from .chat import Chat
+
+    options = engine_options(args)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}).")
+    target, cache, draft = load_engine(args, options)
+    session = Session(target, cache, draft, capacity=target.config.max_position_embeddings)
+    chat = Chat(session, sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    return chat.loop()

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the real ``openai`` client and raw HTTP.
+
+SmolLM2-135M answers the questions whose text matters (equality with ``sparsespec generate``, prefix reuse); a
+tiny random model with SmolLM2's tokenizer answers the ones about the server's behaviour (faults, queueing,
+memory), where only speed matters.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import uvicorn
+from openai import APIError, OpenAI
+
+from sparsespec.cache import make_policy
+from sparsespec.cli import main
+from sparsespec.engine import CacheOptions, DraftOptions
+from sparsespec.loading.load import LoadedModel
+from sparsespec.serve.server import ServerState, create_app
+from sparsespec.serve.worker import EngineWorker
+
+from conftest import tiny_model
+
+QUESTION = "What is 2+2? Answer with a number only."  # SmolLM2 answers "2 + 2 = 4" and stops
+
+
+@contextmanager
+def live_server(load):
+    """An app on a free 127.0.0.1 port, served by uvicorn in a thread; yields ``(base_url, state)``."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    state = ServerState(load)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 120
+        while get(url + "/health")[0] != 200:
+            assert state.error is None, state.error
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.05)
+        yield url, state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(c: OpenAI, messages: list[dict], max_tokens: int, **kw):
+    return c.chat.completions.create(model="any", messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+
+
+def generate_text(capsys, question: str, max_new_tokens: int, *flags: str) -> str:
+    """What ``sparsespec generate --chat`` prints for ``question`` (greedy, float32)."""
+    capsys.readouterr()
+    assert main(["generate", "--dtype", "float32", "--chat", "--json", "-p", question, "-n", str(max_new_tokens),
+                 *flags]) == 0
+    return json.loads(capsys.readouterr().out)["text"]
+
+
+def metric(url: str, name: str) -> float:
+    status, text = get(url + "/metrics")
+    assert status == 200
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"sparsespec_{name} ")))
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def smol_server(smollm2_f32):
+    with live_server(lambda: EngineWorker(smollm2_f32, CacheOptions())) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(smollm2_f32):
+    """A 2-layer random model speaking SmolLM2's vocabulary: fast, and its chat template is SmolLM2's."""
+    model = tiny_model(vocab_size=len(smollm2_f32.tokenizer), max_position_embeddings=2048)
+    return LoadedModel("tiny", None, model.config, model, smollm2_f32.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_loaded):
+    with live_server(lambda: EngineWorker(tiny_loaded, CacheOptions(), queue_size=2)) as (url, state):
+        yield url, state
+
+
+# ----------------------------------------------------------------------------------- answers and equality
+def test_chat_completions_whole_and_streamed_equal_generate(smol_server, capsys):
+    c = client(smol_server)
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = chat(c, messages, 16)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == generate_text(capsys, QUESTION, 16)
+    assert whole.usage.completion_tokens < 16 and whole.usage.prompt_tokens > 20
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    extension = whole.model_extra["sparsespec"]
+    assert extension["cache_policy"] == "full" and extension["evicted_tokens"] == 0 and extension["kv_cache_bytes"] > 0
+
+    chunks = list(chat(c, messages, 16, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_length_finish_and_completions_endpoint(smol_server, capsys):
+    c = client(smol_server)
+    short = chat(c, [{"role": "user", "content": "Say OK."}], 4)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
+    assert short.choices[0].message.content == generate_text(capsys, "Say OK.", 4)
+    text = c.completions.create(model="any", prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 3
+    assert text.choices[0].text.strip()
+    stopped = c.completions.create(model="any", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=["7"])
+    assert stopped.choices[0].finish_reason == "stop" and "7" not in stopped.choices[0].text
+    assert "6" in stopped.choices[0].text
+
+
+def test_stream_ends_with_done(smol_server):
+    host, port = smol_server.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 2, "stream": True}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    events = [line for line in response.read().decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_self_speculation_through_the_api_equals_generate(smollm2_f32, capsys):
+    draft = DraftOptions(smollm2_f32, CacheOptions(make_policy("hybrid", 64)), gamma=4, is_self=True)
+    with live_server(lambda: EngineWorker(smollm2_f32, CacheOptions(), draft)) as (url, _):
+        answer = chat(client(url), [{"role": "user", "content": QUESTION}], 16)
+    assert answer.choices[0].message.content == generate_text(capsys, QUESTION, 16, "--draft", "self")
+    extension = answer.model_extra["sparsespec"]
+    assert extension["acceptance_rate"] > 0 and extension["tokens_per_target_pass"] > 1
+
+
+# ------------------------------------------------------------------------------------------- prefix reuse
+def conversation(c: OpenAI, questions: list[str], max_tokens: int) -> tuple[list[list[dict]], list]:
+    """Ask the questions in turn, each with the history so far; returns each turn's messages and answer."""
+    history, sent, answers = [], [], []
+    for question in questions:
+        history = history + [{"role": "user", "content": question}]
+        sent.append(history)
+        answers.append(chat(c, history, max_tokens))
+        history = history + [{"role": "assistant", "content": answers[-1].choices[0].message.content}]
+    return sent, answers
+
+
+def test_three_turns_with_prefix_reuse_equal_a_fresh_server(smol_server, smollm2_f32):
+    sent, answers = conversation(client(smol_server), [QUESTION, "And 3+3?", "And 4+4?"], 8)
+    reused = [a.model_extra["sparsespec"]["reused_prompt_tokens"] for a in answers]
+    assert reused[0] == 0
+    # Each follow-up resumed from the previous turn: its whole prompt but the new message was not read again.
+    for previous, answer, used in zip(answers, answers[1:], reused[1:]):
+        assert previous.usage.prompt_tokens < used < answer.usage.prompt_tokens
+    with live_server(lambda: EngineWorker(smollm2_f32, CacheOptions())) as (url, _):
+        c = client(url)
+        for turn in (2, 1):  # turn 2 does not extend turn 3's text: both are read from an empty cache
+            again = chat(c, sent[turn], 8)
+            assert again.choices[0].message.content == answers[turn].choices[0].message.content
+            assert again.model_extra["sparsespec"]["reused_prompt_tokens"] == 0
+
+
+def test_budget_conversation_reports_evictions(smollm2_f32):
+    """With a budget, reuse equals re-reading until the budget fills; after, the run evicts, and says so."""
+    cache = CacheOptions(make_policy("hybrid", 64), "in-cache")
+    with live_server(lambda: EngineWorker(smollm2_f32, cache)) as (url, _):
+        sent, answers = conversation(client(url), [QUESTION, "And 3+3?", "And 4+4?"], 8)
+        first_again = chat(client(url), sent[0], 8)  # does not extend the conversation: read from empty
+    ext = [a.model_extra["sparsespec"] for a in answers]
+    assert ext[0]["evicted_tokens"] == 0 and ext[0]["cache_budget"] == 64
+    assert first_again.choices[0].message.content == answers[0].choices[0].message.content
+    assert ext[2]["reused_prompt_tokens"] > 0 and ext[2]["evicted_tokens"] > 0
+    assert ext[2]["conversation_evicted_tokens"] == sum(e["evicted_tokens"] for e in ext)
+    assert answers[2].usage.prompt_tokens > 64
+
+
+def test_no_evict_overflow_refuses_what_outgrows_the_context(tiny_loaded):
+    cache = CacheOptions(make_policy("hybrid", 32), "in-cache")
+    overlong = {"prompt": list(range(100, 2100)), "max_tokens": 100}  # 2000 + 100 tokens; the context is 2048
+    with live_server(lambda: EngineWorker(tiny_loaded, cache)) as (url, _):
+        status, body = post(url + "/v1/completions", overlong)
+        assert status == 200 and body["usage"]["prompt_tokens"] == 2000 and body["sparsespec"]["evicted_tokens"] > 0
+    with live_server(lambda: EngineWorker(tiny_loaded, cache, no_evict_overflow=True)) as (url, _):
+        status, body = post(url + "/v1/completions", overlong)
+        assert status == 400 and "no-evict-overflow" in body["error"]["message"]
+        status, body = post(url + "/v1/completions", {"prompt": list(range(100, 2000)), "max_tokens": 2})
+        assert status == 200 and body["sparsespec"]["evicted_tokens"] > 0
+
+
+# ------------------------------------------------------------------------------------------------- faults
+def test_bad_requests_get_400_error_objects(tiny_server):
+    url, _ = tiny_server
+    cases = [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, None),  # past the 2048 context
+    ]
+    for body, param in cases:
+        status, answer = post(url + "/v1/chat/completions", body)
+        assert status == 400, body
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        assert answer["error"]["param"] == param
+    status, answer = post(url + "/v1/completions",
+                          {"prompt": "hi", "max_tokens": 1, "temperature": 0, "unknown_field": [1]})
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+    assert get(url + "/nowhere")[0] == 404
+    assert get(url + "/health") == (200, '{"status":"ok"}')
+
+
+def test_client_leaving_mid_stream_cancels_its_generation(tiny_server):
+    url, _ = tiny_server
+    generated = metric(url, "generated_tokens_total")
+    cancelled = metric(url, "requests_cancelled_total")
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions",
+                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 30
+    while metric(url, "requests_cancelled_total") == cancelled:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    assert metric(url, "generated_tokens_total") - generated < 2000
+    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_flood_past_the_queue_bound_gets_503_and_the_server_recovers(tiny_server):
+    url, _ = tiny_server
+    statuses = []
+
+    def request():
+        statuses.append(post(url + "/v1/completions", {"prompt": "Once", "max_tokens": 400, "temperature": 0})[0])
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(set(statuses)) == [200, 503]
+    assert 1 <= statuses.count(200) <= 3  # one running, two waiting
+    assert get(url + "/health")[0] == 200
+    assert metric(url, "requests_rejected_total") >= statuses.count(503)
+    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0})[0] == 200
+
+
+def test_an_exception_inside_generation_ends_the_stream_with_an_error(tiny_server, monkeypatch):
+    url, state = tiny_server
+    session = state.worker.session
+    run = session.run
+
+    def failing(*args, **kwargs):
+        tokens = run(*args, **kwargs)
+        yield next(tokens)
+        yield next(tokens)
+        raise RuntimeError("simulated fault")
+
+    monkeypatch.setattr(session, "run", failing)
+    stream = client(url).completions.create(model="any", prompt="Once", max_tokens=50, stream=True)
+    with pytest.raises(APIError, match="simulated fault"):
+        for _ in stream:
+            pass
+    status, answer = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+    assert status == 500 and "simulated fault" in answer["error"]["message"]
+    monkeypatch.undo()
+    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})[0] == 200
+    assert get(url + "/health")[0] == 200
+
+
+def test_memory_stays_flat_over_200_requests(tiny_server):
+    url, _ = tiny_server
+    process = psutil.Process()
+    messages = [{"role": "user", "content": "Hi"}]
+    c = client(url)
+    for _ in range(20):
+        chat(c, messages, 2)
+    after_20 = process.memory_info().rss
+    for i in range(180):
+        list(chat(c, messages, 2, stream=True)) if i % 2 else chat(c, messages, 2)
+    after_200 = process.memory_info().rss
+    assert after_200 - after_20 < 4 * 2**20, (after_20, after_200)
+
+
+def test_health_is_503_while_the_model_loads(tiny_loaded):
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return EngineWorker(tiny_loaded, CacheOptions())
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    state = ServerState(load)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while (answer := get(url + "/health"))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert answer == (503, '{"status":"loading"}')
+        assert post(url + "/v1/completions", {"prompt": "Hi"})[0] == 503
+        loaded.set()
+        while get(url + "/health")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert json.loads(get(url + "/v1/models")[1])["data"][0]["id"] == "tiny"
+    finally:
+        loaded.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+# ------------------------------------------------------------------------------------------------- the CLI
+def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sparsespec.cli", "serve", "--dtype", "float32", "--port", str(port), "--threads", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while get(url + "/health")[0] != 200:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        answer = client(url).completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-evict-overflow"], "--no-evict-overflow only matters"),
+    (["--gamma", "3"], "--gamma apply only with --draft"),
+    (["--queue-size", "0"], "--queue-size must be at least 1"),
+])
+def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):
+    assert main(["serve", "--model", "smollm2-135m", *flags]) == 2
+    assert message in capsys.readouterr().err
