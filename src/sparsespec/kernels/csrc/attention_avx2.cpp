@@ -87,9 +87,23 @@ inline float exp_sum(float* x, int n, float m) {
   return hsum(acc);
 }
 
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const uint16_t* p) { return load8(p); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static float hsum(T v) { return attn_avx2::hsum(v); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+};
+
 }  // namespace attn_avx2
 }  // namespace sparsespec
 
+#define ATTN_VEC
 #include "attention_chunk.h"
 
 namespace sparsespec {

@@ -79,9 +79,23 @@ inline float exp_sum(float* x, int n, float m) {
   return hsum(acc);
 }
 
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const uint16_t* p) { return load16(p); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static float hsum(T v) { return attn_avx512::hsum(v); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+};
+
 }  // namespace attn_avx512
 }  // namespace sparsespec
 
+#define ATTN_VEC
 #include "attention_chunk.h"
 
 namespace sparsespec {

@@ -3,6 +3,9 @@
 //   float dot(const float* q, const float* k, int n), float dot(const float* q, const uint16_t* k, int n)
 //   void axpy(float a, const float* v, float* y, int n), void axpy(float a, const uint16_t* v, float* y, int n)
 //   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
+// and, for the vector paths, a struct Vec (register type T, W lanes; load from float or bf16, set1, mul, fma, max,
+// hsum, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
+// once into registers, and the value sums stay in registers.
 #pragma once
 
 #include <algorithm>
@@ -38,12 +41,94 @@ inline void rotate_key(const AttnChunk& a, const K* k, int rank, float* out) {
   for (int j = half; j < a.hd; ++j) out[j] = to_float(k[j]) * c[j] + to_float(k[j - half]) * s[j];
 }
 
+// max_out[g] = the largest logit of the chunk (-inf if it sees none).
+inline void chunk_max(const AttnChunk& a, int s0, int s1, float* max_out) {
+  for (int g = 0; g < a.group; ++g) {
+    const float* x = a.logits + g * a.lds;
+    float best = -std::numeric_limits<float>::infinity();
+#ifdef ATTN_VEC
+    typename Vec::T vbest = Vec::set1(best);
+    int s = s0;
+    for (; s + Vec::W <= s1; s += Vec::W) vbest = Vec::max(vbest, Vec::load(x + s));
+    alignas(64) float lanes[Vec::W];
+    Vec::store(lanes, vbest);
+    for (int l = 0; l < Vec::W; ++l) best = std::max(best, lanes[l]);
+    for (; s < s1; ++s) best = std::max(best, x[s]);
+#else
+    for (int s = s0; s < s1; ++s) best = std::max(best, x[s]);
+#endif
+    max_out[g] = best;
+  }
+}
+
+#ifdef ATTN_VEC
+// head_dim = NV registers: the key row widened (and rotated) once, then one dot per query head of the group.
+template <class K, int NV>
+void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
+  using T = typename Vec::T;
+  const K* keys = static_cast<const K*>(a.keys);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  alignas(64) float rotated[kMaxHeadDim];
+  for (int s = s0; s < s1; ++s) {
+    if (!sees(a, s)) {
+      for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;
+      continue;
+    }
+    T k[NV];
+    if (a.ranks) {
+      rotate_key(a, keys + (long)s * a.hd, a.ranks[s], rotated);
+      for (int v = 0; v < NV; ++v) k[v] = Vec::load(rotated + v * Vec::W);
+    } else {
+      for (int v = 0; v < NV; ++v) k[v] = Vec::load(keys + (long)s * a.hd + v * Vec::W);
+    }
+    for (int g = 0; g < a.group; ++g) {
+      const float* q = a.q + g * a.ldq;
+      T acc = Vec::mul(Vec::load(q), k[0]);
+      for (int v = 1; v < NV; ++v) acc = Vec::fma(Vec::load(q + v * Vec::W), k[v], acc);
+      a.logits[g * a.lds + s] = Vec::hsum(acc) * a.scale;
+    }
+  }
+  chunk_max(a, s0, s1, max_out);
+}
+
+// head_dim = NV registers: per query head, the exponentials' value sum accumulated in registers.
+template <class K, int NV>
+void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+  using T = typename Vec::T;
+  const K* values = static_cast<const K*>(a.values);
+  for (int g = 0; g < a.group; ++g) {
+    float* e = a.logits + g * a.lds;
+    sum_out[g] = exp_sum(e + s0, s1 - s0, m[g]);
+    T acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = Vec::set1(0.0f);
+    for (int s = s0; s < s1; ++s) {
+      if (e[s] == 0.0f) continue;  // a slot the row does not see (or one whose weight is 0: adds nothing)
+      const T p = Vec::set1(e[s]);
+      for (int v = 0; v < NV; ++v) acc[v] = Vec::fma(p, Vec::load(values + (long)s * a.hd + v * Vec::W), acc[v]);
+    }
+    for (int v = 0; v < NV; ++v) Vec::store(out + g * a.hd + v * Vec::W, acc[v]);
+  }
+}
+
+// Calls f.template operator()<NV>() for head_dim = NV registers of a supported size; false otherwise.
+template <class F>
+bool dispatch_fixed(int hd, F&& f) {
+  if (hd % Vec::W) return false;
+  switch (hd / Vec::W) {
+    case 2: f.template operator()<2>(); return true;
+    case 4: f.template operator()<4>(); return true;
+    case 8: f.template operator()<8>(); return true;
+    case 16: f.template operator()<16>(); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <class K>
 void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
   const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   alignas(64) float rotated[kMaxHeadDim];
-  for (int g = 0; g < a.group; ++g) max_out[g] = kNegInf;
   for (int s = s0; s < s1; ++s) {
     if (!sees(a, s)) {
       for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;
@@ -59,9 +144,9 @@ void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
         logit = dot(a.q + g * a.ldq, k, a.hd) * a.scale;
       }
       a.logits[g * a.lds + s] = logit;
-      max_out[g] = std::max(max_out[g], logit);
     }
   }
+  chunk_max(a, s0, s1, max_out);
 }
 
 template <class K>
@@ -76,14 +161,30 @@ void exp_values_impl(const AttnChunk& a, int s0, int s1, const float* m, float* 
   }
 }
 
+template <class K>
+void logits_any(const AttnChunk& a, int s0, int s1, float* max_out) {
+#ifdef ATTN_VEC
+  if (dispatch_fixed(a.hd, [&]<int NV>() { logits_fixed<K, NV>(a, s0, s1, max_out); })) return;
+#endif
+  logits_impl<K>(a, s0, s1, max_out);
+}
+
+template <class K>
+void exp_values_any(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+#ifdef ATTN_VEC
+  if (dispatch_fixed(a.hd, [&]<int NV>() { exp_values_fixed<K, NV>(a, s0, s1, m, sum_out, out); })) return;
+#endif
+  exp_values_impl<K>(a, s0, s1, m, sum_out, out);
+}
+
 inline void logits_chunk(const AttnChunk& a, int s0, int s1, float* max_out) {
-  if (a.bf16) logits_impl<uint16_t>(a, s0, s1, max_out);
-  else logits_impl<float>(a, s0, s1, max_out);
+  if (a.bf16) logits_any<uint16_t>(a, s0, s1, max_out);
+  else logits_any<float>(a, s0, s1, max_out);
 }
 
 inline void exp_values_chunk(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
-  if (a.bf16) exp_values_impl<uint16_t>(a, s0, s1, m, sum_out, out);
-  else exp_values_impl<float>(a, s0, s1, m, sum_out, out);
+  if (a.bf16) exp_values_any<uint16_t>(a, s0, s1, m, sum_out, out);
+  else exp_values_any<float>(a, s0, s1, m, sum_out, out);
 }
 
 }  // namespace ATTN_ISA
