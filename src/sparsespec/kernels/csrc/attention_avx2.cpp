@@ -96,7 +96,19 @@ struct Vec {
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static float hsum(T v) { return attn_avx2::hsum(v); }
+  // out[i] = sum of the lanes of a[i]: lanes l + 4, then pairs (l, l + 1), then (l, l + 2).
+  static void hsum4(const T* a, float* out) {
+    const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+    const __m256 y = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+    const __m256 h = _mm256_hadd_ps(x, y);
+    const __m256 v = _mm256_hadd_ps(h, h);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    out[0] = lanes[0];
+    out[1] = lanes[4];
+    out[2] = lanes[1];
+    out[3] = lanes[5];
+  }
   static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
 };
 

@@ -88,7 +88,17 @@ struct Vec {
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static float hsum(T v) { return attn_avx512::hsum(v); }
+  // out[i] = sum of the lanes of a[i]: lanes l + 8, then + 4, then + 2, then + 1.
+  static void hsum4(const T* a, float* out) {
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    const __m512 w = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));
+    const __m512 v = _mm512_add_ps(w, _mm512_permute_ps(w, 0xB1));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
+  }
   static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
 };
 

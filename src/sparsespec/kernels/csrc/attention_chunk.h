@@ -4,7 +4,7 @@
 //   void axpy(float a, const float* v, float* y, int n), void axpy(float a, const uint16_t* v, float* y, int n)
 //   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
 // and, for the vector paths, a struct Vec (register type T, W lanes; load from float or bf16, set1, mul, fma, max,
-// hsum, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
+// hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
 // once into registers, and the value sums stay in registers.
 #pragma once
 
@@ -62,30 +62,44 @@ inline void chunk_max(const AttnChunk& a, int s0, int s1, float* max_out) {
 }
 
 #ifdef ATTN_VEC
-// head_dim = NV registers: the key row widened (and rotated) once, then one dot per query head of the group.
+// head_dim = NV registers: slots four at a time, one dot per query head of the group and slot, the four sums
+// reduced together (Vec::hsum4: each slot's lanes in the same fixed order, whatever its neighbours).
 template <class K, int NV>
 void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
   using T = typename Vec::T;
   const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  alignas(64) float rotated[kMaxHeadDim];
-  for (int s = s0; s < s1; ++s) {
-    if (!sees(a, s)) {
-      for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;
-      continue;
-    }
-    T k[NV];
-    if (a.ranks) {
-      rotate_key(a, keys + (long)s * a.hd, a.ranks[s], rotated);
-      for (int v = 0; v < NV; ++v) k[v] = Vec::load(rotated + v * Vec::W);
-    } else {
-      for (int v = 0; v < NV; ++v) k[v] = Vec::load(keys + (long)s * a.hd + v * Vec::W);
+  alignas(64) float rotated[4][kMaxHeadDim];
+  for (int s = s0; s < s1; s += 4) {
+    const int n = std::min(4, s1 - s);
+    bool seen[4];
+    const K* raw[4];
+    const float* rot[4];
+    for (int i = 0; i < 4; ++i) {
+      const int slot = s + std::min(i, n - 1);  // past the chunk's end: repeat its last slot (result unused)
+      seen[i] = i < n && sees(a, slot);
+      raw[i] = keys + (long)slot * a.hd;
+      rot[i] = rotated[i];
+      if (a.ranks) {
+        if (seen[i]) rotate_key(a, raw[i], a.ranks[slot], rotated[i]);
+        else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
+      }
     }
     for (int g = 0; g < a.group; ++g) {
       const float* q = a.q + g * a.ldq;
-      T acc = Vec::mul(Vec::load(q), k[0]);
-      for (int v = 1; v < NV; ++v) acc = Vec::fma(Vec::load(q + v * Vec::W), k[v], acc);
-      a.logits[g * a.lds + s] = Vec::hsum(acc) * a.scale;
+      T acc[4];
+      for (int i = 0; i < 4; ++i) {
+        if (a.ranks) {
+          acc[i] = Vec::mul(Vec::load(q), Vec::load(rot[i]));
+          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(rot[i] + v * Vec::W), acc[i]);
+        } else {
+          acc[i] = Vec::mul(Vec::load(q), Vec::load(raw[i]));
+          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(raw[i] + v * Vec::W), acc[i]);
+        }
+      }
+      float sums[4];
+      Vec::hsum4(acc, sums);
+      for (int i = 0; i < n; ++i) a.logits[g * a.lds + s + i] = seen[i] ? sums[i] * a.scale : kNegInf;
     }
   }
   chunk_max(a, s0, s1, max_out);
