@@ -89,6 +89,7 @@ inline float exp_sum(float* x, int n, float m) {
 
 struct Vec {
   using T = __m256;
+  static constexpr int R = 16;
   static constexpr int W = 8;
   static T load(const float* p) { return _mm256_loadu_ps(p); }
   static T load(const uint16_t* p) { return load8(p); }

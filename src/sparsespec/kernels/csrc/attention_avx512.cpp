@@ -81,6 +81,7 @@ inline float exp_sum(float* x, int n, float m) {
 
 struct Vec {
   using T = __m512;
+  static constexpr int R = 32;
   static constexpr int W = 16;
   static T load(const float* p) { return _mm512_loadu_ps(p); }
   static T load(const uint16_t* p) { return load16(p); }

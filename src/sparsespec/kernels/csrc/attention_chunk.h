@@ -3,7 +3,7 @@
 //   float dot(const float* q, const float* k, int n), float dot(const float* q, const uint16_t* k, int n)
 //   void axpy(float a, const float* v, float* y, int n), void axpy(float a, const uint16_t* v, float* y, int n)
 //   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
-// and, for the vector paths, a struct Vec (register type T, W lanes; load from float or bf16, set1, mul, fma, max,
+// and, for the vector paths, a struct Vec (register type T, W lanes, R registers; load from float or bf16, set1, mul, fma, max,
 // hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
 // once into registers, and the value sums stay in registers.
 #pragma once
@@ -105,22 +105,31 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
   chunk_max(a, s0, s1, max_out);
 }
 
-// head_dim = NV registers: per query head, the exponentials' value sum accumulated in registers.
+// head_dim = NV registers: each value row widened once into registers, then added into the sums of up to GB query
+// heads at a time, kept in registers (GB * NV + NV of the Vec::R vector registers).
 template <class K, int NV>
 void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
   using T = typename Vec::T;
+  constexpr int GB = std::clamp((Vec::R - NV - 2) / NV, 1, 4);
   const K* values = static_cast<const K*>(a.values);
-  for (int g = 0; g < a.group; ++g) {
-    float* e = a.logits + g * a.lds;
-    sum_out[g] = exp_sum(e + s0, s1 - s0, m[g]);
-    T acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = Vec::set1(0.0f);
+  for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
+  for (int g0 = 0; g0 < a.group; g0 += GB) {
+    const int nb = std::min(GB, a.group - g0);
+    T acc[GB][NV];
+    for (int b = 0; b < GB; ++b)
+      for (int v = 0; v < NV; ++v) acc[b][v] = Vec::set1(0.0f);
     for (int s = s0; s < s1; ++s) {
-      if (e[s] == 0.0f) continue;  // a slot the row does not see (or one whose weight is 0: adds nothing)
-      const T p = Vec::set1(e[s]);
-      for (int v = 0; v < NV; ++v) acc[v] = Vec::fma(p, Vec::load(values + (long)s * a.hd + v * Vec::W), acc[v]);
+      if (!sees(a, s)) continue;
+      T x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = Vec::load(values + (long)s * a.hd + v * Vec::W);
+      for (int b = 0; b < GB; ++b) {
+        if (b >= nb) break;
+        const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
+        for (int v = 0; v < NV; ++v) acc[b][v] = Vec::fma(p, x[v], acc[b][v]);
+      }
     }
-    for (int v = 0; v < NV; ++v) Vec::store(out + g * a.hd + v * Vec::W, acc[v]);
+    for (int b = 0; b < nb; ++b)
+      for (int v = 0; v < NV; ++v) Vec::store(out + (g0 + b) * a.hd + v * Vec::W, acc[b][v]);
   }
 }
 
