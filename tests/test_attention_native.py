@@ -19,6 +19,9 @@ import torch
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
+from sparsespec.generate import generate_tokens
+from sparsespec.sampling import SamplingParams
+from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
 from conftest import tiny_config
 
@@ -201,3 +204,28 @@ def test_long_cache_spans_chunks_and_threads(name, mode):
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b)
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+def test_smollm2_greedy_speculative_equals_autoregressive_on_the_native_op(smollm2_f32, mode):
+    """SmolLM2 (float32) drafting for itself through a smaller cache: verification blocks evict between rows."""
+    model, tokenizer = smollm2_f32.model, smollm2_f32.tokenizer
+    ids = tokenizer.encode("The keeper of the lighthouse wrote in his log every night, and")
+    target_policy, draft_policy = make_policy("hybrid", 24, sinks=2), make_policy("hybrid", 12, sinks=2)
+
+    def arena(policy, inflight):
+        cache = KVArena(model.config, policy, dtype=model.dtype, max_block=8, max_inflight=inflight, positions=mode)
+        assert cache.native_attention
+        return cache
+
+    greedy = SamplingParams()
+    expected = list(generate_tokens(model, arena(target_policy, 1), ids, max_new_tokens=32, sampling=greedy,
+                                    prefill_chunk=8))
+    stats = SpeculativeStats()
+    target_cache = arena(target_policy, target_inflight_rows(4))
+    got = list(speculative_tokens(model, target_cache, model,
+                                  arena(draft_policy, draft_inflight_rows(4)), ids, max_new_tokens=32,
+                                  sampling=greedy, gamma=4, prefill_chunk=8, stats=stats))
+    assert got == expected
+    assert 0 < stats.accepted < stats.drafted  # verification both accepted and rejected proposals
+    assert target_cache.evicted_tokens > 16  # the target's cache evicted throughout
