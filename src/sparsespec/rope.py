@@ -20,8 +20,8 @@ class Rope:
         self._cos = torch.empty(0, head_dim)
         self._sin = torch.empty(0, head_dim)
 
-    def _tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[>= upto, head_dim]`` in float32, grown by doubling."""
+    def tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables ``[>= upto, head_dim]`` in float32 (contiguous), grown by doubling."""
         if upto > self._cos.shape[0]:
             size = max(upto, 2 * self._cos.shape[0], 256)
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
@@ -33,7 +33,7 @@ class Rope:
         """Rotate ``x: [heads, tokens, head_dim]`` by ``positions: [tokens]`` or ``[heads, tokens]`` (int64)."""
         highest = int(positions.max()) + 1 if positions.numel() else 0
         if highest <= TABLE_LIMIT:
-            cos_table, sin_table = self._tables(highest)
+            cos_table, sin_table = self.tables(highest)
             cos, sin = cos_table[positions], sin_table[positions]
         else:  # very long runs with true positions: compute, so memory stays bounded
             freqs = positions.float()[..., None] * self.inv_freq

@@ -29,6 +29,10 @@ is cheaper but not identical to token-by-token decoding (chunk size 1 is).
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
 ever reaches ``budget + staging``.
+
+Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer, the whole
+block) when the native kernels are available, else through the torch path below (``_attend_block`` and
+``_attend_row_by_row``), which is its reference: the same visibility, scores, snapshots and evictions.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
@@ -104,6 +109,7 @@ class KVArena:
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
         self._slot_index = torch.arange(self.capacity)
+        self.native_attention = kernels.available()  # else the torch path (also the native op's reference)
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -254,12 +260,45 @@ class KVArena:
         visible_before = self.n_visible
         # A single row is its own block: evicting after it is the same as evicting after the block.
         evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        if self.native_attention:
+            out = self._attend_native(layer, q, first, start, stop, visible_before, per_block, evicts_between_rows)
+            return out.to(q.dtype)
         if evicts_between_rows:
             out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before)
         else:
             out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block)
         n_heads, hd = q.shape[0], q.shape[2]
         return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
+
+    def _attend_native(self, layer, q, first, start, stop, visible_before, per_block, per_row):
+        """The block's rows through the native op: ``[T, n_heads * head_dim]`` float32, scores and evictions as the
+        torch path's (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block)."""
+        n_rows = q.shape[1]
+        budget = self.policy.budget
+        first_position = self.next_position + first
+        cos = sin = None
+        if self.positions_mode == "original":
+            q_positions = torch.arange(n_rows) + first_position
+        else:  # each query at its rank: the tokens visible before it (capped by the budget between rows)
+            cos, sin = self.rope.tables(stop)
+            ranks, n_visible = [], visible_before
+            for _ in range(n_rows):
+                ranks.append(n_visible)
+                n_visible = min(n_visible + 1, budget) if per_row else n_visible + 1
+            q_positions = torch.tensor(ranks)
+        q = self.rope.rotate(q.float(), q_positions).contiguous()
+        scores = row_scores = None
+        if self.policy.needs_scores:
+            scores = self.scores[layer]
+            snapshots = 0 if per_block else max(0, min(n_rows, self.max_inflight - 1 - first))
+            row_scores = self.row_scores[first : first + snapshots, layer] if snapshots else None
+        policy = self.policy
+        return kernels.arena_attention(
+            q, self.keys[layer], self.values[layer], self.positions[layer], self.evicted_at[layer], scores,
+            row_scores, cos, sin, start=start, first=first, visible_before=visible_before,
+            first_position=first_position, per_row=per_row, budget=budget, sinks=policy.sinks,
+            heavy=policy.heavy, window=policy.window, scale=self.scale,
+        )
 
     def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""

@@ -13,6 +13,9 @@ Ops (registered under ``torch.ops.sparsespec``):
 * ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
   weight kept in GGUF block formats (repacked by :mod:`.repack`), activations quantized to 8 bits per block of 32.
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
+* ``arena_attention(...) -> [T, n_heads * head_dim] float32``: a block of rows attending over one layer of the KV
+  arena, with the cache policy's scores and evictions (:func:`arena_attention`; ``csrc/attention.h``). AVX-512,
+  AVX2 and scalar paths (scalar on ARM); each row's float steps never depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch
 
 KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_neon.cpp")
+SOURCES = (
+    "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_neon.cpp",
+    "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
+)
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON = -1, 0, 1, 2, 3
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
 
@@ -119,3 +125,34 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.T
     """Rows ``index [j]`` of a repacked weight as float32 ``[j, k]``."""
     _load()
     return torch.ops.sparsespec.gguf_dequantize(weight, ggml_type, k, index)
+
+
+def arena_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted_at: torch.Tensor,
+    scores: torch.Tensor | None, row_scores: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+    *, start: int, first: int, visible_before: int, first_position: int, per_row: bool, budget: int | None,
+    sinks: int, heavy: int, window: int, scale: float, isa: int = ISA_AUTO,
+) -> torch.Tensor:
+    """The open block's ``T`` rows attending over one layer of the KV arena (see ``cache/arena.py``).
+
+    Row ``i`` sees the slots ``s <= start + i`` whose ``evicted_at`` is alive; after it (``per_row``) or after the
+    block (if ``visible_before + T`` exceeds ``budget``) the policy's evictions are marked in ``evicted_at`` with the
+    in-flight row index ``first + i``.
+
+    Args:
+        q: ``[n_heads, T, head_dim]`` float32 queries, already rotated (true position, or rank in the cache).
+        keys, values: ``[n_kv, capacity, head_dim]`` float32 or bfloat16, the block's rows at ``[start, start + T)``.
+        positions: ``[n_kv, capacity]`` int64 true positions; ``evicted_at``: ``[n_kv, capacity]`` int32, updated.
+        scores: ``[n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
+        row_scores: ``[r, n_kv, capacity]`` float32 (any stride over ``r``): row ``i``'s scores for ``i < r``.
+        cos, sin: ``[>= start + T, head_dim]`` float32 RoPE tables to rotate keys by rank (in-cache mode), else None.
+        first_position: true position of the block's first row; ``budget``: None for the full cache.
+
+    Returns:
+        ``[T, n_heads * head_dim]`` float32 attention output.
+    """
+    _load()
+    return torch.ops.sparsespec.arena_attention(
+        q, keys, values, positions, evicted_at, scores, row_scores, cos, sin, start, first, visible_before,
+        first_position, per_row, -1 if budget is None else budget, sinks, heavy, window, scale, isa,
+    )

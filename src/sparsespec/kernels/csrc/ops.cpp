@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "attention.h"
 #include "qmatmul.h"
 
 namespace sparsespec {
@@ -125,17 +126,110 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, co
   return out;
 }
 
+// Attention of the open block's T rows over one layer of the KV arena (see attention.h and
+// sparsespec/cache/arena.py): q [n_heads, T, hd] float32 queries already rotated (by true position, or by their
+// rank in the in-cache mode); keys, values [n_kv, cap, hd] float32 or bfloat16 with the block's rows written at
+// slots [start, start + T); positions [n_kv, cap] int64; evicted_at [n_kv, cap] int32, updated with the evictions
+// (row `first + i` for row i); scores [n_kv, cap] float32, updated (heavy-hitter policies, else None);
+// row_scores [r, n_kv, cap] float32, row i's scores copied there for i < r (else None); cos, sin [>= start + T, hd]
+// float32 RoPE tables for rotating keys by rank (in-cache mode, else None). per_row: the policy evicts after every
+// row (else once after the block, if visible_before + T exceeds the budget); budget -1: the full cache.
+// Returns [T, n_heads * hd] float32.
+at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& positions, at::Tensor evicted_at, const c10::optional<at::Tensor>& scores,
+                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& cos,
+                           const c10::optional<at::Tensor>& sin, int64_t start, int64_t first, int64_t visible_before,
+                           int64_t first_position, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
+                           int64_t window, double scale, int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "arena_attention: q must be contiguous float32 [n_heads, T, hd]");
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
+                  values.scalar_type() == keys.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "arena_attention: keys and values must be contiguous float32 or bfloat16 [n_kv, cap, hd] alike");
+  const int64_t n_kv = keys.size(0), cap = keys.size(1), hd = keys.size(2), T = q.size(1);
+  TORCH_CHECK(q.size(2) == hd && q.size(0) % n_kv == 0 && q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 &&
+                  hd <= 256, "arena_attention: q must be [n_kv * group, T, ", hd, "] (group <= 64, even hd <= 256)");
+  TORCH_CHECK(T >= 1 && start >= 0 && start + T <= cap, "arena_attention: rows [", start, ", ", start + T,
+              ") outside the arena's ", cap, " slots");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.sizes() == at::IntArrayRef({n_kv, cap}),
+              "arena_attention: positions must be contiguous int64 [n_kv, cap]");
+  TORCH_CHECK(evicted_at.scalar_type() == at::kInt && evicted_at.is_contiguous() &&
+                  evicted_at.sizes() == at::IntArrayRef({n_kv, cap}),
+              "arena_attention: evicted_at must be contiguous int32 [n_kv, cap]");
+  TORCH_CHECK(isa == kAuto || isa_available((int)isa), "arena_attention: instruction set ", isa, " not available");
+  AttnBlock b;
+  b.n_kv = (int)n_kv;
+  b.group = (int)(q.size(0) / n_kv);
+  b.hd = (int)hd;
+  b.T = (int)T;
+  b.cap = (int)cap;
+  b.q = q.data_ptr<float>();
+  b.keys = keys.data_ptr();
+  b.values = values.data_ptr();
+  b.bf16 = keys.scalar_type() == at::kBFloat16;
+  b.positions = positions.data_ptr<int64_t>();
+  b.evicted_at = evicted_at.data_ptr<int32_t>();
+  if (scores.has_value() && scores->defined()) {
+    TORCH_CHECK(scores->scalar_type() == at::kFloat && scores->is_contiguous() &&
+                    scores->sizes() == at::IntArrayRef({n_kv, cap}),
+                "arena_attention: scores must be contiguous float32 [n_kv, cap]");
+    b.scores = scores->data_ptr<float>();
+  }
+  if (row_scores.has_value() && row_scores->defined() && row_scores->size(0) > 0) {
+    TORCH_CHECK(b.scores && row_scores->scalar_type() == at::kFloat && row_scores->dim() == 3 &&
+                    row_scores->size(0) <= T && row_scores->size(1) == n_kv && row_scores->size(2) == cap &&
+                    row_scores->stride(1) == cap && row_scores->stride(2) == 1,
+                "arena_attention: row_scores must be float32 [<= T, n_kv, cap] with rows of cap contiguous slots");
+    b.row_scores = row_scores->data_ptr<float>();
+    b.row_stride = row_scores->stride(0);
+    b.snapshot_rows = (int)row_scores->size(0);
+  }
+  const bool in_cache = cos.has_value() && cos->defined();
+  if (in_cache) {
+    TORCH_CHECK(sin.has_value() && sin->defined() && cos->scalar_type() == at::kFloat &&
+                    sin->scalar_type() == at::kFloat && cos->is_contiguous() && sin->is_contiguous() &&
+                    cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(0) >= start + T &&
+                    cos->size(1) == hd,
+                "arena_attention: cos and sin must be contiguous float32 [>= ", start + T, ", ", hd, "]");
+    b.cos = cos->data_ptr<float>();
+    b.sin = sin->data_ptr<float>();
+  }
+  TORCH_CHECK(heavy == 0 || b.scores, "arena_attention: a policy with heavy hitters needs scores");
+  b.start = (int)start;
+  b.first = (int)first;
+  b.visible_before = (int)visible_before;
+  b.first_position = first_position;
+  b.per_row = per_row;
+  b.budget = (int)budget;
+  b.sinks = (int)sinks;
+  b.heavy = (int)heavy;
+  b.window = (int)window;
+  b.scale = (float)scale;
+  auto out = at::empty({T, q.size(0) * hd}, q.options());
+  b.out = out.data_ptr<float>();
+  attend_block((int)isa, b);
+  return out;
+}
+
 }  // namespace
 }  // namespace sparsespec
 
 TORCH_LIBRARY(sparsespec, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, int[] rows, int k, Tensor? bias, int isa) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int k, Tensor index) -> Tensor");
+  m.def(
+      "arena_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, Tensor(a!) evicted_at, "
+      "Tensor(b!)? scores, Tensor(c!)? row_scores, Tensor? cos, Tensor? sin, int start, int first, "
+      "int visible_before, int first_position, bool per_row, int budget, int sinks, int heavy, int window, "
+      "float scale, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sparsespec, CPU, m) {
   m.impl("gguf_linear", &sparsespec::gguf_linear);
   m.impl("gguf_dequantize", &sparsespec::gguf_dequantize);
+  m.impl("arena_attention", &sparsespec::arena_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

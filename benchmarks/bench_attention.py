@@ -1,0 +1,131 @@
+"""The arena's single-row decode attention: the native op against the torch path, and its effective bandwidth.
+
+Builds a KV arena with a model's shapes (default SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64)
+holding ``n`` random bfloat16 entries, then times decode steps (``begin(1)``, ``attend`` in every layer, ``end``,
+``commit(1)``) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
+layers; microseconds per layer in the attention itself (``_attend_native``, or the torch path's ``_attend_block`` /
+``_attend_row_by_row``: everything after the new row is written); and the effective GB/s of the KV bytes a step
+must read (keys and values of every visible entry, once) over the attention's own time.
+
+    python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
+    python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS_DIR, emit, machine
+
+from sparsespec import kernels
+from sparsespec.cache.arena import KVArena
+from sparsespec.cache.policy import make_policy
+from sparsespec.config import ModelConfig
+
+SMOLLM2 = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576)
+
+
+def make_config(shapes: dict) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=49152, intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=1 << 20, tie_word_embeddings=True, attention_bias=False, **shapes,
+    )
+
+
+def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int) -> KVArena:
+    """An arena as after ``entries`` tokens of text: random bf16 KV; the full cache keeps them all, a budgeted one
+    its budget (4 sinks and the most recent tokens) with random scores."""
+    policy = make_policy(policy_name, budget)
+    positions = "original" if policy.is_full else "in-cache"
+    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, positions=positions)
+    kept = entries if policy.is_full else min(policy.budget, entries)
+    gen = torch.Generator().manual_seed(0)
+    shape = (config.num_hidden_layers, config.num_key_value_heads, kept, config.head_dim)
+    arena.keys[:, :, :kept] = torch.randn(shape, generator=gen).bfloat16()
+    arena.values[:, :, :kept] = torch.randn(shape, generator=gen).bfloat16()
+    recent = torch.arange(entries - (kept - min(4, kept)), entries)
+    arena.positions[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
+    if policy.needs_scores:
+        arena.scores[:, :, :kept] = torch.rand(arena.scores[:, :, :kept].shape, generator=gen)
+        arena.committed_scores.copy_(arena.scores)
+    arena.n_committed = kept
+    arena.next_position = entries
+    return arena
+
+
+def time_steps(arena: KVArena, native: bool, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds of each decode step (every layer's ``attend`` for one row), and of the attention inside it."""
+    config = arena.config
+    arena.native_attention = native
+    inside = [0.0]
+    for name in ("_attend_native", "_attend_block", "_attend_row_by_row"):
+        method = getattr(arena, name)
+
+        def timed(*args, method=method):
+            t0 = time.perf_counter()
+            out = method(*args)
+            inside[0] += time.perf_counter() - t0
+            return out
+
+        setattr(arena, name, timed)
+    gen = torch.Generator().manual_seed(1)
+    n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = torch.randn(n_heads, 1, hd, generator=gen).bfloat16()
+    k = torch.randn(n_kv, 1, hd, generator=gen).bfloat16()
+    v = torch.randn(n_kv, 1, hd, generator=gen).bfloat16()
+    times, attention = [], []
+    for step in range(warmup + steps):
+        inside[0] = 0.0
+        t0 = time.perf_counter()
+        arena.begin(1)
+        for layer in range(config.num_hidden_layers):
+            arena.attend(layer, q, k, v)
+        arena.end()
+        arena.commit(1)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            attention.append(inside[0])
+    return times, attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", default="1024,8192,16384", help="comma-separated tokens of context")
+    parser.add_argument("--policy", default="full", choices=["full", "hybrid", "streaming", "h2o", "window"])
+    parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
+    parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "attention.jsonl")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = args.paths.split(",")
+    if "native" in paths and not kernels.available():
+        raise SystemExit(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    config = make_config(SMOLLM2)
+    facts = machine()
+    for entries in (int(e) for e in args.entries.split(",")):
+        for path in paths:
+            arena = filled_arena(config, args.policy, args.budget, entries, args.steps + args.warmup)
+            times, attention = time_steps(arena, path == "native", args.steps, args.warmup)
+            step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
+            visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
+            kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * visible * config.head_dim * 2
+            emit({
+                "bench": "attention", "model_shapes": "smollm2-135m", "policy": arena.policy.describe(),
+                "positions": arena.positions_mode, "entries": entries, "visible": visible, "path": path,
+                "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
+                "ms_per_step": round(step * 1e3, 3),
+                "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),
+                "kv_mib_per_step": round(kv_bytes / 2**20, 2), "effective_gb_s": round(kv_bytes / inside / 1e9, 2),
+                "steps": args.steps, **facts,
+            }, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+// Rows of a block over one layer of the KV arena: per-row visibility, ranks (in-cache mode), the chunked softmax
+// of attention.h, heavy-hitter scores and their per-row snapshots, and the policy's evictions
+// (sparsespec/cache/policy.py: choose_evictions), row by row as the arena's torch path does.
+#include "attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "qmatmul.h"
+
+namespace sparsespec {
+
+const AttnKernels& attention_kernels(int isa) {
+  if (isa == kAuto) isa = best_isa();
+  switch (isa) {
+    case kAvx512: return attention_kernels_avx512();
+    case kAvx2: return attention_kernels_avx2();
+    default: return attention_kernels_scalar();
+  }
+}
+
+namespace {
+
+bool alive(const AttnBlock& b, int h, int s) { return b.evicted_at[(long)h * b.cap + s] == kNever; }
+
+// ranks[s] for the slots s <= last alive in head h: the number of such slots with a smaller position.
+void compute_ranks(const AttnBlock& b, int h, int last, int64_t newest, int32_t* ranks) {
+  std::vector<uint64_t> bits((std::size_t)(newest >> 6) + 1, 0);
+  const int64_t* pos = b.positions + (long)h * b.cap;
+  for (int s = 0; s <= last; ++s)
+    if (alive(b, h, s)) bits[pos[s] >> 6] |= 1ull << (pos[s] & 63);
+  std::vector<int32_t> before(bits.size());
+  int32_t count = 0;
+  for (std::size_t w = 0; w < bits.size(); ++w) {
+    before[w] = count;
+    count += __builtin_popcountll(bits[w]);
+  }
+  for (int s = 0; s <= last; ++s) {
+    if (!alive(b, h, s)) continue;
+    const int64_t p = pos[s];
+    ranks[s] = before[p >> 6] + __builtin_popcountll(bits[p >> 6] & ((1ull << (p & 63)) - 1));
+  }
+}
+
+// The policy's evictions in head h once n_visible tokens are visible (slots <= last alive), newest at `newest`:
+// sinks and window protected; with heavy hitters the lowest scores go (ties: the older position), otherwise every
+// unprotected token goes. Evicted slots get evicted_at = row.
+void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, int row) {
+  const int n_evict = n_visible - b.budget;
+  if (b.budget < 0 || n_evict <= 0) return;
+  const int64_t* pos = b.positions + (long)h * b.cap;
+  int32_t* evicted_at = b.evicted_at + (long)h * b.cap;
+  std::vector<int> candidates;
+  for (int s = 0; s <= last; ++s)
+    if (evicted_at[s] == kNever && !(pos[s] < b.sinks || pos[s] > newest - b.window)) candidates.push_back(s);
+  if (b.heavy > 0 && (int)candidates.size() > n_evict) {
+    const float* score = b.scores + (long)h * b.cap;
+    auto lower = [&](int x, int y) { return score[x] < score[y] || (score[x] == score[y] && pos[x] < pos[y]); };
+    std::nth_element(candidates.begin(), candidates.begin() + (n_evict - 1), candidates.end(), lower);
+    candidates.resize(n_evict);
+  }
+  for (int s : candidates) evicted_at[s] = row;
+}
+
+}  // namespace
+
+void attend_block(int isa, const AttnBlock& b) {
+  const AttnKernels& kernels = attention_kernels(isa);
+  const int H = b.n_kv, G = b.group, hd = b.hd;
+  const int stop = b.start + b.T;
+  const long lds = stop;
+  const int max_chunks = (stop + kAttnChunk - 1) / kAttnChunk;
+  const std::size_t elt = b.bf16 ? 2 : 4;
+  std::vector<float> logits((std::size_t)H * G * lds);
+  std::vector<float> chunk_max((std::size_t)H * max_chunks * G), chunk_sum(chunk_max.size());
+  std::vector<float> chunk_out(chunk_max.size() * hd);
+  std::vector<int32_t> ranks(b.cos ? (std::size_t)H * b.cap : 0);
+  std::vector<float> m((std::size_t)H * G);
+  const long out_stride = (long)H * G * hd;
+
+  auto chunk_args = [&](int h, int row) {
+    AttnChunk a;
+    a.group = G;
+    a.hd = hd;
+    a.q = b.q + ((long)h * G * b.T + row) * hd;
+    a.ldq = (long)b.T * hd;
+    a.keys = static_cast<const char*>(b.keys) + (std::size_t)h * b.cap * hd * elt;
+    a.values = static_cast<const char*>(b.values) + (std::size_t)h * b.cap * hd * elt;
+    a.bf16 = b.bf16;
+    a.evicted_at = b.evicted_at + (long)h * b.cap;
+    a.last_slot = b.start + row;
+    a.ranks = b.cos ? ranks.data() + (long)h * b.cap : nullptr;
+    a.cos = b.cos;
+    a.sin = b.sin;
+    a.scale = b.scale;
+    a.logits = logits.data() + (long)h * G * lds;
+    a.lds = lds;
+    return a;
+  };
+
+  int n_visible = b.visible_before;
+  for (int i = 0; i < b.T; ++i) {
+    const int last = b.start + i;
+    const int n_chunks = last / kAttnChunk + 1;
+    const int64_t newest = b.first_position + i;
+    if (b.cos) {
+      at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+        for (int64_t h = h0; h < h1; ++h) compute_ranks(b, (int)h, last, newest, ranks.data() + h * b.cap);
+      });
+    }
+    at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
+        kernels.logits(chunk_args(h, i), c * kAttnChunk, std::min(last + 1, (c + 1) * kAttnChunk),
+                       chunk_max.data() + w * G);
+      }
+    });
+    for (int h = 0; h < H; ++h)
+      for (int g = 0; g < G; ++g) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * n_chunks + c) * G + g]);
+        m[(long)h * G + g] = best;
+      }
+    at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
+        kernels.exp_values(chunk_args(h, i), c * kAttnChunk, std::min(last + 1, (c + 1) * kAttnChunk),
+                           m.data() + (long)h * G, chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
+      }
+    });
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {
+        float total[kAttnMaxGroup];
+        for (int g = 0; g < G; ++g) {
+          float sum = chunk_sum[(h * n_chunks) * G + g];
+          for (int c = 1; c < n_chunks; ++c) sum += chunk_sum[(h * n_chunks + c) * G + g];
+          total[g] = sum;
+          float* o = b.out + i * out_stride + (h * G + g) * hd;
+          const float* part = chunk_out.data() + ((h * n_chunks) * G + g) * hd;
+          for (int d = 0; d < hd; ++d) o[d] = part[d];
+          for (int c = 1; c < n_chunks; ++c) {
+            part = chunk_out.data() + ((h * n_chunks + c) * G + g) * hd;
+            for (int d = 0; d < hd; ++d) o[d] += part[d];
+          }
+          for (int d = 0; d < hd; ++d) o[d] /= sum;
+        }
+        if (!b.scores) continue;
+        float* score = b.scores + h * b.cap;
+        const float* e = logits.data() + h * G * lds;
+        for (int s = 0; s <= last; ++s) {
+          if (!alive(b, (int)h, s)) continue;
+          float received = e[s] / total[0];
+          for (int g = 1; g < G; ++g) received += e[g * lds + s] / total[g];
+          score[s] += received;
+        }
+      }
+    });
+    if (b.per_row) {
+      n_visible += 1;
+      at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+        for (int64_t h = h0; h < h1; ++h) evict(b, (int)h, last, newest, n_visible, b.first + i);
+      });
+      n_visible = std::min(n_visible, b.budget);
+    }
+    if (i < b.snapshot_rows)
+      for (int h = 0; h < H; ++h)
+        std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
+                    sizeof(float) * stop);
+  }
+  if (!b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
+    for (int h = 0; h < H; ++h)
+      evict(b, h, stop - 1, b.first_position + b.T - 1, b.visible_before + b.T, b.first + b.T - 1);
+  }
+}
+
+}  // namespace sparsespec

@@ -1,0 +1,214 @@
+// The chunk kernels of attention.h, written once over an instruction set's primitives. Included by each
+// attention_<isa>.cpp after it defines, in its own namespace:
+//   float dot(const float* q, const float* k, int n), float dot(const float* q, const uint16_t* k, int n)
+//   void axpy(float a, const float* v, float* y, int n), void axpy(float a, const uint16_t* v, float* y, int n)
+//   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
+// and, for the vector paths, a struct Vec (register type T, W lanes, R registers; load from float or bf16, set1, mul, fma, max,
+// hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
+// once into registers, and the value sums stay in registers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "attention.h"
+
+namespace sparsespec {
+namespace ATTN_ISA {
+
+constexpr int kMaxHeadDim = 256;
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline bool sees(const AttnChunk& a, int s) { return s <= a.last_slot && a.evicted_at[s] == kNever; }
+
+// key(s) rotated by its rank: x * cos + rotate_half(x) * sin, in float32 (the arena's Rope, Hugging Face layout).
+template <class K>
+inline void rotate_key(const AttnChunk& a, const K* k, int rank, float* out) {
+  const int half = a.hd / 2;
+  const float* c = a.cos + (long)rank * a.hd;
+  const float* s = a.sin + (long)rank * a.hd;
+  for (int j = 0; j < half; ++j) out[j] = to_float(k[j]) * c[j] + (-to_float(k[j + half])) * s[j];
+  for (int j = half; j < a.hd; ++j) out[j] = to_float(k[j]) * c[j] + to_float(k[j - half]) * s[j];
+}
+
+// max_out[g] = the largest logit of the chunk (-inf if it sees none).
+inline void chunk_max(const AttnChunk& a, int s0, int s1, float* max_out) {
+  for (int g = 0; g < a.group; ++g) {
+    const float* x = a.logits + g * a.lds;
+    float best = -std::numeric_limits<float>::infinity();
+#ifdef ATTN_VEC
+    typename Vec::T vbest = Vec::set1(best);
+    int s = s0;
+    for (; s + Vec::W <= s1; s += Vec::W) vbest = Vec::max(vbest, Vec::load(x + s));
+    alignas(64) float lanes[Vec::W];
+    Vec::store(lanes, vbest);
+    for (int l = 0; l < Vec::W; ++l) best = std::max(best, lanes[l]);
+    for (; s < s1; ++s) best = std::max(best, x[s]);
+#else
+    for (int s = s0; s < s1; ++s) best = std::max(best, x[s]);
+#endif
+    max_out[g] = best;
+  }
+}
+
+#ifdef ATTN_VEC
+// head_dim = NV registers: slots four at a time, one dot per query head of the group and slot, the four sums
+// reduced together (Vec::hsum4: each slot's lanes in the same fixed order, whatever its neighbours).
+template <class K, int NV>
+void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
+  using T = typename Vec::T;
+  const K* keys = static_cast<const K*>(a.keys);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  alignas(64) float rotated[4][kMaxHeadDim];
+  for (int s = s0; s < s1; s += 4) {
+    const int n = std::min(4, s1 - s);
+    bool seen[4];
+    const K* raw[4];
+    const float* rot[4];
+    for (int i = 0; i < 4; ++i) {
+      const int slot = s + std::min(i, n - 1);  // past the chunk's end: repeat its last slot (result unused)
+      seen[i] = i < n && sees(a, slot);
+      raw[i] = keys + (long)slot * a.hd;
+      rot[i] = rotated[i];
+      if (a.ranks) {
+        if (seen[i]) rotate_key(a, raw[i], a.ranks[slot], rotated[i]);
+        else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
+      }
+    }
+    for (int g = 0; g < a.group; ++g) {
+      const float* q = a.q + g * a.ldq;
+      T acc[4];
+      for (int i = 0; i < 4; ++i) {
+        if (a.ranks) {
+          acc[i] = Vec::mul(Vec::load(q), Vec::load(rot[i]));
+          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(rot[i] + v * Vec::W), acc[i]);
+        } else {
+          acc[i] = Vec::mul(Vec::load(q), Vec::load(raw[i]));
+          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(raw[i] + v * Vec::W), acc[i]);
+        }
+      }
+      float sums[4];
+      Vec::hsum4(acc, sums);
+      for (int i = 0; i < n; ++i) a.logits[g * a.lds + s + i] = seen[i] ? sums[i] * a.scale : kNegInf;
+    }
+  }
+  chunk_max(a, s0, s1, max_out);
+}
+
+// head_dim = NV registers: each value row widened once into registers, then added into the sums of up to GB query
+// heads at a time, kept in registers (GB * NV + NV of the Vec::R vector registers).
+template <class K, int NV>
+void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+  using T = typename Vec::T;
+  constexpr int GB = std::clamp((Vec::R - NV - 2) / NV, 1, 4);
+  const K* values = static_cast<const K*>(a.values);
+  for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
+  for (int g0 = 0; g0 < a.group; g0 += GB) {
+    const int nb = std::min(GB, a.group - g0);
+    T acc[GB][NV];
+    for (int b = 0; b < GB; ++b)
+      for (int v = 0; v < NV; ++v) acc[b][v] = Vec::set1(0.0f);
+    for (int s = s0; s < s1; ++s) {
+      if (!sees(a, s)) continue;
+      T x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = Vec::load(values + (long)s * a.hd + v * Vec::W);
+      for (int b = 0; b < GB; ++b) {
+        if (b >= nb) break;
+        const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
+        for (int v = 0; v < NV; ++v) acc[b][v] = Vec::fma(p, x[v], acc[b][v]);
+      }
+    }
+    for (int b = 0; b < nb; ++b)
+      for (int v = 0; v < NV; ++v) Vec::store(out + (g0 + b) * a.hd + v * Vec::W, acc[b][v]);
+  }
+}
+
+// Calls f.template operator()<NV>() for head_dim = NV registers of a supported size; false otherwise.
+template <class F>
+bool dispatch_fixed(int hd, F&& f) {
+  if (hd % Vec::W) return false;
+  switch (hd / Vec::W) {
+    case 2: f.template operator()<2>(); return true;
+    case 4: f.template operator()<4>(); return true;
+    case 8: f.template operator()<8>(); return true;
+    case 16: f.template operator()<16>(); return true;
+    default: return false;
+  }
+}
+#endif
+
+template <class K>
+void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
+  const K* keys = static_cast<const K*>(a.keys);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  alignas(64) float rotated[kMaxHeadDim];
+  for (int s = s0; s < s1; ++s) {
+    if (!sees(a, s)) {
+      for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;
+      continue;
+    }
+    const K* k = keys + (long)s * a.hd;
+    for (int g = 0; g < a.group; ++g) {
+      float logit;
+      if (a.ranks) {
+        if (g == 0) rotate_key(a, k, a.ranks[s], rotated);
+        logit = dot(a.q + g * a.ldq, rotated, a.hd) * a.scale;
+      } else {
+        logit = dot(a.q + g * a.ldq, k, a.hd) * a.scale;
+      }
+      a.logits[g * a.lds + s] = logit;
+    }
+  }
+  chunk_max(a, s0, s1, max_out);
+}
+
+template <class K>
+void exp_values_impl(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+  const K* values = static_cast<const K*>(a.values);
+  for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
+  std::memset(out, 0, sizeof(float) * a.group * a.hd);
+  for (int s = s0; s < s1; ++s) {
+    if (!sees(a, s)) continue;
+    const K* v = values + (long)s * a.hd;
+    for (int g = 0; g < a.group; ++g) axpy(a.logits[g * a.lds + s], v, out + g * a.hd, a.hd);
+  }
+}
+
+template <class K>
+void logits_any(const AttnChunk& a, int s0, int s1, float* max_out) {
+#ifdef ATTN_VEC
+  if (dispatch_fixed(a.hd, [&]<int NV>() { logits_fixed<K, NV>(a, s0, s1, max_out); })) return;
+#endif
+  logits_impl<K>(a, s0, s1, max_out);
+}
+
+template <class K>
+void exp_values_any(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+#ifdef ATTN_VEC
+  if (dispatch_fixed(a.hd, [&]<int NV>() { exp_values_fixed<K, NV>(a, s0, s1, m, sum_out, out); })) return;
+#endif
+  exp_values_impl<K>(a, s0, s1, m, sum_out, out);
+}
+
+inline void logits_chunk(const AttnChunk& a, int s0, int s1, float* max_out) {
+  if (a.bf16) logits_any<uint16_t>(a, s0, s1, max_out);
+  else logits_any<float>(a, s0, s1, max_out);
+}
+
+inline void exp_values_chunk(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
+  if (a.bf16) exp_values_any<uint16_t>(a, s0, s1, m, sum_out, out);
+  else exp_values_any<float>(a, s0, s1, m, sum_out, out);
+}
+
+}  // namespace ATTN_ISA
+}  // namespace sparsespec

@@ -1,0 +1,231 @@
+"""The native arena attention op (``kernels.arena_attention``) against the arena's torch path, its reference.
+
+Two arenas are driven in lockstep through the same random operations (per-block prefill chunks, decode blocks with
+evictions between rows, partial commits, rollbacks): one on the native op in the dtype under test, the other on the
+torch path in float32. Inputs are bfloat16-representable, so a bfloat16 arena holds exactly the values of its
+float32 twin, and the native op (which widens every element to float32) must match the twin to float32 rounding:
+outputs and scores close, evictions, positions and stored keys exact, after every layer of every block.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import zlib
+
+import pytest
+import torch
+
+from sparsespec import kernels
+from sparsespec.cache.arena import KVArena
+from sparsespec.cache.policy import make_policy
+from sparsespec.generate import generate_tokens
+from sparsespec.sampling import SamplingParams
+from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+
+MAX_BLOCK = 5
+MAX_INFLIGHT = 5
+POLICIES = {
+    "full": {},
+    "window": dict(window=4),
+    "streaming": dict(sinks=2, window=3),
+    "h2o": dict(heavy=3, window=2),
+    "hybrid": dict(sinks=1, heavy=3, window=2),
+}
+ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
+
+
+def _arena(config, name, mode, dtype, max_tokens, native, **sizes):
+    policy = make_policy(name, **(sizes or POLICIES[name]))
+    arena = KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
+                    max_inflight=MAX_INFLIGHT, positions=mode)
+    arena.native_attention = native
+    return arena
+
+
+def _rows(config, n_rows, gen, dtype):
+    """Per layer ``(q, k, v)``: q float32, k and v in ``dtype``, all bfloat16-representable."""
+    n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out = []
+    for _ in range(config.num_hidden_layers):
+        q = (1.5 * torch.randn(n_heads, n_rows, hd, generator=gen)).bfloat16().float()
+        k = (1.5 * torch.randn(n_kv, n_rows, hd, generator=gen)).to(dtype)
+        v = torch.randn(n_kv, n_rows, hd, generator=gen).to(dtype)
+        out.append((q, k, v))
+    return out
+
+
+def _assert_same_state(native: KVArena, ref: KVArena, layer: int, what: str) -> None:
+    assert torch.equal(native.keys[layer].float(), ref.keys[layer]), f"{what}: keys"
+    assert torch.equal(native.positions[layer], ref.positions[layer]), f"{what}: positions"
+    assert torch.equal(native.evicted_at[layer], ref.evicted_at[layer]), f"{what}: evicted_at"
+    if ref.policy.needs_scores:
+        torch.testing.assert_close(native.scores[layer], ref.scores[layer], rtol=1e-5, atol=1e-6, msg=what)
+        torch.testing.assert_close(native.row_scores[:, layer], ref.row_scores[:, layer], rtol=1e-5, atol=1e-6,
+                                   msg=what)
+
+
+def _block(native: KVArena, ref: KVArena, rows, per_block: bool, what: str) -> int:
+    """Stage one block in both arenas, comparing after every layer; returns how many evictions it made."""
+    n_rows = rows[0][0].shape[1]
+    native.begin(n_rows, per_block=per_block)
+    ref.begin(n_rows, per_block=per_block)
+    evicted_before = int((native.evicted_at != torch.iinfo(torch.int32).max).sum())
+    for layer, (q, k, v) in enumerate(rows):
+        out = native.attend(layer, q, k, v)
+        expected = ref.attend(layer, q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{what}, layer {layer}: output")
+        _assert_same_state(native, ref, layer, f"{what}, layer {layer}")
+    native.end()
+    ref.end()
+    return int((native.evicted_at != torch.iinfo(torch.int32).max).sum()) - evicted_before
+
+
+def _run(config, name, mode, dtype, seed, n_ops=14):
+    """A random run in lockstep; returns (evictions between rows of one block, other evictions)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    total = n_ops * MAX_INFLIGHT + MAX_BLOCK
+    native = _arena(config, name, mode, dtype, total, True)
+    ref = _arena(config, name, mode, torch.float32, total, False)
+    evictions = {"within": 0, "other": 0}
+    for step in range(n_ops):
+        if step == 0 or rng.random() < 0.3:  # a per-block prefill chunk, committed or rolled back
+            rows = _rows(config, rng.randint(1, MAX_BLOCK), gen, dtype)
+            evictions["other"] += _block(native, ref, rows, True, f"step {step} (prefill)")
+            accept = 0 if rng.random() < 0.2 else native.n_inflight
+        else:  # draft-like single rows and verification blocks, then a random partial commit
+            left = MAX_INFLIGHT
+            while left and rng.random() < 0.8:
+                n_rows = rng.randint(1, left)
+                left -= n_rows
+                made = _block(native, ref, _rows(config, n_rows, gen, dtype), False, f"step {step} (decode)")
+                evictions["within" if n_rows > 1 else "other"] += made
+            accept = rng.randint(0, native.n_inflight)
+        native.commit(accept)
+        ref.commit(accept)
+        for layer in range(config.num_hidden_layers):
+            _assert_same_state(native, ref, layer, f"step {step}, after commit({accept})")
+    return evictions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_native_attention_equals_torch_path(name, mode, dtype):
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    evictions = _run(config, name, mode, dtype, seed=zlib.crc32(f"{name} {mode}".encode()))
+    if name != "full":  # the run exercised what it claims to
+        assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])
+@pytest.mark.parametrize("name,mode", [("hybrid", "in-cache"), ("h2o", "original"), ("streaming", "in-cache")])
+def test_every_instruction_set_equals_torch_path(monkeypatch, isa, name, mode):
+    monkeypatch.setattr(kernels, "arena_attention", functools.partial(kernels.arena_attention, isa=isa))
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=40)  # 40: vector body + tail
+    _run(config, name, mode, torch.bfloat16, seed=7, n_ops=8)
+
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode):
+    """Row independence: a verification block's rows compute exactly what single-row blocks would."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    gen = torch.Generator().manual_seed(3)
+    prompt = _rows(config, MAX_BLOCK, gen, torch.bfloat16)
+    block = _rows(config, MAX_INFLIGHT, gen, torch.bfloat16)
+    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True) for _ in range(2)]
+    for arena in arenas:
+        for _ in range(3):
+            arena.begin(MAX_BLOCK, per_block=True)
+            for layer, (q, k, v) in enumerate(prompt):
+                arena.attend(layer, q, k, v)
+            arena.end()
+            arena.commit(MAX_BLOCK)
+    whole, single = arenas
+    whole.begin(MAX_INFLIGHT)
+    outs_whole = [whole.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(block)]
+    whole.end()
+    outs_single = [[] for _ in block]
+    for i in range(MAX_INFLIGHT):
+        single.begin(1)
+        for layer, (q, k, v) in enumerate(block):
+            outs_single[layer].append(single.attend(layer, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))
+        single.end()
+    for layer in range(config.num_hidden_layers):
+        assert torch.equal(outs_whole[layer], torch.cat(outs_single[layer])), f"layer {layer}: outputs"
+    assert torch.equal(whole.evicted_at, single.evicted_at)
+    if whole.policy.needs_scores:
+        assert torch.equal(whole.scores, single.scores) and torch.equal(whole.row_scores, single.row_scores)
+    if name != "full":
+        assert (whole.evicted_at != torch.iinfo(torch.int32).max).any()
+
+
+@pytest.mark.parametrize("name,mode", [("full", "original"), ("hybrid", "in-cache")])
+def test_long_cache_spans_chunks_and_threads(name, mode):
+    """Hundreds of slots (several of the op's 256-slot chunks): equal to the torch path, and bitwise the same
+    with one or two threads."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    sizes = dict(sinks=4, heavy=300, window=300) if name == "hybrid" else {}
+    gen = torch.Generator().manual_seed(5)
+    chunk = 64
+    results = []
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            native = KVArena(config, make_policy(name, **sizes), dtype=torch.bfloat16, max_tokens=800,
+                             max_block=chunk, max_inflight=MAX_INFLIGHT, positions=mode)
+            native.native_attention = True
+            ref = KVArena(config, make_policy(name, **sizes), dtype=torch.float32, max_tokens=800,
+                          max_block=chunk, max_inflight=MAX_INFLIGHT, positions=mode)
+            ref.native_attention = False
+            gen.manual_seed(5)
+            for step in range(11):
+                _block(native, ref, _rows(config, chunk, gen, torch.bfloat16), True, f"chunk {step}")
+                native.commit(chunk)
+                ref.commit(chunk)
+            outs = []
+            for step in range(3):
+                rows = _rows(config, 3, gen, torch.bfloat16)
+                native.begin(3)
+                outs += [native.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(rows)]
+                native.end()
+                native.commit(3)
+            results.append((outs, native.evicted_at.clone(), native.n_committed))
+        finally:
+            torch.set_num_threads(previous)
+    assert results[0][2] > 2 * 256  # the cache spans three chunks
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+def test_smollm2_greedy_speculative_equals_autoregressive_on_the_native_op(smollm2_f32, mode):
+    """SmolLM2 (float32) drafting for itself through a smaller cache: verification blocks evict between rows."""
+    model, tokenizer = smollm2_f32.model, smollm2_f32.tokenizer
+    ids = tokenizer.encode("The keeper of the lighthouse wrote in his log every night, and")
+    target_policy, draft_policy = make_policy("hybrid", 24, sinks=2), make_policy("hybrid", 12, sinks=2)
+
+    def arena(policy, inflight):
+        cache = KVArena(model.config, policy, dtype=model.dtype, max_block=8, max_inflight=inflight, positions=mode)
+        assert cache.native_attention
+        return cache
+
+    greedy = SamplingParams()
+    expected = list(generate_tokens(model, arena(target_policy, 1), ids, max_new_tokens=32, sampling=greedy,
+                                    prefill_chunk=8))
+    stats = SpeculativeStats()
+    target_cache = arena(target_policy, target_inflight_rows(4))
+    got = list(speculative_tokens(model, target_cache, model,
+                                  arena(draft_policy, draft_inflight_rows(4)), ids, max_new_tokens=32,
+                                  sampling=greedy, gamma=4, prefill_chunk=8, stats=stats))
+    assert got == expected
+    assert 0 < stats.accepted < stats.drafted  # verification both accepted and rejected proposals
+    assert target_cache.evicted_tokens > 16  # the target's cache evicted throughout
