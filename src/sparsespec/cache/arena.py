@@ -249,7 +249,7 @@ class KVArena:
         keys, values = self.keys[layer], self.values[layer]
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
         original = self.positions_mode == "original"
-        keys[:, start:stop] = self.rope.rotate(k, new_positions) if original else k
+        keys[:, start:stop] = self.rope.rotate_range(k, self.next_position + first) if original else k
         values[:, start:stop] = v
         positions[:, start:stop] = new_positions
         evicted_at[:, start:stop] = NEVER
@@ -278,15 +278,15 @@ class KVArena:
         first_position = self.next_position + first
         cos = sin = None
         if self.positions_mode == "original":
-            q_positions = torch.arange(n_rows) + first_position
+            q = self.rope.rotate_range(q.float(), first_position)
         else:  # each query at its rank: the tokens visible before it (capped by the budget between rows)
             cos, sin = self.rope.tables(stop)
             ranks, n_visible = [], visible_before
             for _ in range(n_rows):
                 ranks.append(n_visible)
                 n_visible = min(n_visible + 1, budget) if per_row else n_visible + 1
-            q_positions = torch.tensor(ranks)
-        q = self.rope.rotate(q.float(), q_positions).contiguous()
+            q = self.rope.rotate(q.float(), torch.tensor(ranks))
+        q = q.contiguous()
         scores = row_scores = None
         if self.policy.needs_scores:
             scores = self.scores[layer]
