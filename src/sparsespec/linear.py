@@ -404,12 +404,11 @@ class NativeLinear:
         """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]`` in the dtype of ``x``."""
         from . import kernels
 
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's [T, in]: no reshape op
         if self.padded_in != self.in_features:
             x2d = F.pad(x2d, (0, self.padded_in - self.in_features))
         y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
-        return y.reshape(*lead, self.out_features) if len(lead) != 1 else y
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def first_rows(self, n: int) -> "NativeLinear":
         """The same weight cut to its first ``n`` outputs (views of the blocks, no copy)."""
