@@ -41,7 +41,7 @@ PROMPT_LEN = 40
 CHUNK = 8
 DECODE_STEPS = 300
 BUDGET = 20
-POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid")
+POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age")
 MODES = ("original", "in-cache")
 REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 
@@ -50,7 +50,8 @@ REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 class NaiveDecoder:
     """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
 
-    def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None):
+    def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None,
+                 age=False):
         """``stored_rows(layer, n) -> (k, v, bits)``, if given, returns the next ``n`` rows the arena stored in
         ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
         self.cfg = config
@@ -59,6 +60,7 @@ class NaiveDecoder:
         self.rotated_keys = stored_rows is not None and mode == "original"
         self.state = {name: t.float() for name, t in state.items()}
         self.sinks, self.heavy, self.window, self.budget = sinks, heavy, window, budget
+        self.age = age  # rank heavy hitters by score / (rows that saw the token) (hybrid-age)
         self.mode = mode
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # keys as stored (see rotated_keys), by position
@@ -110,7 +112,10 @@ class NaiveDecoder:
             chosen = candidates
         else:
             scores = self.scores[layer, head]
-            chosen = sorted(candidates, key=lambda p: (float(scores[p]), p))[:n_evict]
+            if self.age:
+                chosen = sorted(candidates, key=lambda p: (float(scores[p]) / (newest - p + 1), p))[:n_evict]
+            else:
+                chosen = sorted(candidates, key=lambda p: (float(scores[p]), p))[:n_evict]
         for p in chosen:
             self.kept[layer, head, p] = False
 
@@ -274,6 +279,7 @@ def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total
     ref = NaiveDecoder(
         config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
         mode=mode, max_tokens=total + 8, stored_rows=None if kv_dtype == "auto" else RecordedRows(arena),
+        age=policy.age_normalised,
     )
     return config, model, arena, ref
 

@@ -140,3 +140,50 @@ def test_int8_full_cache_logits_match_the_bf16_cache_on_smollm2(smollm2_f32):
     assert kl < INT8_MEAN_KL, kl
     assert diff < INT8_MAX_LOGIT_DIFF, diff
     assert 0 < diff and not math.isnan(kl)  # the caches differ: the int8 path was taken
+
+
+# ------------------------------------------------------------------------------ bytes elsewhere: roofline, sweep
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_roofline_kv_bytes_per_token_are_the_arenas(kv_dtype):
+    from sparsespec.edge.roofline import kv_bytes_per_token
+
+    config = tiny_config(num_hidden_layers=5, num_key_value_heads=2, head_dim=128)
+    per_slot = KVArena.bytes_per_slot(config, kv_dtype, torch.float32)
+    assert kv_bytes_per_token(config, kv_dtype) == 5 * 2 * per_slot
+
+
+def test_sized_policy_fills_the_bytes():
+    from sparsespec.engine import sized_policy
+
+    config = tiny_config(num_hidden_layers=3, num_key_value_heads=2, head_dim=64)
+    slot = 3 * 2 * KVArena.bytes_per_slot(config, "int4", torch.float32)
+    policy = sized_policy("hybrid", None, config, torch.float32, "int4", 100 * slot + slot - 1, staging=8)
+    assert policy.budget == 92 and policy.sinks == 4
+    arena = KVArena(config, policy, dtype=torch.float32, max_block=8, kv_dtype="int4")
+    assert arena.nbytes == 100 * slot
+    with pytest.raises(UserError, match="no room"):
+        sized_policy("window", None, config, torch.float32, "int4", 8 * slot, staging=8)
+
+
+def test_sweep_grid_in_bytes_has_a_budget_per_policy_and_dtype():
+    from sparsespec.eval.sweep import SweepPoint, build_grid
+
+    asked = []
+
+    def budget_for(policy, kv, nbytes):
+        asked.append((policy, kv, nbytes))
+        return nbytes // {"auto": 400, "int8": 200, "int4": 100}[kv]
+
+    points = build_grid(["full", "hybrid"], [], ["original"], kv_dtypes=["auto", "int8", "int4"],
+                        kv_bytes=[4000, 8000], budget_for_bytes=budget_for)
+    hybrid = {(p.kv_dtype, p.kv_bytes): p.budget for p in points if p.policy == "hybrid"}
+    assert hybrid == {("auto", 4000): 10, ("auto", 8000): 20, ("int8", 4000): 20, ("int8", 8000): 40,
+                      ("int4", 4000): 40, ("int4", 8000): 80}
+    full = [p for p in points if p.policy == "full"]
+    assert {p.kv_dtype for p in full} == {"auto", "int8", "int4"} and all(p.budget is None for p in full)
+    assert len(asked) == 6
+    with pytest.raises(UserError, match="not both"):
+        build_grid(["hybrid"], [32], ["original"], kv_bytes=[4000], budget_for_bytes=budget_for)
+    # Points of the float cache keep the keys they had before KV dtypes existed (resuming old files).
+    assert SweepPoint("hybrid", 32, "original").key("s") == "hybrid|budget=32|positions=original|draft=-|gamma=-|setup=s"
+    assert "kv=int8" in SweepPoint("hybrid", 32, "original", kv_dtype="int8").key("s")

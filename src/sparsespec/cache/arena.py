@@ -141,6 +141,14 @@ class KVArena:
         """Bytes of one slot's key and value in one layer and KV head."""
         return 2 * bytes_per_vector(kv_dtype, config.head_dim, dtype)
 
+    @classmethod
+    def budget_for_bytes(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, nbytes: int,
+                         staging: int) -> int:
+        """The largest budget whose arena of ``budget + staging`` slots keeps :attr:`nbytes` within ``nbytes``
+        (may be below 1 when even the staging slots do not fit)."""
+        per_slot = cls.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
+        return nbytes // per_slot - staging
+
     @property
     def metadata_nbytes(self) -> int:
         """Bytes of the per-slot bookkeeping (positions, scores, eviction marks, row snapshots)."""

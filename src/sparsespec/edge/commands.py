@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..cli import parse_size
 from ..config import ModelConfig
 from ..errors import UserError
 from .profile import DeviceProfile, list_profiles, load_profile
@@ -70,7 +71,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help="target weight format")
     parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None, help="draft weight format")
     parser.add_argument(
-        "--kv-dtype", choices=tuple(KV_BYTES_PER_ELEMENT), default="bf16", help="KV cache element type"
+        "--kv-dtype", choices=tuple(KV_BYTES_PER_ELEMENT), default="bf16",
+        help="KV cache element type (int8 / int4: the arena's codes with their float16 scales)"
+    )
+    parser.add_argument(
+        "--kv-bytes", default=None, metavar="SIZE",
+        help="KV budget as the cache's bytes (KiB / MiB / GiB suffixes allowed) instead of --budget: the most "
+        "entries whose cache, staging slots included, fits at --kv-dtype",
     )
     parser.add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="draft tokens per round γ")
     parser.add_argument(
@@ -112,6 +119,7 @@ def simulate(
     weights: str = "bf16",
     draft_weights: str | None = None,
     kv_dtype: str = "bf16",
+    kv_bytes: int | None = None,
     gamma: int = DEFAULT_GAMMA,
     acceptance: float = DEFAULT_ACCEPTANCE,
     context: int = DEFAULT_CONTEXT,
@@ -122,14 +130,23 @@ def simulate(
     Modes: ``full`` and ``speculative`` always; ``sparse`` and ``combined`` unless ``policy == "full"``. With no
     ``budget``, ``sparse`` uses the largest budget that keeps the target's cache in SRAM and ``combined`` the
     largest that keeps it there beside the draft's cache (falling back to the former when none does).
+    ``kv_bytes`` gives the budgets as the cache's bytes instead: ``sparse`` the most entries whose cache of
+    budget + 1 slots fits, ``combined`` of budget + γ + 1 slots.
     """
     if draft is not None and draft.vocab_size != target.vocab_size:
         raise UserError(
             f"The draft's vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}); "
             "a draft must share the target's tokenizer."
         )
-    if policy == "full" and budget is not None:
-        raise UserError("Policy 'full' keeps every token; drop --budget or choose a budgeted policy.")
+    if policy == "full" and (budget is not None or kv_bytes is not None):
+        raise UserError("Policy 'full' keeps every token; drop --budget / --kv-bytes or choose a budgeted policy.")
+    if kv_bytes is not None:
+        if budget is not None:
+            raise UserError("--kv-bytes sets the budget; drop --budget.")
+        slots = int(kv_bytes // kv_bytes_per_token(target, kv_dtype))
+        if slots - (gamma + 1) < 1:
+            raise UserError(f"--kv-bytes {kv_bytes} holds {slots} cache slots at {kv_dtype}; that leaves no budget "
+                            f"beside the {gamma + 1} slots in flight.")
     draft_weights = draft_weights or weights
     self_draft = draft is None
     if self_draft and draft_budget is None:
@@ -152,7 +169,9 @@ def simulate(
         tracking_kv_bytes_per_token=0.0 if fixed else draft_kvb,
         context=context,
     )
-    if budget is not None:
+    if kv_bytes is not None:
+        budget, combined_budget, budget_source = slots - 1, slots - (gamma + 1), "from --kv-bytes"
+    elif budget is not None:
         combined_budget, budget_source = budget, "given"
     elif fit_budget is not None:
         budget, budget_source = fit_budget, "largest that fits SRAM"
@@ -202,6 +221,7 @@ def simulate(
             "weights": weights,
             "draft_weights": draft_weights,
             "kv_dtype": kv_dtype,
+            "kv_bytes": kv_bytes,
             "gamma": gamma,
             "acceptance": acceptance,
         },
@@ -347,6 +367,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         weights=args.weights,
         draft_weights=args.draft_weights,
         kv_dtype=args.kv_dtype,
+        kv_bytes=None if args.kv_bytes is None else parse_size(args.kv_bytes),
         gamma=args.gamma,
         acceptance=args.acceptance,
         context=args.context,
