@@ -640,6 +640,8 @@ def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = GAP_SMOOTHING)
         q = r.get("quality") or {}
         if q.get("window_ppl") and r["policy"] in ("full", "hybrid"):
             label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']} ({r['positions']})"
+            if r["policy"] != "full" and r.get("kv_dtype", "auto") != "auto":
+                label += f", KV {r['kv_dtype']}"
             curves.setdefault(label, (q["window"], q["window_ppl"]))
     full = curves.pop("full", None)
     if full is None or not curves:
