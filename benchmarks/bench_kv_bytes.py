@@ -64,7 +64,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--reference-budget", type=int, default=1024,
                         help="entries of the bf16 hybrid cache whose bytes are the reference (default: %(default)s)")
-    parser.add_argument("--fractions", default="1,0.5", help="sizes as fractions of the reference (default: %(default)s)")
+    parser.add_argument("--fractions", default="1,0.5",
+                        help="sizes as fractions of the reference (default: %(default)s)")
     parser.add_argument("--kv-dtypes", default="bf16,int8,int4")
     parser.add_argument("--policies", default="hybrid", help="budgeted policies besides full (default: %(default)s)")
     parser.add_argument("--text", default="corpus:paradise_lost")

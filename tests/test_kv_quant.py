@@ -185,5 +185,6 @@ def test_sweep_grid_in_bytes_has_a_budget_per_policy_and_dtype():
     with pytest.raises(UserError, match="not both"):
         build_grid(["hybrid"], [32], ["original"], kv_bytes=[4000], budget_for_bytes=budget_for)
     # Points of the float cache keep the keys they had before KV dtypes existed (resuming old files).
-    assert SweepPoint("hybrid", 32, "original").key("s") == "hybrid|budget=32|positions=original|draft=-|gamma=-|setup=s"
+    old_key = "hybrid|budget=32|positions=original|draft=-|gamma=-|setup=s"
+    assert SweepPoint("hybrid", 32, "original").key("s") == old_key
     assert "kv=int8" in SweepPoint("hybrid", 32, "original", kv_dtype="int8").key("s")

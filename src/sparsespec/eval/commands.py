@@ -191,21 +191,28 @@ def _sweep_grid(args: argparse.Namespace):
         if kv not in KV_DTYPE_CHOICES:
             raise UserError(f"Unknown KV dtype {kv!r} in --kv-dtypes; choose from {', '.join(KV_DTYPE_CHOICES)}.")
     kv_bytes = [parse_size(size) for size in split_list(args.kv_bytes)]
+    if kv_bytes and args.budgets is not None:
+        raise UserError("Give the budgets either as --budgets or as --kv-bytes, not both.")
     budgets = parse_budgets(args.budgets if args.budgets is not None or kv_bytes else "256")
-    budget_for_bytes = None
-    if kv_bytes:
-        from ..engine import sized_policy
-        from ..loading.load import DTYPES
-        from ..loading.source import read_config, resolve_model
-
-        config = read_config(resolve_model(args.model))
-        staging = args.chunk or 1  # the quality arena's: one chunk (1 for budgeted caches unless --chunk)
-
-        def budget_for_bytes(policy: str, kv: str, nbytes: int) -> int:
-            return sized_policy(policy, None, config, DTYPES[args.dtype], kv, nbytes, staging).budget
-
+    budget_for_bytes = _budget_for_bytes(args) if kv_bytes else None
     return build_grid(split_list(args.policies), budgets, split_list(args.positions), gammas, drafts, kv_dtypes,
                       kv_bytes, budget_for_bytes)
+
+
+def _budget_for_bytes(args: argparse.Namespace):
+    """``(policy, kv_dtype, nbytes) -> budget`` for the sweep's target: its quality arena (budget + one chunk of
+    staging, 1 for budgeted caches unless --chunk) fits the bytes."""
+    from ..engine import sized_policy
+    from ..loading.load import DTYPES
+    from ..loading.source import read_config, resolve_model
+
+    config = read_config(resolve_model(args.model))
+    staging = args.chunk or 1
+
+    def budget_for_bytes(policy: str, kv_dtype: str, nbytes: int) -> int:
+        return sized_policy(policy, None, config, DTYPES[args.dtype], kv_dtype, nbytes, staging).budget
+
+    return budget_for_bytes
 
 
 def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
