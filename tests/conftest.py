@@ -83,16 +83,26 @@ def smollm2_f32(smollm2_path):
 
 @pytest.fixture
 def row_by_row(monkeypatch):
-    """Counts the calls of ``KVArena._attend_row_by_row`` by arena: the path that evicts between the rows of a
-    multi-row block (a verification block that fills the budget)."""
+    """Counts, by arena, the blocks whose attention evicted between their rows (a verification block that fills
+    the budget): calls of the torch path ``KVArena._attend_row_by_row``, and of the native op's ``_attend_native``
+    with ``per_row`` set."""
     calls: dict[int, int] = {}
     from sparsespec.cache.arena import KVArena
 
-    original = KVArena._attend_row_by_row
+    torch_path, native_path = KVArena._attend_row_by_row, KVArena._attend_native
 
-    def spy(self, *args, **kwargs):
-        calls[id(self)] = calls.get(id(self), 0) + 1
-        return original(self, *args, **kwargs)
+    def count(arena) -> None:
+        calls[id(arena)] = calls.get(id(arena), 0) + 1
 
-    monkeypatch.setattr(KVArena, "_attend_row_by_row", spy)
+    def torch_spy(self, *args, **kwargs):
+        count(self)
+        return torch_path(self, *args, **kwargs)
+
+    def native_spy(self, layer, q, first, start, stop, visible_before, per_block, per_row):
+        if per_row:
+            count(self)
+        return native_path(self, layer, q, first, start, stop, visible_before, per_block, per_row)
+
+    monkeypatch.setattr(KVArena, "_attend_row_by_row", torch_spy)
+    monkeypatch.setattr(KVArena, "_attend_native", native_spy)
     return calls
