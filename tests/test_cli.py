@@ -326,6 +326,7 @@ INVALID_FLAGS = [
     # Flags that would do nothing in this combination.
     (["--gamma", "2"], ["--gamma", "nothing without --draft"]),
     (["--draft-budget", "16", "--draft-weights", "int4"], ["--draft-weights, --draft-budget", "without --draft"]),
+    (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype", "nothing without --draft"]),
     (["--draft", "self", "--draft-weights", "int4"], ["--draft self", "--draft-weights"]),
     (["--top-k", "5"], ["--top-k", "nothing without sampling", "temperature"]),
     (["--top-p", "0.9", "--seed", "3"], ["--top-p, --seed", "temperature 0"]),
