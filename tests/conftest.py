@@ -83,26 +83,25 @@ def smollm2_f32(smollm2_path):
 
 @pytest.fixture
 def row_by_row(monkeypatch):
-    """Counts, by arena, the blocks whose attention evicted between their rows (a verification block that fills
-    the budget): calls of the torch path ``KVArena._attend_row_by_row``, and of the native op's ``_attend_native``
-    with ``per_row`` set."""
+    """Counts, by arena, the layer calls that evicted between the rows of a multi-row block (a verification block
+    that fills the budget): the torch path ``KVArena._attend_row_by_row``, or the native op run per row."""
     calls: dict[int, int] = {}
     from sparsespec.cache.arena import KVArena
 
     torch_path, native_path = KVArena._attend_row_by_row, KVArena._attend_native
 
-    def count(arena) -> None:
-        calls[id(arena)] = calls.get(id(arena), 0) + 1
+    def count(self):
+        calls[id(self)] = calls.get(id(self), 0) + 1
 
-    def torch_spy(self, *args, **kwargs):
+    def spy_torch(self, *args, **kwargs):
         count(self)
         return torch_path(self, *args, **kwargs)
 
-    def native_spy(self, layer, q, first, start, stop, visible_before, per_block, per_row):
+    def spy_native(self, layer, q, first, start, stop, visible_before, per_block, per_row):
         if per_row:
             count(self)
         return native_path(self, layer, q, first, start, stop, visible_before, per_block, per_row)
 
-    monkeypatch.setattr(KVArena, "_attend_row_by_row", torch_spy)
-    monkeypatch.setattr(KVArena, "_attend_native", native_spy)
+    monkeypatch.setattr(KVArena, "_attend_row_by_row", spy_torch)
+    monkeypatch.setattr(KVArena, "_attend_native", spy_native)
     return calls

@@ -19,6 +19,7 @@ class Rope:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self._cos = torch.empty(0, head_dim)
         self._sin = torch.empty(0, head_dim)
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[>= upto, head_dim]`` in float32 (contiguous), grown by doubling."""
@@ -27,7 +28,27 @@ class Rope:
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
+            self._typed = {}
         return self._cos, self._sin
+
+    def _tables_in(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`tables` rounded to ``dtype`` once (the values :meth:`rotate` multiplies by)."""
+        cos, sin = self.tables(upto)
+        if dtype not in self._typed:
+            self._typed[dtype] = (cos.to(dtype), sin.to(dtype))
+        return self._typed[dtype]
+
+    def rotate_range(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """``rotate(x, arange(first, first + T))`` for ``x: [heads, T, head_dim]``, from slices of the tables (the
+        decode step's few-op path: no index, no max, no dtype conversion)."""
+        count = x.shape[-2]
+        if first + count > TABLE_LIMIT:
+            return self.rotate(x, torch.arange(first, first + count))
+        cos, sin = self._tables_in(first + count, x.dtype)
+        cos, sin = cos[first : first + count], sin[first : first + count]
+        half = self.head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [heads, tokens, head_dim]`` by ``positions: [tokens]`` or ``[heads, tokens]`` (int64)."""

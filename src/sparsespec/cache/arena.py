@@ -274,7 +274,8 @@ class KVArena:
         new_positions = torch.arange(n_rows) + (self.next_position + first)
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
         original = self.positions_mode == "original"
-        self._write_rows(layer, start, stop, self.rope.rotate(k, new_positions) if original else k, v)
+        self._write_rows(layer, start, stop, self.rope.rotate_range(k, self.next_position + first) if original else k,
+                         v)
         positions[:, start:stop] = new_positions
         evicted_at[:, start:stop] = NEVER
         if self.policy.needs_scores:
@@ -302,15 +303,15 @@ class KVArena:
         first_position = self.next_position + first
         cos = sin = None
         if self.positions_mode == "original":
-            q_positions = torch.arange(n_rows) + first_position
+            q = self.rope.rotate_range(q.float(), first_position)
         else:  # each query at its rank: the tokens visible before it (capped by the budget between rows)
             cos, sin = self.rope.tables(stop)
             ranks, n_visible = [], visible_before
             for _ in range(n_rows):
                 ranks.append(n_visible)
                 n_visible = min(n_visible + 1, budget) if per_row else n_visible + 1
-            q_positions = torch.tensor(ranks)
-        q = self.rope.rotate(q.float(), q_positions).contiguous()
+            q = self.rope.rotate(q.float(), torch.tensor(ranks))
+        q = q.contiguous()
         scores = row_scores = None
         if self.policy.needs_scores:
             scores = self.scores[layer]
