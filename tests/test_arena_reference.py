@@ -16,6 +16,11 @@ Semantics implemented by the reference:
   rows add their probabilities, and eviction down to the budget happens once, after the last row;
 * positions ``original``: RoPE by true position; ``in-cache``: RoPE by the rank of each key among the tokens the
   row sees (ordered by position), the query at rank (number of visible tokens - 1).
+
+Quantized caches (``kv_dtype`` int8 / int4): the reference takes the entries the arena stored for each new row
+(codes and group parameters, recorded as they are written) and dequantizes them with its own plain loop; it checks
+that they are its own keys (rotated by position in the original mode) and values within half a quantization step,
+and then runs the same naive attention and eviction over them.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ PROMPT_LEN = 40
 CHUNK = 8
 DECODE_STEPS = 300
 BUDGET = 20
-POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid")
+POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age")
 MODES = ("original", "in-cache")
 REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 
@@ -45,13 +50,20 @@ REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 class NaiveDecoder:
     """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
 
-    def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens):
+    def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None,
+                 age=False):
+        """``stored_rows(layer, n) -> (k, v, bits)``, if given, returns the next ``n`` rows the arena stored in
+        ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
         self.cfg = config
+        self.stored_rows = stored_rows
+        # The arena quantizes keys as stored: rotated by position in the original mode.
+        self.rotated_keys = stored_rows is not None and mode == "original"
         self.state = {name: t.float() for name, t in state.items()}
         self.sinks, self.heavy, self.window, self.budget = sinks, heavy, window, budget
+        self.age = age  # rank heavy hitters by score / (rows that saw the token) (hybrid-age)
         self.mode = mode
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # unrotated keys, indexed by position
+        self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # keys as stored (see rotated_keys), by position
         self.v = torch.zeros(n_layers, n_kv, max_tokens, hd)
         self.kept = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.bool)
         self.scores = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.float32)
@@ -100,7 +112,10 @@ class NaiveDecoder:
             chosen = candidates
         else:
             scores = self.scores[layer, head]
-            chosen = sorted(candidates, key=lambda p: (float(scores[p]), p))[:n_evict]
+            if self.age:
+                chosen = sorted(candidates, key=lambda p: (float(scores[p]) / (newest - p + 1), p))[:n_evict]
+            else:
+                chosen = sorted(candidates, key=lambda p: (float(scores[p]), p))[:n_evict]
         for p in chosen:
             self.kept[layer, head, p] = False
 
@@ -111,8 +126,15 @@ class NaiveDecoder:
         n_kv, hd = cfg.num_key_value_heads, cfg.head_dim
         group = cfg.num_attention_heads // n_kv
         p0 = self.length
-        self.k[layer, :, p0 : p0 + n_rows] = k.transpose(0, 1)
-        self.v[layer, :, p0 : p0 + n_rows] = v.transpose(0, 1)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, hd]
+        if self.stored_rows is not None:
+            if self.rotated_keys:
+                k = torch.stack([self._rope(k[h], torch.arange(p0, p0 + n_rows)) for h in range(n_kv)])
+            (k_codes, k_params), (v_codes, v_params), bits = self.stored_rows(layer, n_rows)
+            k = _checked_dequantize(k_codes, k_params, bits, k, "keys")
+            v = _checked_dequantize(v_codes, v_params, bits, v, "values")
+        self.k[layer, :, p0 : p0 + n_rows] = k
+        self.v[layer, :, p0 : p0 + n_rows] = v
         self.kept[layer, :, p0 : p0 + n_rows] = True
         self.scores[layer, :, p0 : p0 + n_rows] = 0.0
         out = torch.zeros(n_rows, cfg.num_attention_heads, hd)
@@ -126,7 +148,9 @@ class NaiveDecoder:
                     key_pos, q_pos = seen, torch.tensor([p])
                 else:
                     key_pos, q_pos = torch.arange(len(seen)), torch.tensor([len(seen) - 1])
-                keys = self._rope(self.k[layer, head, seen], key_pos)
+                keys = self.k[layer, head, seen]
+                if not self.rotated_keys:
+                    keys = self._rope(keys, key_pos)
                 values = self.v[layer, head, seen]
                 heads = slice(head * group, (head + 1) * group)  # the query heads of this KV head
                 queries = self._rope(q[i, heads], q_pos.expand(group))
@@ -167,6 +191,53 @@ class NaiveDecoder:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _naive_dequantize(codes, params, bits):
+    """``[..., hd]`` float32 from uint8 codes (int4: channel c in the low nibble of byte c, c + hd/2 in the high
+    nibble) and float16 (scale, zero) per group of consecutive channels."""
+    if bits == 4:
+        codes = torch.cat((codes % 16, codes // 16), dim=-1)
+    n_groups = params.shape[-2]
+    per = codes.shape[-1] // n_groups
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    for g in range(n_groups):
+        scale, zero = params[..., g, 0:1].float(), params[..., g, 1:2].float()
+        out[..., g * per : (g + 1) * per] = codes[..., g * per : (g + 1) * per].float() * scale + zero
+    return out
+
+
+def _checked_dequantize(codes, params, bits, own, what):
+    """The stored rows dequantized, after checking they are ``own`` (``[n_kv, T, hd]``) within half a step."""
+    stored = _naive_dequantize(codes, params, bits)
+    step = (own.amax(dim=-1) - own.amin(dim=-1)).max() / (2**bits - 1)
+    err = float((stored - own).abs().max())
+    assert err <= 0.51 * float(step) + 1e-4, f"stored {what} are not this row's {what}: error {err:.3g}"
+    return stored
+
+
+class RecordedRows:
+    """Records the codes the arena stores as rows are written; hands them out in order, layer by layer."""
+
+    def __init__(self, arena: KVArena):
+        self.arena = arena
+        self.bits = {"int8": 8, "int4": 4}[arena.kv_dtype]
+        self.rows: dict[int, list] = {}
+        write = arena._write_rows
+
+        def spy(layer, start, stop, k, v):
+            write(layer, start, stop, k, v)
+            stores = (arena._keys, arena._values)
+            self.rows[layer] = [(s.data[layer, :, start:stop].clone(), s.params[layer, :, start:stop].clone())
+                                for s in stores] + [0]
+
+        arena._write_rows = spy
+
+    def __call__(self, layer, n):
+        keys, values, used = self.rows[layer]
+        self.rows[layer][2] = used + n
+        take = lambda pair: (pair[0][:, used : used + n], pair[1][:, used : used + n])  # noqa: E731
+        return take(keys), take(values), self.bits
+
+
 def _token_stream(n, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -195,18 +266,20 @@ def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"{what}: scores differ in layer {layer}"
 
 
-def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8):
+def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8,
+           kv_dtype="auto"):
     config = tiny_config(architecture, num_hidden_layers=n_layers)
     state = random_state(config, seed=1)
     model = Transformer(config, state, torch.float32)
     policy = make_policy(policy_name, None if policy_name == "full" else BUDGET)
     arena = KVArena(
         config, policy, dtype=torch.float32, max_tokens=total, max_block=CHUNK, max_inflight=max_inflight,
-        positions=mode,
+        positions=mode, kv_dtype=kv_dtype,
     )
     ref = NaiveDecoder(
         config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
-        mode=mode, max_tokens=total + 8,
+        mode=mode, max_tokens=total + 8, stored_rows=None if kv_dtype == "auto" else RecordedRows(arena),
+        age=policy.age_normalised,
     )
     return config, model, arena, ref
 
@@ -225,14 +298,26 @@ def _prefill_both(model, arena, ref, prompt):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy_name", POLICY_NAMES)
 def test_decode_matches_naive_reference(policy_name, mode):
-    config, model, arena, ref = _setup("llama", policy_name, mode)
+    _check_decode(policy_name, mode, "auto")
+
+
+@pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
+    ("full", "original", "int8"), ("window", "in-cache", "int4"), ("streaming", "in-cache", "int8"),
+    ("h2o", "original", "int4"), ("hybrid", "original", "int8"), ("hybrid", "in-cache", "int4"),
+])
+def test_quantized_decode_matches_naive_reference(policy_name, mode, kv_dtype):
+    _check_decode(policy_name, mode, kv_dtype)
+
+
+def _check_decode(policy_name, mode, kv_dtype):
+    config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype)
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=7)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     for step, token in enumerate(stream[PROMPT_LEN:]):
         got = model.forward(torch.tensor([token]), arena)[-1]
         arena.commit(1)
         want = ref.forward([token])[-1]
-        _assert_logits_close(got, want, f"{policy_name}/{mode} decode step {step}")
+        _assert_logits_close(got, want, f"{policy_name}/{mode}/{kv_dtype} decode step {step}")
         if step % 25 == 0 or step == DECODE_STEPS - 1:
             _assert_same_cache(arena, ref, f"{policy_name}/{mode} after decode step {step}")
     budget = arena.policy.budget
@@ -268,8 +353,20 @@ def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name
     The reference runs every row of a block one by one, snapshotting after each, and restores the snapshot of
     the last accepted row (teacher forcing: the next block starts at the first rejected token).
     """
+    _check_blocks(policy_name, mode, "auto")
+
+
+@pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
+    ("h2o", "in-cache", "int8"), ("hybrid", "original", "int4"), ("streaming", "original", "int4"),
+])
+def test_quantized_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode, kv_dtype):
+    _check_blocks(policy_name, mode, kv_dtype)
+
+
+def _check_blocks(policy_name, mode, kv_dtype):
     max_rows = 5
-    config, model, arena, ref = _setup("llama", policy_name, mode, max_inflight=max_rows, n_layers=1)
+    config, model, arena, ref = _setup("llama", policy_name, mode, max_inflight=max_rows, n_layers=1,
+                                       kv_dtype=kv_dtype)
     stream = _token_stream(PROMPT_LEN + 400, config.vocab_size, seed=3)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     plan = torch.Generator().manual_seed(5)

@@ -39,10 +39,10 @@ POLICIES = {
 ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
 
 
-def _arena(config, name, mode, dtype, max_tokens, native, **sizes):
+def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", **sizes):
     policy = make_policy(name, **(sizes or POLICIES[name]))
     arena = KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
-                    max_inflight=MAX_INFLIGHT, positions=mode)
+                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype)
     arena.native_attention = native
     return arena
 
@@ -60,7 +60,7 @@ def _rows(config, n_rows, gen, dtype):
 
 
 def _assert_same_state(native: KVArena, ref: KVArena, layer: int, what: str) -> None:
-    assert torch.equal(native.keys[layer].float(), ref.keys[layer]), f"{what}: keys"
+    assert torch.equal(native.keys[layer].float(), ref.keys[layer].float()), f"{what}: keys"
     assert torch.equal(native.positions[layer], ref.positions[layer]), f"{what}: positions"
     assert torch.equal(native.evicted_at[layer], ref.evicted_at[layer]), f"{what}: evicted_at"
     if ref.policy.needs_scores:
@@ -85,13 +85,13 @@ def _block(native: KVArena, ref: KVArena, rows, per_block: bool, what: str) -> i
     return int((native.evicted_at != torch.iinfo(torch.int32).max).sum()) - evicted_before
 
 
-def _run(config, name, mode, dtype, seed, n_ops=14):
+def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto"):
     """A random run in lockstep; returns (evictions between rows of one block, other evictions)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     total = n_ops * MAX_INFLIGHT + MAX_BLOCK
-    native = _arena(config, name, mode, dtype, total, True)
-    ref = _arena(config, name, mode, torch.float32, total, False)
+    native = _arena(config, name, mode, dtype, total, True, kv_dtype)
+    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype)
     evictions = {"within": 0, "other": 0}
     for step in range(n_ops):
         if step == 0 or rng.random() < 0.3:  # a per-block prefill chunk, committed or rolled back
@@ -121,6 +121,44 @@ def test_native_attention_equals_torch_path(name, mode, dtype):
     evictions = _run(config, name, mode, dtype, seed=zlib.crc32(f"{name} {mode}".encode()))
     if name != "full":  # the run exercised what it claims to
         assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+def test_native_attention_reads_bf16_entries_of_a_float32_arena(mode):
+    """``kv_dtype="bf16"`` under float32 compute: the op reads the bfloat16 store as it is, equal to the torch path
+    over the same store."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    evictions = _run(config, "hybrid", mode, torch.float32, seed=11, kv_dtype="bf16")
+    assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize(("kv_dtype", "name", "uses_op"), [
+    ("auto", "hybrid", True), ("bf16", "hybrid", True), ("int8", "hybrid", False), ("int4", "hybrid", False),
+    ("auto", "hybrid-age", False),
+])
+def test_native_op_serves_unquantized_entries_under_plain_ranking_only(monkeypatch, kv_dtype, name, uses_op):
+    """int8 / int4 codes need dequantizing and hybrid-age ranks by score per age, which the op does not do: those
+    arenas attend through the torch path (and never call the op), the others through the op."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    real = kernels.arena_attention
+    monkeypatch.setattr(kernels, "arena_attention", counting)
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    arena = KVArena(config, make_policy(name, sinks=1, heavy=3, window=2), dtype=torch.float32,
+                    max_block=MAX_BLOCK, max_inflight=MAX_INFLIGHT, kv_dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(2)
+    for n_rows in (MAX_BLOCK, 1, 3):
+        arena.begin(n_rows)
+        for layer, (q, k, v) in enumerate(_rows(config, n_rows, gen, torch.float32)):
+            assert arena.attend(layer, q, k, v).shape == (n_rows, 4 * 32)
+        arena.end()
+        arena.commit(n_rows)
+    assert len(calls) == (3 * config.num_hidden_layers if uses_op else 0)
+    assert arena.evicted_tokens > 0
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])

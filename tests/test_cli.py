@@ -326,6 +326,7 @@ INVALID_FLAGS = [
     # Flags that would do nothing in this combination.
     (["--gamma", "2"], ["--gamma", "nothing without --draft"]),
     (["--draft-budget", "16", "--draft-weights", "int4"], ["--draft-weights, --draft-budget", "without --draft"]),
+    (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype", "nothing without --draft"]),
     (["--draft", "self", "--draft-weights", "int4"], ["--draft self", "--draft-weights"]),
     (["--top-k", "5"], ["--top-k", "nothing without sampling", "temperature"]),
     (["--top-p", "0.9", "--seed", "3"], ["--top-p, --seed", "temperature 0"]),
@@ -474,3 +475,79 @@ def test_self_speculative_greedy_text_equals_plain_greedy(capsys, cached_smollm2
     assert speculative["draft"] == "self" and speculative["gamma"] == 3
     assert speculative["draft_policy"] == "hybrid" and speculative["draft_budget"] == 16
     assert 0.0 <= speculative["acceptance_rate"] <= 1.0
+
+
+# ------------------------------------------------------------------------------------ KV dtype and --kv-bytes
+def test_parse_size_units():
+    from sparsespec.flags import parse_size
+
+    assert parse_size("4096") == 4096
+    assert parse_size("28MiB") == 28 * 2**20
+    assert parse_size("1.5 KiB") == 1536
+    assert parse_size("2gib") == 2 * 2**30
+    for bad in ("2MB", "1.5", "-3", "MiB", ""):
+        with pytest.raises(UserError, match="--kv-bytes takes a size"):
+            parse_size(bad)
+
+
+def test_kv_dtype_choices_are_the_arenas():
+    from sparsespec.cache.quant import KV_DTYPES
+    from sparsespec.flags import KV_DTYPE_CHOICES
+
+    assert KV_DTYPE_CHOICES == KV_DTYPES
+
+
+def test_generate_kv_bytes_sizes_the_arena(capsys, cached_smollm2):
+    """The budget follows from the bytes: kv_cache_bytes (budget + staging slots) fits them, one slot more would
+    not, and the cache really evicts at that budget."""
+    code, out, err = run_cli(capsys, "generate", "--prompt", LONG_PROMPT, "-n", "8", "--dtype", "float32",
+                             "--ignore-eos", "--json", "--kv-dtype", "int8", "--kv-bytes", "1MiB")
+    assert code == 0, err
+    result = parse_json_output(out)
+    cfg = cached_smollm2.config
+    slot = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (cfg.head_dim + cfg.head_dim // 32 * 4)
+    staging = result["prompt_tokens"] + 8  # the whole run is shorter than one prefill chunk
+    assert result["kv_dtype"] == "int8" and result["policy"] == "hybrid"
+    assert result["kv_cache_bytes"] == (result["budget"] + staging) * slot
+    assert 2**20 - slot < result["kv_cache_bytes"] <= 2**20
+    assert result["evicted_tokens"] == result["prompt_tokens"] + 8 - 1 - result["budget"] > 0
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--kv-bytes", "1MiB", "--budget", "32"], ("--kv-bytes", "--budget")),
+    (["--kv-bytes", "1MiB", "--policy", "full"], ("--kv-bytes", "full")),
+    (["--kv-bytes", "20KiB", "--kv-dtype", "int4"], ("--kv-bytes", "budget")),
+    (["--kv-bytes", "1e6"], ("--kv-bytes", "size")),
+])
+def test_generate_kv_bytes_mistakes(capsys, flags, words):
+    assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, *flags), *words)
+
+
+def test_ppl_kv_bytes_reports_the_arena_it_ran(capsys, cached_smollm2):
+    code, out, err = run_cli(capsys, "ppl", "--text", "corpus:hamlet", "--max-tokens", "48", "--dtype", "float32",
+                             "--kv-dtype", "int4", "--kv-bytes", "256KiB", "--policy", "streaming", "--json",
+                             "--quiet")
+    assert code == 0, err
+    result = parse_json_output(out)
+    cfg = cached_smollm2.config
+    slot = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (cfg.head_dim // 2 + cfg.head_dim // 16 * 4)
+    assert result["kv_dtype"] == "int4" and result["chunk"] == 1
+    assert result["kv_cache_bytes"] == (result["budget"] + 1) * slot  # one staging slot at chunk 1
+    assert 256 * 2**10 - slot < result["kv_cache_bytes"] <= 256 * 2**10
+    assert result["cache"] == f"streaming(sinks=4, heavy=0, window={result['budget'] - 4})"
+    assert result["evicted_tokens"] == 47 - result["budget"] > 0
+
+
+def test_simulate_kv_bytes_gives_the_budget(capsys, smollm2_path):
+    from sparsespec.edge.roofline import kv_bytes_per_token
+    from sparsespec.loading.source import read_config, resolve_model
+
+    code, out, err = run_cli(capsys, "simulate", "--model", "smollm2-135m", "--kv-dtype", "int4", "--kv-bytes",
+                             "3MiB", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    per_token = kv_bytes_per_token(read_config(resolve_model("smollm2-135m")), "int4")
+    slots = int(3 * 2**20 // per_token)
+    assert report["settings"]["budget"] == slots - 1
+    assert report["settings"]["combined_budget"] == slots - 5  # γ = 4: five rows in flight
+    assert report["settings"]["budget_source"] == "from --kv-bytes"

@@ -312,6 +312,9 @@ def test_ppl_max_tokens_beyond_context_is_refused_before_loading(tmp_path):
         (["--out", "x.jsonl", "--plot-only"], "needs --plots"),
         (["--out", "x.jsonl", "--speed", "--draft", "self", "--draft-policy", "window", "--draft-heavy", "3"],
          "heavy hitters"),
+        (["--out", "x.jsonl", "--speed", "--kv-dtypes", "int8,int2"], "KV dtype"),
+        (["--out", "x.jsonl", "--speed", "--kv-bytes", "4MB"], "--kv-bytes takes a size"),
+        (["--out", "x.jsonl", "--speed", "--kv-bytes", "4MiB", "--budgets", "32"], "not both"),
     ],
 )
 def test_sweep_argument_errors(tmp_path, monkeypatch, argv, message):

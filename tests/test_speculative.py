@@ -41,9 +41,9 @@ def policy(name):
     return make_policy(name, spec.pop("budget", None), **spec)
 
 
-def arena(model, pol, positions, max_inflight, max_tokens=1024, chunk=8):
+def arena(model, pol, positions, max_inflight, max_tokens=1024, chunk=8, kv_dtype="auto"):
     return KVArena(model.config, pol, dtype=model.dtype, max_tokens=max_tokens, max_block=chunk,
-                   max_inflight=max_inflight, positions=positions)
+                   max_inflight=max_inflight, positions=positions, kv_dtype=kv_dtype)
 
 
 # Untied head and unit-scale weights: a tiny random model whose greedy text does not collapse into one token.
@@ -65,17 +65,17 @@ def prompt(n, vocab, seed=1):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def ar_tokens(model, pol, positions, ids, n, sampling=SamplingParams(), generator=None):
-    cache = arena(model, pol, positions, max_inflight=1)
+def ar_tokens(model, pol, positions, ids, n, sampling=SamplingParams(), generator=None, kv_dtype="auto"):
+    cache = arena(model, pol, positions, max_inflight=1, kv_dtype=kv_dtype)
     return list(generate_tokens(model, cache, ids, max_new_tokens=n, sampling=sampling, generator=generator,
                                 prefill_chunk=8))
 
 
 def spec_tokens(target, draft, pol, draft_pol, positions, ids, n, gamma, sampling=SamplingParams(),
-                generator=None, stats=None):
+                generator=None, stats=None, kv_dtype="auto", draft_kv_dtype="auto"):
     cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
-    t_cache = arena(target, pol, positions, target_inflight_rows(cap))
-    d_cache = arena(draft, draft_pol, positions, draft_inflight_rows(cap))
+    t_cache = arena(target, pol, positions, target_inflight_rows(cap), kv_dtype=kv_dtype)
+    d_cache = arena(draft, draft_pol, positions, draft_inflight_rows(cap), kv_dtype=draft_kv_dtype)
     out = list(speculative_tokens(target, t_cache, draft, d_cache, ids, max_new_tokens=n, sampling=sampling,
                                   gamma=gamma, generator=generator, prefill_chunk=8, stats=stats))
     return out, t_cache, d_cache
@@ -104,6 +104,25 @@ def test_greedy_speculative_equals_autoregressive(name, positions, row_by_row):
         # The target evicted, and did so inside verification blocks (the row-by-row path ran in its arena).
         assert t_cache.evicted_tokens >= len(ids) + 256 - pol.budget - target_inflight_rows(4)
         assert row_by_row.get(id(t_cache), 0) > 10
+
+
+@pytest.mark.parametrize(("name", "kv_dtype", "draft_kv_dtype"),
+                         [("full", "int8", "int4"), ("hybrid", "int4", "int8"), ("hybrid", "bf16", "int4")])
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_greedy_speculative_equals_autoregressive_with_quantized_kv(name, positions, kv_dtype, draft_kv_dtype):
+    """A row is quantized once, when it is written; the verification pass and autoregressive decoding read the
+    same stored entries, so the quantized cache is one more cache definition that speculation reproduces."""
+    pol = policy(name)
+    ids = prompt(20, TARGET.config.vocab_size)
+    expected = ar_tokens(TARGET, pol, positions, ids, 160, kv_dtype=kv_dtype)
+    stats = SpeculativeStats()
+    got, t_cache, d_cache = spec_tokens(TARGET, DRAFT, pol, make_policy("hybrid", 10, sinks=2, heavy=3), positions,
+                                        ids, 160, gamma=4, stats=stats, kv_dtype=kv_dtype,
+                                        draft_kv_dtype=draft_kv_dtype)
+    assert got == expected
+    assert 10 < stats.accepted < stats.drafted - 10
+    stored = {"bf16": torch.bfloat16, "int8": torch.uint8, "int4": torch.uint8}
+    assert t_cache.keys.dtype == stored[kv_dtype] and d_cache.keys.dtype == stored[draft_kv_dtype]
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])

@@ -127,11 +127,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     if args.json:
         result = {"text": "".join(pieces), "model": target.name, **stats.to_dict()}
-        result.update(policy=cache.policy.name, budget=cache.policy.budget, positions=cache.positions,
-                      load_seconds=round(load_seconds, 3))
+        result.update(policy=cache.policy.name, budget=stats.budget, positions=cache.positions,
+                      kv_dtype=cache.kv_dtype, load_seconds=round(load_seconds, 3))
         if draft is not None:
             result.update(draft="self" if draft.is_self else draft.model.name, draft_policy=draft.cache.policy.name,
-                          draft_budget=draft.cache.policy.budget)
+                          draft_budget=draft.cache.policy.budget, draft_kv_dtype=draft.cache.kv_dtype)
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")

@@ -7,13 +7,14 @@ where they are checked against the model (context length, budget, vocabularies).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
+from .cache.quant import check_kv_dtype
 from .errors import UserError
 from .generate import generate_tokens, prefill
 from .loading.load import LoadedModel
@@ -31,16 +32,21 @@ from .speculative import (
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """How one model's KV cache is laid out: policy, position mode, prefill chunk."""
+    """How one model's KV cache is laid out: policy, position mode, prefill chunk, storage dtype of the entries."""
 
     policy: CachePolicy = field(default_factory=lambda: make_policy("full"))
     positions: str = "original"
     prefill_chunk: int = 512
     force_context: bool = False
+    kv_dtype: str = "auto"  # auto (the compute dtype) | bf16 | int8 | int4, see cache/quant.py
+    # The arena's bytes (``--kv-bytes``): when set, make_arena sizes the budget of ``policy`` (its name and sinks
+    # are what counts) to the most entries whose arena, staging slots included, fits; see sized_policy.
+    kv_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk}).")
+        check_kv_dtype(self.kv_dtype)
 
 
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
@@ -77,21 +83,53 @@ def check_in_cache_ranks(loaded: LoadedModel, cache: CacheOptions, staging: int)
     )
 
 
+def arena_staging(cache: CacheOptions, max_tokens: int, max_inflight: int) -> int:
+    """Slots :func:`make_arena` adds to the budget (or to ``max_tokens`` for the full cache): the larger of the
+    prefill chunk (at most ``max_tokens``) and the rows in flight."""
+    return max(min(cache.prefill_chunk, max_tokens), max_inflight)
+
+
+def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_bytes: int,
+                 staging: int) -> CachePolicy:
+    """The policy ``name`` whose arena (budget + ``staging`` slots) takes at most ``kv_bytes`` bytes of keys and
+    values in ``kv_dtype`` (the figure ``kv_cache_bytes`` reports): the most entries that fit, split by the policy's
+    defaults (``sinks`` as given)."""
+    if name == "full":
+        raise UserError("--kv-bytes sets a budget; the full cache has none (choose a budgeted --policy).")
+    budget = KVArena.budget_for_bytes(config, kv_dtype, dtype, kv_bytes, staging)
+    per_slot = KVArena.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
+    where = (f"--kv-bytes {kv_bytes} holds {kv_bytes // per_slot} slots of {per_slot} bytes ({kv_dtype} keys and "
+             f"values, all layers), {staging} of them staging")
+    if budget < 1:
+        raise UserError(f"{where}: no room for a budget.")
+    try:
+        return make_policy(name, budget, sinks=sinks)
+    except UserError as exc:
+        raise UserError(f"{where}, leaving a budget of {budget}: {exc}") from None
+
+
 def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int) -> KVArena:
-    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that).
+    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that), its
+    budget sized to ``cache.kv_bytes`` when that is set (:func:`sized_policy`).
 
     Raises :class:`UserError` when its in-cache ranks would pass the trained context (:func:`check_in_cache_ranks`).
     """
     max_block = min(cache.prefill_chunk, max_tokens)
-    check_in_cache_ranks(loaded, cache, max(max_block, max_inflight))
+    staging = arena_staging(cache, max_tokens, max_inflight)
+    policy = cache.policy
+    if cache.kv_bytes is not None:
+        policy = sized_policy(policy.name, policy.sinks or None, loaded.config, loaded.model.dtype, cache.kv_dtype,
+                              cache.kv_bytes, staging)
+    check_in_cache_ranks(loaded, replace(cache, policy=policy), staging)
     return KVArena(
         loaded.config,
-        cache.policy,
+        policy,
         dtype=loaded.model.dtype,
         max_tokens=max_tokens,
         max_block=max_block,
         max_inflight=max_inflight,
         positions=cache.positions,
+        kv_dtype=cache.kv_dtype,
     )
 
 
@@ -106,6 +144,7 @@ class RunStats:
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0
     evicted_tokens: int = 0
+    budget: int | None = None  # the target arena's budget (sized from --kv-bytes when that was given)
     speculative: SpeculativeStats | None = None
     final_gamma: int | None = None
 
@@ -316,6 +355,7 @@ class Session:
         finally:
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.evicted_tokens = self.evicted_tokens - evicted_before
+            stats.budget = self.arenas[0].policy.budget
 
     def _tokens(self, suffix, max_new_tokens, sampling, generator, eos_ids, stats: RunStats,
                 on_prefilled) -> Iterator[int]:

@@ -11,6 +11,8 @@ import argparse
 from .errors import UserError
 
 WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
+KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
+SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
@@ -30,13 +32,21 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
     """Cache flags; ``prefix="draft-"`` gives the draft's copies (``--draft-policy`` …)."""
     p = f"--{prefix}"
     parser.add_argument(f"{p}policy", default=None,
-                        help="full | window | streaming | h2o | hybrid (default: "
+                        help="full | window | streaming | h2o | hybrid | hybrid-age (default: "
                         + ("hybrid, budget 64)" if prefix else "full, or hybrid when a budget or size is given)"))
     parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
     parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")
     parser.add_argument(f"{p}heavy", type=int, default=None, help="heavy hitters kept")
     parser.add_argument(f"{p}window", type=int, default=None, help="most recent tokens kept")
+    # The draft's default is None (meaning auto) so that a --draft-kv-dtype without a draft can be refused.
+    parser.add_argument(f"{p}kv-dtype", choices=KV_DTYPE_CHOICES, default=None if prefix else "auto",
+                        help="storage of the cached keys and values: auto (the compute dtype), bf16, or int8 / int4 "
+                        "codes in groups of 32 / 16 channels with float16 scales (default: auto)")
     if not prefix:
+        parser.add_argument("--kv-bytes", default=None, metavar="SIZE",
+                            help="the cache's size in bytes (plain, or with a KiB / MiB / GiB suffix) instead of "
+                            "--budget: the most entries whose arena — keys and values at --kv-dtype, all layers, "
+                            "staging slots included, the kv_cache_bytes figure — fits")
         parser.add_argument("--positions", choices=("original", "in-cache"), default="original",
                             help="RoPE positions: true positions, or ranks inside a budgeted cache (StreamingLLM)")
         parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
@@ -44,11 +54,25 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
                             help="allow positions (true ones, or in-cache ranks) beyond the model's trained context")
 
 
+def parse_size(text: str, flag: str = "--kv-bytes") -> int:
+    """``"28MiB"`` → 29360128: a whole number of bytes, or a number with a KiB / MiB / GiB suffix."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and SIZE_UNITS.get(match.group(2).lower())
+    if not unit or (unit == 1 and "." in match.group(1)):
+        raise UserError(f"{flag} takes a size in bytes, optionally with a KiB, MiB or GiB suffix (got {text!r}).")
+    return int(float(match.group(1)) * unit)
+
+
 def cache_options(args: argparse.Namespace, prefix: str = ""):
     """CacheOptions from parsed flags (``prefix="draft_"`` for the draft, which shares positions and chunk).
 
     ``--positions in-cache`` with the target's full cache is an error: with nothing evicted, ranks inside the cache
     are the true positions, so the flag would do nothing.
+
+    With ``--kv-bytes`` the policy gets the budget of a one-slot staging (the model's shapes are read from its
+    header); the arena built for the run sizes it exactly (see :func:`~sparsespec.engine.sized_policy`).
     """
     from .cache.policy import make_policy
     from .engine import CacheOptions
@@ -56,16 +80,28 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
     name = getattr(args, f"{prefix}policy")
     budget = getattr(args, f"{prefix}budget")
     sizes = {part: getattr(args, f"{prefix}{part}") for part in ("sinks", "heavy", "window")}
+    kv_dtype = getattr(args, f"{prefix}kv_dtype", None) or "auto"
+    kv_bytes = None if prefix or getattr(args, "kv_bytes", None) is None else parse_size(args.kv_bytes)
     sized = budget is not None or any(v is not None for v in sizes.values())
-    if name is None:
-        name = "hybrid" if prefix or sized else "full"
-        if prefix and not sized:
-            budget = DEFAULT_DRAFT_BUDGET
-    policy = make_policy(name, budget, **sizes)
+    if kv_bytes is not None:
+        if budget is not None or sizes["heavy"] is not None or sizes["window"] is not None:
+            raise UserError("--kv-bytes sets the budget; drop --budget, --heavy and --window (--sinks may stay).")
+        from .engine import sized_policy
+        from .loading.load import DTYPES
+        from .loading.source import read_config, resolve_model
+
+        config = read_config(resolve_model(args.model))
+        policy = sized_policy(name or "hybrid", sizes["sinks"], config, DTYPES[args.dtype], kv_dtype, kv_bytes, 1)
+    else:
+        if name is None:
+            name = "hybrid" if prefix or sized else "full"
+            if prefix and not sized:
+                budget = DEFAULT_DRAFT_BUDGET
+        policy = make_policy(name, budget, **sizes)
     if not prefix and policy.is_full and args.positions == "in-cache":
         raise UserError("--positions in-cache ranks tokens inside a budgeted cache; the full cache evicts nothing, "
                         "so give --policy/--budget or drop --positions.")
-    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context)
+    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context, kv_dtype, kv_bytes)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:
@@ -73,8 +109,8 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
 
     Their defaults are all None, so "set" means "not None".
     """
-    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS]
-    given = [f"--draft-{n}" for n in names if getattr(args, f"draft_{n}", None) is not None]
+    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype"]
+    given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")
     return given

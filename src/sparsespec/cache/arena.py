@@ -2,7 +2,8 @@
 
 Memory layout (allocated once, never grown)::
 
-    keys, values   [n_layers, n_kv_heads, capacity, head_dim]   model dtype
+    keys, values   [n_layers, n_kv_heads, capacity, head_dim]   kv_dtype: the compute dtype, bfloat16, or int8 /
+                                                                int4 codes with per-group scales (``quant.py``)
     positions      [n_layers, n_kv_heads, capacity]             int64, original token positions
     scores         [n_layers, n_kv_heads, capacity]             float32, accumulated attention (H2O), if needed
     evicted_at     [n_layers, n_kv_heads, capacity]             int32, in-flight row that evicted the slot
@@ -31,8 +32,10 @@ keys unrotated and rotates them at attention time by their rank inside the cache
 ever reaches ``budget + staging``.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer, the whole
-block) when the native kernels are available, else through the torch path below (``_attend_block`` and
-``_attend_row_by_row``), which is its reference: the same visibility, scores, snapshots and evictions.
+block) when the native kernels are available and the entries are stored unquantized (the compute dtype or
+bfloat16: the op reads ``keys`` / ``values`` as they are) under a policy other than ``hybrid-age``; else through the
+torch path below (``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``),
+which is its reference: the same visibility, scores, snapshots and evictions.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
+from .quant import KVStore, bytes_per_vector
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
@@ -66,17 +70,21 @@ class KVArena:
         max_block: int = 1,
         max_inflight: int = 1,
         positions: str = "original",
+        kv_dtype: str = "auto",
     ) -> None:
         """
         Args:
             config: the model's shapes.
             policy: which entries to keep.
-            dtype: dtype of the key/value buffers (the model's compute dtype).
+            dtype: the model's compute dtype (what attention reads the keys and values in).
             max_tokens: the full cache's capacity in tokens (required for ``policy.is_full``, ignored otherwise).
             max_block: the largest block of rows staged in one call (the prefill chunk).
             max_inflight: the most rows in flight before a commit (γ + 2 for speculative decoding); only these
                 can be partially committed.
             positions: ``"original"`` or ``"in-cache"``.
+            kv_dtype: how keys and values are stored: ``auto`` (in ``dtype``), ``bf16``, ``int8`` or ``int4``
+                (see ``quant.py``). Quantization happens once, when a row is written; every reader sees the
+                same stored entries, so commit / rollback / compaction and the row-by-row semantics are unchanged.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -97,8 +105,10 @@ class KVArena:
 
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         shape = (n_layers, n_kv, self.capacity)
-        self.keys = torch.zeros(*shape, hd, dtype=dtype)
-        self.values = torch.zeros(*shape, hd, dtype=dtype)
+        self.kv_dtype = kv_dtype
+        self._keys = KVStore((*shape, hd), kv_dtype, dtype)
+        self._values = KVStore((*shape, hd), kv_dtype, dtype)
+        self.keys, self.values = self._keys.data, self._values.data  # the stored tensors (codes when quantized)
         self.positions = torch.zeros(shape, dtype=torch.int64)
         self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
         if policy.needs_scores:
@@ -109,7 +119,9 @@ class KVArena:
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
         self._slot_index = torch.arange(self.capacity)
-        self.native_attention = kernels.available()  # else the torch path (also the native op's reference)
+        # The native op reads the stored keys and values as they are (float32 or bfloat16) and ranks heavy hitters
+        # by their plain sums; quantized entries and hybrid-age's ranking take the torch path (also its reference).
+        self.native_attention = self._keys.params is None and not policy.age_normalised and kernels.available()
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -130,8 +142,22 @@ class KVArena:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value buffers (the KV cache proper)."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the key and value buffers (the KV cache proper), staging slots and quantization scales included:
+        ``n_layers * n_kv_heads * capacity * bytes_per_slot(config, kv_dtype, dtype)``."""
+        return self._keys.nbytes + self._values.nbytes
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, kv_dtype: str, dtype: torch.dtype) -> int:
+        """Bytes of one slot's key and value in one layer and KV head."""
+        return 2 * bytes_per_vector(kv_dtype, config.head_dim, dtype)
+
+    @classmethod
+    def budget_for_bytes(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, nbytes: int,
+                         staging: int) -> int:
+        """The largest budget whose arena of ``budget + staging`` slots keeps :attr:`nbytes` within ``nbytes``
+        (may be below 1 when even the staging slots do not fit)."""
+        per_slot = cls.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
+        return nbytes // per_slot - staging
 
     @property
     def metadata_nbytes(self) -> int:
@@ -220,7 +246,7 @@ class KVArena:
         movers = alive[..., survivors:].nonzero(as_tuple=True)
         if holes[0].numel():
             src = (movers[0], movers[1], movers[2] + survivors)
-            tensors = [self.keys, self.values, self.positions]
+            tensors = [*self._keys.tensors, *self._values.tensors, self.positions]
             if self.policy.needs_scores:
                 tensors.append(self.scores)
             for t in tensors:
@@ -246,11 +272,10 @@ class KVArena:
         start = self.n_committed + first
         stop = start + n_rows
         new_positions = torch.arange(n_rows) + (self.next_position + first)
-        keys, values = self.keys[layer], self.values[layer]
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
         original = self.positions_mode == "original"
-        keys[:, start:stop] = self.rope.rotate_range(k, self.next_position + first) if original else k
-        values[:, start:stop] = v
+        self._write_rows(layer, start, stop, self.rope.rotate_range(k, self.next_position + first) if original else k,
+                         v)
         positions[:, start:stop] = new_positions
         evicted_at[:, start:stop] = NEVER
         if self.policy.needs_scores:
@@ -300,6 +325,19 @@ class KVArena:
             heavy=policy.heavy, window=policy.window, scale=self.scale,
         )
 
+    def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v: [n_kv, stop - start, head_dim]`` (keys as stored: rotated in the original mode)."""
+        self._keys.write(layer, start, stop, k)
+        self._values.write(layer, start, stop, v)
+
+    def _layer_keys(self, layer: int, stop: int) -> torch.Tensor:
+        """``[n_kv, stop, head_dim]`` stored keys of slots ``[0, stop)`` in the compute dtype (dequantized)."""
+        return self._keys.read(layer, stop)
+
+    def _layer_values(self, layer: int, stop: int) -> torch.Tensor:
+        """``[n_kv, stop, head_dim]`` stored values of slots ``[0, stop)`` in the compute dtype (dequantized)."""
+        return self._values.read(layer, stop)
+
     def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""
         S = visible.shape[-1]
@@ -309,7 +347,7 @@ class KVArena:
 
     def _keys_for_attention(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode)."""
-        keys = self.keys[layer][:, : visible.shape[-1]]
+        keys = self._layer_keys(layer, visible.shape[-1])
         if self.positions_mode == "original":
             return keys
         return self.rope.rotate(keys, self._ranks(layer, visible))
@@ -326,7 +364,7 @@ class KVArena:
         q_positions = new_positions if self.positions_mode == "original" else torch.arange(n_rows) + visible_before
         q = self.rope.rotate(q, q_positions)
         keys = self._keys_for_attention(layer, visible)
-        values = self.values[layer][:, :stop]
+        values = self._layer_values(layer, stop)
 
         if not self.policy.needs_scores:
             # A single row of the full cache sees every slot: no mask needed (the common decode step).
@@ -366,12 +404,13 @@ class KVArena:
         original = self.positions_mode == "original"
         positions = self.positions[layer][:, :stop]
         evicted_at = self.evicted_at[layer][:, :stop]
-        values = self.values[layer][:, :stop]
+        values = self._layer_values(layer, stop)
         scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
         visible = evicted_at == NEVER  # committed survivors + every staged row, narrowed row by row below
         if original:
             q_rot = self.rope.rotate(q, new_positions)
-            all_logits = torch.matmul(q_rot.reshape(n_kv, group * n_rows, hd), self.keys[layer][:, :stop].transpose(1, 2))
+            keys = self._layer_keys(layer, stop)
+            all_logits = torch.matmul(q_rot.reshape(n_kv, group * n_rows, hd), keys.transpose(1, 2))
             all_logits = all_logits.view(n_kv, group, n_rows, stop)
         probs = torch.empty(n_kv, group, n_rows, stop, dtype=torch.float32)
         n_visible = visible_before

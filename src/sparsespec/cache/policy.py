@@ -6,7 +6,8 @@ A policy keeps three kinds of tokens (any part may be zero):
 - **heavy hitters**: the ``heavy`` tokens with the highest accumulated attention score (H2O),
 - **window**: the ``window`` most recent tokens.
 
-The budget is their sum. ``full`` keeps everything. When the visible tokens outnumber the budget, the protected
+The budget is their sum. ``full`` keeps everything. ``hybrid-age`` is ``hybrid`` with heavy hitters ranked by
+attention per row that saw them (``hybrid_age.py``). When the visible tokens outnumber the budget, the protected
 tokens (sinks and window) stay and the rest are ranked by score; the lowest-scoring go first, ties broken towards
 the oldest position so that the choice never depends on where a token sits in memory.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from .hybrid_age import age_normalised
 
-POLICIES = ("full", "window", "streaming", "h2o", "hybrid")
+POLICIES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age")
 DEFAULT_SINKS = 4
 
 
@@ -40,6 +42,11 @@ class CachePolicy:
     def budget(self) -> int | None:
         """Tokens kept per layer and KV head; ``None`` for the full cache."""
         return None if self.is_full else self.sinks + self.heavy + self.window
+
+    @property
+    def age_normalised(self) -> bool:
+        """Whether heavy hitters are ranked by attention per row that saw them (``hybrid-age``)."""
+        return self.name == "hybrid-age"
 
     @property
     def needs_scores(self) -> bool:
@@ -82,6 +89,7 @@ def make_policy(
         "streaming": (True, False),
         "h2o": (False, True),
         "hybrid": (True, True),
+        "hybrid-age": (True, True),
     }[name]
     has_sinks, has_heavy = uses
     if not has_sinks and sinks:
@@ -150,6 +158,8 @@ def choose_evictions(
     if policy.heavy == 0:
         # Sinks + window only: every unprotected token goes (exactly n_evict of them).
         return candidates
+    if policy.age_normalised:
+        scores = age_normalised(scores, positions, newest_position)
     key = scores.masked_fill(~candidates, float("inf"))
     if n_evict == 1:
         lowest = key.min(dim=-1, keepdim=True).values

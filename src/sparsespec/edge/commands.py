@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..flags import parse_size
 from .profile import DeviceProfile, list_profiles, load_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
@@ -75,7 +76,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
                         help="draft weight format (needs --draft; default: as --weights)")
     parser.add_argument(
-        "--kv-dtype", choices=tuple(KV_BYTES_PER_ELEMENT), default="bf16", help="KV cache element type"
+        "--kv-dtype", choices=tuple(KV_BYTES_PER_ELEMENT), default="bf16",
+        help="KV cache element type (int8 / int4: the arena's codes with their float16 scales)"
+    )
+    parser.add_argument(
+        "--kv-bytes", default=None, metavar="SIZE",
+        help="KV budget as the cache's bytes (KiB / MiB / GiB suffixes allowed) instead of --budget: the most "
+        "entries whose cache, staging slots included, fits at --kv-dtype",
     )
     parser.add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="draft tokens per round γ")
     parser.add_argument(
@@ -112,7 +119,8 @@ class SimulateOptions:
     (None: sized to the SRAM, see :func:`simulate`); ``weights`` / ``draft_weights``: weight formats
     (:data:`~sparsespec.edge.roofline.BYTES_PER_WEIGHT`, or ``native``: the GGUF file's own tensors, whose bytes per
     streamed parameter ``native_bytes`` / ``draft_native_bytes`` give, see :func:`native_bytes_per_parameter`);
-    ``kv_dtype``; ``gamma`` and ``acceptance`` α of the speculative modes; ``context``: tokens already cached;
+    ``kv_dtype``; ``kv_bytes``: the budgets as the cache's bytes instead (see :func:`simulate`); ``gamma`` and
+    ``acceptance`` α of the speculative modes; ``context``: tokens already cached;
     ``max_gamma``: the largest γ searched for the best γ.
     """
 
@@ -122,6 +130,7 @@ class SimulateOptions:
     weights: str = "bf16"
     draft_weights: str | None = None
     kv_dtype: str = "bf16"
+    kv_bytes: int | None = None
     gamma: int = DEFAULT_GAMMA
     acceptance: float = DEFAULT_ACCEPTANCE
     context: int = DEFAULT_CONTEXT
@@ -167,18 +176,27 @@ def simulate(
     Modes: ``full`` and ``speculative`` always; ``sparse`` and ``combined`` unless ``policy == "full"``. With no
     ``budget``, ``sparse`` uses the largest budget that keeps the target's cache in SRAM and ``combined`` the
     largest that keeps it there beside the draft's cache (falling back to the former when none does).
+    ``kv_bytes`` gives the budgets as the cache's bytes instead: ``sparse`` the most entries whose cache of
+    budget + 1 slots fits, ``combined`` of budget + γ + 1 slots.
     """
     o = options
     policy, budget, draft_budget = o.policy, o.budget, o.draft_budget
     weights = _format(o.weights, o.native_bytes)
-    kv_dtype, gamma, acceptance, context = o.kv_dtype, o.gamma, o.acceptance, o.context
+    kv_dtype, kv_bytes, gamma, acceptance, context = o.kv_dtype, o.kv_bytes, o.gamma, o.acceptance, o.context
     if draft is not None and draft.vocab_size != target.vocab_size:
         raise UserError(
             f"The draft's vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}); "
             "a draft must share the target's tokenizer."
         )
-    if policy == "full" and budget is not None:
-        raise UserError("Policy 'full' keeps every token; drop --budget or choose a budgeted policy.")
+    if policy == "full" and (budget is not None or kv_bytes is not None):
+        raise UserError("Policy 'full' keeps every token; drop --budget / --kv-bytes or choose a budgeted policy.")
+    if kv_bytes is not None:
+        if budget is not None:
+            raise UserError("--kv-bytes sets the budget; drop --budget.")
+        slots = int(kv_bytes // kv_bytes_per_token(target, kv_dtype))
+        if slots - (gamma + 1) < 1:
+            raise UserError(f"--kv-bytes {kv_bytes} holds {slots} cache slots at {kv_dtype}; that leaves no budget "
+                            f"beside the {gamma + 1} slots in flight.")
     self_draft = draft is None
     draft_format = o.draft_weights or o.weights
     draft_weights = _format(draft_format, o.native_bytes if self_draft else o.draft_native_bytes)
@@ -202,7 +220,9 @@ def simulate(
         tracking_kv_bytes_per_token=0.0 if fixed else draft_kvb,
         context=context,
     )
-    if budget is not None:
+    if kv_bytes is not None:
+        budget, combined_budget, budget_source = slots - 1, slots - (gamma + 1), "from --kv-bytes"
+    elif budget is not None:
         combined_budget, budget_source = budget, "given"
     elif fit_budget is not None:
         budget, budget_source = fit_budget, "largest that fits SRAM"
@@ -252,6 +272,7 @@ def simulate(
             "weights": o.weights,
             "draft_weights": draft_format,
             "kv_dtype": kv_dtype,
+            "kv_bytes": kv_bytes,
             "gamma": gamma,
             "acceptance": acceptance,
         },
@@ -392,8 +413,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     draft_native = args.draft_weights == "native" or (native and args.draft_weights is None)
     options = SimulateOptions(
         policy=args.policy, budget=args.budget, draft_budget=args.draft_budget, weights=args.weights,
-        draft_weights=args.draft_weights, kv_dtype=args.kv_dtype, gamma=args.gamma, acceptance=args.acceptance,
-        context=args.context, max_gamma=args.max_gamma,
+        draft_weights=args.draft_weights, kv_dtype=args.kv_dtype,
+        kv_bytes=None if args.kv_bytes is None else parse_size(args.kv_bytes), gamma=args.gamma,
+        acceptance=args.acceptance, context=args.context, max_gamma=args.max_gamma,
         native_bytes=native_bytes_per_parameter(args.model) if native else None,
         draft_native_bytes=native_bytes_per_parameter(args.draft) if draft_native and draft is not None else None,
     )

@@ -63,8 +63,9 @@ WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
 INT4_GROUP = 32
 _DENSE_VECTOR_BYTES = 2.0
 
-# Bytes per stored K or V element of the cache.
-KV_BYTES_PER_ELEMENT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32}
+# Bytes per stored K or V element of the cache, as the KV arena stores them (cache/quant.py): int8 codes with a
+# float16 scale and zero per 32 channels (36 bytes / 32 elements), int4 codes with the same per 16 (12 / 16).
+KV_BYTES_PER_ELEMENT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 36 / 32, "int4": 12 / 16}
 
 # Activations are counted as bf16 elements: per layer and token about 4 reads/writes of the hidden state
 # and 3 of the MLP's intermediate width (gate, up, their product). Small next to the weights; kept for honesty.

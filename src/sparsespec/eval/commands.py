@@ -14,11 +14,13 @@ import time
 
 from ..errors import UserError
 from ..flags import (
+    KV_DTYPE_CHOICES,
     WEIGHT_CHOICES,
     add_cache_arguments,
     add_model_arguments,
     cache_options,
     draft_flags_given,
+    parse_size,
     reject_without,
     setup_torch,
 )
@@ -104,20 +106,22 @@ def run_ppl(args: argparse.Namespace) -> int:
     nll, summary = measure_perplexity(loaded, cache, ids, chunk, args.ppl_window, progress=not args.quiet)
 
     result = {
-        "model": loaded.name, "text": args.text, "policy": cache.policy.name, "cache": cache.policy.describe(),
-        "budget": cache.policy.budget, "positions": "original" if cache.policy.is_full else cache.positions,
-        **summary,
+        "model": loaded.name, "text": args.text, "policy": cache.policy.name,
+        "positions": "original" if cache.policy.is_full else cache.positions,
+        **summary,  # with cache (the description), budget and kv_dtype of the arena that ran
         "load_seconds": round(load_seconds, 3),
     }
     if args.plot:
-        label = cache.policy.describe() + ("" if cache.policy.is_full else f", {cache.positions}, chunk {chunk}")
+        label = summary["cache"] + ("" if cache.policy.is_full else f", {cache.positions}, chunk {chunk}")
+        label += "" if cache.kv_dtype == "auto" else f", KV {cache.kv_dtype}"
         result["plot"] = str(plot_nll({label: nll}, args.plot, args.ppl_window))
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"model        {result['model']}")
     print(f"text         {args.text}: {summary['tokens']} tokens ({summary['predicted_tokens']} predicted)")
-    print(f"cache        {result['cache']}, positions {result['positions']}, chunk {summary['chunk']}")
+    print(f"cache        {result['cache']}, positions {result['positions']}, chunk {summary['chunk']}, "
+          f"KV {summary['kv_dtype']}")
     print(f"perplexity   {summary['ppl']:.4f}  (mean NLL {summary['mean_nll']:.4f} nats)")
     windows = summary["window_ppl"]
     if windows:
@@ -144,7 +148,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_cache_arguments(parser, prefix="draft-")
     parser.add_argument("--policies", default="full,hybrid",
                         help="comma-separated cache policies (default: %(default)s)")
-    parser.add_argument("--budgets", default="256", help="comma-separated budgets (default: %(default)s)")
+    parser.add_argument("--budgets", default=None, help="comma-separated budgets (default: 256 without --kv-bytes)")
+    parser.add_argument("--kv-bytes", default=None, metavar="SIZES",
+                        help="comma-separated cache sizes in bytes (KiB / MiB / GiB suffixes allowed) instead of "
+                             "--budgets: per policy and KV dtype, the budget whose quality arena (keys and values, "
+                             "all layers, one --chunk of staging) fits")
+    parser.add_argument("--kv-dtypes", default="auto",
+                        help="comma-separated KV storage: auto (the compute dtype), bf16, int8, int4 "
+                             "(default: %(default)s)")
     parser.add_argument("--positions", default="original",
                         help="comma-separated position modes: original, in-cache (default: %(default)s)")
     parser.add_argument("--gammas", default=None,
@@ -186,8 +197,33 @@ def _sweep_grid(args: argparse.Namespace):
     gammas = [parse_gamma(g) for g in split_list(args.gammas or DEFAULT_GAMMAS)]
     if not gammas:
         raise UserError("--gammas is empty; give at least one γ (a positive integer or auto).")
-    return build_grid(split_list(args.policies), parse_budgets(args.budgets), split_list(args.positions),
-                      gammas, drafts)
+    kv_dtypes = split_list(args.kv_dtypes)
+    for kv in kv_dtypes:
+        if kv not in KV_DTYPE_CHOICES:
+            raise UserError(f"Unknown KV dtype {kv!r} in --kv-dtypes; choose from {', '.join(KV_DTYPE_CHOICES)}.")
+    kv_bytes = [parse_size(size) for size in split_list(args.kv_bytes)]
+    if kv_bytes and args.budgets is not None:
+        raise UserError("Give the budgets either as --budgets or as --kv-bytes, not both.")
+    budgets = parse_budgets(args.budgets if args.budgets is not None or kv_bytes else "256")
+    budget_for_bytes = _budget_for_bytes(args) if kv_bytes else None
+    return build_grid(split_list(args.policies), budgets, split_list(args.positions), gammas, drafts, kv_dtypes,
+                      kv_bytes, budget_for_bytes)
+
+
+def _budget_for_bytes(args: argparse.Namespace):
+    """``(policy, kv_dtype, nbytes) -> budget`` for the sweep's target: its quality arena (budget + one chunk of
+    staging, 1 for budgeted caches unless --chunk) fits the bytes."""
+    from ..engine import sized_policy
+    from ..loading.load import DTYPES
+    from ..loading.source import read_config, resolve_model
+
+    config = read_config(resolve_model(args.model))
+    staging = args.chunk or 1
+
+    def budget_for_bytes(policy: str, kv_dtype: str, nbytes: int) -> int:
+        return sized_policy(policy, None, config, DTYPES[args.dtype], kv_dtype, nbytes, staging).budget
+
+    return budget_for_bytes
 
 
 def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
@@ -319,7 +355,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def _draft_cache_flags(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, f"draft_{k}") for k in ("policy", "budget", "sinks", "heavy", "window")}
+    flags = {k: getattr(args, f"draft_{k}") for k in ("policy", "budget", "sinks", "heavy", "window")}
+    if args.draft_kv_dtype not in (None, "auto"):  # absent from setups written before KV dtypes existed
+        flags["kv_dtype"] = args.draft_kv_dtype
+    return flags
 
 
 def _draft_cache(args: argparse.Namespace, positions: str, budget: int | None):

@@ -93,7 +93,9 @@ def measure_perplexity(
     """Run :func:`streaming_nll` for a loaded model and CacheOptions; return the NLLs and a JSON-ready summary.
 
     ``chunk`` is capped at the number of predicted tokens. The summary holds :func:`nll_summary`'s fields plus
-    ``chunk``, ``tokens``, ``kv_cache_bytes`` (peak = fixed arena size), ``kv_metadata_bytes`` and ``seconds``.
+    ``chunk``, ``tokens``, ``cache`` and ``budget`` (the arena's policy: with ``cache.kv_bytes`` its budget comes
+    from the bytes), ``kv_dtype``, ``kv_cache_bytes`` (peak = fixed arena size), ``kv_metadata_bytes`` and
+    ``seconds``.
     """
     n = len(token_ids)
     chunk = max(1, min(chunk, n - 1))
@@ -103,7 +105,8 @@ def measure_perplexity(
     seconds = time.perf_counter() - started
     summary = nll_summary(nll, window)
     summary.update(
-        tokens=n, chunk=chunk, kv_cache_bytes=kv_peak_bytes(arena), kv_metadata_bytes=arena.metadata_nbytes,
+        tokens=n, chunk=chunk, cache=arena.policy.describe(), budget=arena.policy.budget, kv_dtype=arena.kv_dtype,
+        kv_cache_bytes=kv_peak_bytes(arena), kv_metadata_bytes=arena.metadata_nbytes,
         evicted_tokens=arena.evicted_tokens, seconds=round(seconds, 3),
         tokens_per_s=round((n - 1) / seconds, 2) if seconds > 0 else 0.0,
     )

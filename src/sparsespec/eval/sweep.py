@@ -1,10 +1,12 @@
 """The trade-off study: a grid of cache settings, each measured for quality and/or speed, one JSON line per point.
 
 Grid
-    The points are the product policy × budget × position mode × draft × γ, with the axes that do not apply
-    collapsed: the full cache has no budget and one position mode (``original``; with nothing evicted the modes
-    coincide), and a point without a draft has no γ. A draft entry is ``self``, a model reference, or either with
-    ``:BUDGET`` appended (``self:64``), which overrides the draft cache's budget for that entry.
+    The points are the product policy × KV dtype × budget × position mode × draft × γ, with the axes that do not
+    apply collapsed: the full cache has no budget and one position mode (``original``; with nothing evicted the
+    modes coincide), and a point without a draft has no γ. A draft entry is ``self``, a model reference, or either
+    with ``:BUDGET`` appended (``self:64``), which overrides the draft cache's budget for that entry. Budgets may
+    instead be given as KV bytes (``--kv-bytes``): each (policy, KV dtype) then gets the budget whose quality
+    arena (budget + one chunk of staging) fits those bytes, and speed runs use that budget too.
 
 Evaluation (injectable)
     :func:`run_grid` calls ``evaluate(point) -> dict`` for every point not yet in the output file. The real
@@ -22,8 +24,8 @@ Output file (``.jsonl``, appended one line per finished point, flushed immediate
     ``key``           stable identity of the point: its axes plus ``setup_id``
     ``setup_id``      short hash of ``setup``
     ``setup``         everything besides the axes that changes the numbers (model, dtype, text, token counts, …)
-    ``policy``, ``budget``, ``positions``, ``draft``, ``gamma``   the point's axes (``budget``/``draft``/``gamma``
-                      may be null)
+    ``policy``, ``budget``, ``positions``, ``draft``, ``gamma``, ``kv_dtype``, ``kv_bytes``   the point's axes
+                      (``budget``/``draft``/``gamma``/``kv_bytes`` may be null)
     ``cache``         the target cache's description, e.g. ``hybrid(sinks=4, heavy=126, window=126)``
     ``quality``       null or ``{ppl, mean_nll, predicted_tokens, window, window_ppl, tokens, chunk,
                       kv_cache_bytes, kv_metadata_bytes, evicted_tokens, seconds, tokens_per_s}``
@@ -56,7 +58,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 from ..errors import UserError
 
 RECORD_FIELDS = (
-    "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "cache", "quality", "speed",
+    "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "kv_dtype", "kv_bytes", "cache",
+    "quality", "speed",
     "rss_bytes", "rss_peak_bytes", "seconds", "finished_at",
 )
 
@@ -71,6 +74,8 @@ class SweepPoint:
     positions: str
     draft: str | None = None
     gamma: int | str | None = None
+    kv_dtype: str = "auto"
+    kv_bytes: int | None = None  # the bytes the budget was sized for, when the grid was given in bytes
 
     def key(self, setup_id: str) -> str:
         parts = [
@@ -79,12 +84,17 @@ class SweepPoint:
             f"positions={self.positions}",
             f"draft={self.draft or '-'}",
             f"gamma={self.gamma if self.gamma is not None else '-'}",
-            f"setup={setup_id}",
         ]
-        return "|".join(parts)
+        if self.kv_dtype != "auto":  # absent from keys written before KV dtypes existed
+            parts.append(f"kv={self.kv_dtype}")
+        if self.kv_bytes is not None:
+            parts.append(f"kv_bytes={self.kv_bytes}")
+        return "|".join(parts + [f"setup={setup_id}"])
 
     def label(self) -> str:
         text = self.policy if self.budget is None else f"{self.policy}@{self.budget}/{self.positions}"
+        if self.kv_dtype != "auto":
+            text += f" KV {self.kv_dtype}"
         if self.draft:
             text += f" draft={self.draft} γ={self.gamma}"
         return text
@@ -125,35 +135,48 @@ def build_grid(
     positions: Sequence[str],
     gammas: Sequence[int | str] = (4,),
     drafts: Sequence[str | None] = (None,),
+    kv_dtypes: Sequence[str] = ("auto",),
+    kv_bytes: Sequence[int] = (),
+    budget_for_bytes: Callable[[str, str, int], int] | None = None,
 ) -> list[SweepPoint]:
     """All points of the grid, in a fixed order, with inapplicable axes collapsed and duplicates dropped.
 
     Every budgeted point is checked with :func:`make_policy`, so a budget too small for a policy fails before
-    anything runs.
+    anything runs. With ``kv_bytes``, ``budgets`` must be empty and ``budget_for_bytes(policy, kv_dtype, nbytes)``
+    gives each budget.
     """
     from ..cache.arena import POSITION_MODES
     from ..cache.policy import make_policy
 
     if not policies:
-        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid.")
+        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid, hybrid-age.")
     for mode in positions:
         if mode not in POSITION_MODES:
             raise UserError(f"Unknown position mode {mode!r}; choose original and/or in-cache.")
-    if any(p != "full" for p in policies) and not budgets:
+    if kv_bytes and budgets:
+        raise UserError("Give the budgets either as --budgets or as --kv-bytes, not both.")
+    if any(p != "full" for p in policies) and not budgets and not kv_bytes:
         raise UserError("--budgets is empty; a budgeted policy needs at least one budget.")
+    if not kv_dtypes:
+        raise UserError("--kv-dtypes is empty; give at least one of auto, bf16, int8, int4.")
     if not positions:
         raise UserError("--positions is empty; give original and/or in-cache.")
     drafts = list(drafts) or [None]
     gammas = list(gammas) or [4]
     points: dict[SweepPoint, None] = {}
-    for policy, budget, mode, draft, gamma in itertools.product(policies, budgets or [None], positions, drafts, gammas):
+    sizes = [(b, None) for b in budgets] or [(None, n) for n in kv_bytes] or [(None, None)]
+    for policy, kv, (budget, nbytes), mode, draft, gamma in itertools.product(
+        policies, kv_dtypes, sizes, positions, drafts, gammas
+    ):
         if policy == "full":
-            budget, mode = None, "original"
+            budget, nbytes, mode = None, None, "original"
         else:
+            if nbytes is not None:
+                budget = budget_for_bytes(policy, kv, nbytes)
             make_policy(policy, budget)
         if draft is None:
             gamma = None
-        points.setdefault(SweepPoint(policy, budget, mode, draft, gamma))
+        points.setdefault(SweepPoint(policy, budget, mode, draft, gamma, kv, nbytes))
     return list(points)
 
 
@@ -362,13 +385,15 @@ class SweepEvaluator:
         from ..engine import CacheOptions
 
         policy = make_policy(point.policy, point.budget)
-        return CacheOptions(policy, point.positions, self.options.prefill_chunk, self.options.force_context)
+        o = self.options
+        return CacheOptions(policy, point.positions, o.prefill_chunk, o.force_context, point.kv_dtype)
 
     def remember(self, records: Iterable[dict]) -> None:
         """Reuse quality results of earlier records with the same cache (they do not depend on draft or γ)."""
         for r in records:
             if r.get("quality"):
-                self._quality_memo.setdefault((r["policy"], r["budget"], r["positions"]), r["quality"])
+                memo_key = (r["policy"], r["budget"], r["positions"], r.get("kv_dtype", "auto"))
+                self._quality_memo.setdefault(memo_key, r["quality"])
 
     def prompt_token_ids(self) -> list[list[int]]:
         from .prompts import prompt_ids
@@ -419,7 +444,7 @@ class SweepEvaluator:
         cache = self.cache_options(point)
         result = {"cache": cache.policy.describe(), "quality": None, "speed": None}
         if self.quality and self.text_ids is not None:
-            memo_key = (point.policy, point.budget, point.positions)
+            memo_key = (point.policy, point.budget, point.positions, point.kv_dtype)
             if memo_key not in self._quality_memo:
                 from .perplexity import measure_perplexity
 
@@ -492,6 +517,8 @@ def aggregate_stats(runs: Sequence) -> dict:
 # ------------------------------------------------------------------------------------------------- plots
 def _series_label(record: dict, with_draft: bool) -> str:
     label = record["policy"] if record["policy"] == "full" else f"{record['policy']} ({record['positions']})"
+    if record.get("kv_dtype", "auto") != "auto":
+        label += f", KV {record['kv_dtype']}"
     if with_draft and record.get("draft"):
         label += f", draft {record['draft']} γ={record['gamma']}"
     return label
@@ -543,7 +570,7 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
     ``acceptance_vs_budget.png`` (acceptance against the target's budget, runs with a draft) and
     ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers) and ``ppl_gap_vs_position.png`` (how
     far each hybrid cache's windowed perplexity lies above the full cache's along the text). The full cache
-    appears as a dashed line (it has no budget) in the budget plots and as one point in the bytes plot.
+    appears as a dashed line: it has no budget, and in the bytes plot it is the quality every budget aims at.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -557,7 +584,7 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
             if y is None:
                 continue
             label = _series_label(r, with_draft)
-            if r["policy"] == "full" and x_of(r) is None:
+            if r["policy"] == "full":
                 flat.setdefault(label, y)
             else:
                 series.setdefault(label, {}).setdefault(x_of(r), y)
@@ -581,7 +608,7 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
         ("acceptance_vs_budget.png", "Draft acceptance vs target KV budget", "target budget (tokens)",
          "acceptance rate", *collect(speed("acceptance_rate", draft_only=True), True), "budget"),
         ("ppl_vs_kv_bytes.png", "Perplexity vs KV cache memory", "KV cache MiB (keys + values, all layers)",
-         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), False),
+         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), True),
     ]
     gap = _hybrid_gap_along_text(records)
     if gap:
@@ -611,6 +638,8 @@ def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = GAP_SMOOTHING)
         q = r.get("quality") or {}
         if q.get("window_ppl") and r["policy"] in ("full", "hybrid"):
             label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']} ({r['positions']})"
+            if r["policy"] != "full" and r.get("kv_dtype", "auto") != "auto":
+                label += f", KV {r['kv_dtype']}"
             curves.setdefault(label, (q["window"], q["window_ppl"]))
     full = curves.pop("full", None)
     if full is None or not curves:
@@ -627,7 +656,7 @@ def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = GAP_SMOOTHING)
 def describe_record(record: dict) -> str:
     """A one-line human summary of a record (what the CLI prints per point)."""
     parts = [SweepPoint(record["policy"], record["budget"], record["positions"], record["draft"],
-                        record["gamma"]).label()]
+                        record["gamma"], record.get("kv_dtype", "auto")).label()]
     q, s = record.get("quality"), record.get("speed")
     if q:
         parts.append(f"ppl {q['ppl']:.3f}")

@@ -29,7 +29,8 @@ def engine_options(args: argparse.Namespace):
 
     cache = cache_options(args)
     if args.draft is None:
-        draft_flags = [f"--draft-{part}" for part in ("policy", "budget", "sinks", "heavy", "window", "weights")
+        draft_flags = [f"--draft-{part.replace('_', '-')}"
+                       for part in ("policy", "budget", "sinks", "heavy", "window", "weights", "kv_dtype")
                        if getattr(args, f"draft_{part}") is not None]
         if args.gamma is not None:
             draft_flags.append("--gamma")
