@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--modes", default="overhead,ttft,long_chat")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    parser.add_argument("--weights", default="dense", choices=["dense", "int8", "int4"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "native", "dense", "int8", "int4"])
     parser.add_argument("--draft", default=None, help="draft for speculative decoding (e.g. self), in every mode")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128, help="overhead: tokens per run")
