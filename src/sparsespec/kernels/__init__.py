@@ -87,10 +87,6 @@ def unavailable_reason() -> str | None:
     return module if isinstance(module, str) else None
 
 
-def best_isa() -> int:
-    return _load().best_isa()
-
-
 def isa_available(isa: int) -> bool:
     return available() and bool(_load().isa_available(isa))
 
@@ -98,11 +94,6 @@ def isa_available(isa: int) -> bool:
 def isa_name(isa: int = ISA_AUTO) -> str:
     module = _load()
     return module.isa_name(module.best_isa() if isa == ISA_AUTO else isa)
-
-
-def row_bytes(ggml_type: int, k: int) -> int:
-    """Bytes of one repacked row of ``k`` inputs (``k`` a multiple of 64)."""
-    return int(_load().row_bytes(ggml_type, k))
 
 
 def info() -> str:
