@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 FORMATS = ("dense", "int8", "int4")
 
 # The vectorised bfloat16 int8 kernel steps through K 16 (AVX-512) or 8 (AVX2) values at a time with
@@ -402,8 +404,6 @@ class NativeLinear:
 
     def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
         """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]`` in the dtype of ``x``."""
-        from . import kernels
-
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's [T, in]: no reshape op
         if self.padded_in != self.in_features:
             x2d = F.pad(x2d, (0, self.padded_in - self.in_features))
@@ -443,8 +443,6 @@ class NativeLinear:
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, as float32 ``[out, in]``."""
-        from . import kernels
-
         parts = [kernels.gguf_dequantize(b, t, self.padded_in, torch.arange(r))
                  for t, b, r in zip(self.types, self.blobs, self.rows)]
         return torch.cat(parts)[:, : self.in_features]
@@ -465,8 +463,6 @@ class NativeEmbedding:
         return self.table.nbytes
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        from . import kernels
-
         t = self.table
         rows = kernels.gguf_dequantize(t.blobs[0], t.types[0], t.padded_in, ids.reshape(-1))
         return rows[:, : t.in_features].to(self.dtype).reshape(*ids.shape, t.in_features)
