@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .cache.arena import KVArena
 from .config import ModelConfig
 from .errors import UserError
@@ -64,6 +65,7 @@ class Transformer:
         self.config = config
         self.dtype = dtype
         self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
+        self.native_ops = kernels.available()  # rms_norm and silu * up as one native op each
         weights = resolve_format(weights, role)
         self.weights_format = weights
         options = dict(default_linear_options(weights, dtype) if linear_options is None else linear_options)
@@ -160,7 +162,16 @@ class Transformer:
         return total
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native_ops:
+            return kernels.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side)."""
+        if self.native_ops:
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     @torch.inference_mode()
     def forward(
@@ -190,8 +201,7 @@ class Transformer:
             k = k.view(n_rows, n_kv, hd).transpose(0, 1)
             v = v.view(n_rows, n_kv, hd).transpose(0, 1)
             x = x + layer.o_proj(cache.attend(index, q, k, v))
-            gate, up = layer.gate_up(self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(self._silu_mul(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
         cache.end()
         if last_only:
             x = x[-1:]

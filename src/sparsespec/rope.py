@@ -31,6 +31,17 @@ class Rope:
             self._typed = {}
         return self._cos, self._sin
 
+    def table_rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """float32 cos/sin ``[P, head_dim]`` covering positions ``[first, first + count)``, and the position of their
+        row 0: the cached tables (row 0 = position 0) while they reach, else rows for these positions alone, computed
+        as :meth:`rotate` computes them."""
+        if first + count <= TABLE_LIMIT:
+            cos, sin = self.tables(first + count)
+            return cos, sin, 0
+        freqs = torch.arange(first, first + count).float()[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin(), first
+
     def _tables_in(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`tables` rounded to ``dtype`` once (the values :meth:`rotate` multiplies by)."""
         cos, sin = self.tables(upto)

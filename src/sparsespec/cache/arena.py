@@ -32,7 +32,7 @@ keys unrotated and rotates them at attention time by their rank inside the cache
 ever reaches ``budget + staging``.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer, the whole
-block) when the native kernels are available and the entries are stored unquantized (the compute dtype or
+block: it also stores the block's rows and rotates queries and keys) when the native kernels are available and the entries are stored unquantized (the compute dtype or
 bfloat16: the op reads ``keys`` / ``values`` as they are) under a policy other than ``hybrid-age``; else through the
 torch path below (``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``),
 which is its reference: the same visibility, scores, snapshots and evictions.
@@ -271,6 +271,13 @@ class KVArena:
         first, n_rows, per_block = self._block
         start = self.n_committed + first
         stop = start + n_rows
+        budget = self.policy.budget
+        visible_before = self.n_visible
+        # A single row is its own block: evicting after it is the same as evicting after the block.
+        evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        if self.native_attention:
+            return self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows)
+
         new_positions = torch.arange(n_rows) + (self.next_position + first)
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
         original = self.positions_mode == "original"
@@ -280,14 +287,6 @@ class KVArena:
         evicted_at[:, start:stop] = NEVER
         if self.policy.needs_scores:
             self.scores[layer][:, start:stop] = 0.0
-
-        budget = self.policy.budget
-        visible_before = self.n_visible
-        # A single row is its own block: evicting after it is the same as evicting after the block.
-        evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
-        if self.native_attention:
-            out = self._attend_native(layer, q, first, start, stop, visible_before, per_block, evicts_between_rows)
-            return out.to(q.dtype)
         if evicts_between_rows:
             out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before)
         else:
@@ -295,34 +294,29 @@ class KVArena:
         n_heads, hd = q.shape[0], q.shape[2]
         return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
 
-    def _attend_native(self, layer, q, first, start, stop, visible_before, per_block, per_row):
-        """The block's rows through the native op: ``[T, n_heads * head_dim]`` float32, scores and evictions as the
-        torch path's (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block)."""
+    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row):
+        """The block's rows through the native op, which also stores them (the steps of the torch path above, in
+        one call): ``[T, n_heads * head_dim]`` in the dtype of ``q``, scores and evictions as the torch path's
+        (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block)."""
         n_rows = q.shape[1]
-        budget = self.policy.budget
         first_position = self.next_position + first
-        cos = sin = None
-        if self.positions_mode == "original":
-            q = self.rope.rotate_range(q.float(), first_position)
-        else:  # each query at its rank: the tokens visible before it (capped by the budget between rows)
-            cos, sin = self.rope.tables(stop)
-            ranks, n_visible = [], visible_before
-            for _ in range(n_rows):
-                ranks.append(n_visible)
-                n_visible = min(n_visible + 1, budget) if per_row else n_visible + 1
-            q = self.rope.rotate(q.float(), torch.tensor(ranks))
-        q = q.contiguous()
+        in_cache = self.positions_mode == "in-cache"
+        if in_cache:  # queries and keys rotate by rank, below start + n_rows
+            cos, sin = self.rope.tables(start + n_rows)
+            table_offset = 0
+        else:
+            cos, sin, table_offset = self.rope.table_rows(first_position, n_rows)
         scores = row_scores = None
+        snapshots = 0
         if self.policy.needs_scores:
-            scores = self.scores[layer]
+            scores, row_scores = self.scores, self.row_scores
             snapshots = 0 if per_block else max(0, min(n_rows, self.max_inflight - 1 - first))
-            row_scores = self.row_scores[first : first + snapshots, layer] if snapshots else None
         policy = self.policy
         return kernels.arena_attention(
-            q, self.keys[layer], self.values[layer], self.positions[layer], self.evicted_at[layer], scores,
-            row_scores, cos, sin, start=start, first=first, visible_before=visible_before,
-            first_position=first_position, per_row=per_row, budget=budget, sinks=policy.sinks,
-            heavy=policy.heavy, window=policy.window, scale=self.scale,
+            q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, cos, sin,
+            table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
+            visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
+            budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, scale=self.scale,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:

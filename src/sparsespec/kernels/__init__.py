@@ -13,9 +13,12 @@ Ops (registered under ``torch.ops.sparsespec``):
 * ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
   weight kept in GGUF block formats (repacked by :mod:`.repack`), activations quantized to 8 bits per block of 32.
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
-* ``arena_attention(...) -> [T, n_heads * head_dim] float32``: a block of rows attending over one layer of the KV
-  arena, with the cache policy's scores and evictions (:func:`arena_attention`; ``csrc/attention.h``). AVX-512,
-  AVX2 and scalar paths (scalar on ARM); each row's float steps never depend on the rows beside it.
+* ``arena_attention(...) -> [T, n_heads * head_dim]``: a block of rows entering one layer of the KV arena (RoPE,
+  stored keys and values) and attending over it, with the cache policy's scores and evictions
+  (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
+  steps never depend on the rows beside it.
+* ``rms_norm(x, weight, eps)`` and ``silu_mul(gate_up)``: the decoder's element-wise steps in one op each (the
+  decode step of a small model is otherwise dominated by per-op overhead).
 """
 
 from __future__ import annotations
@@ -119,31 +122,47 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.T
 
 
 def arena_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted_at: torch.Tensor,
-    scores: torch.Tensor | None, row_scores: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-    *, start: int, first: int, visible_before: int, first_position: int, per_row: bool, budget: int | None,
-    sinks: int, heavy: int, window: int, scale: float, isa: int = ISA_AUTO,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    positions: torch.Tensor, evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, *, table_offset: int, in_cache: bool, layer: int, start: int, first: int,
+    visible_before: int, first_position: int, snapshots: int, per_row: bool, budget: int | None, sinks: int,
+    heavy: int, window: int, scale: float, isa: int = ISA_AUTO,
 ) -> torch.Tensor:
-    """The open block's ``T`` rows attending over one layer of the KV arena (see ``cache/arena.py``).
+    """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
-    Row ``i`` sees the slots ``s <= start + i`` whose ``evicted_at`` is alive; after it (``per_row``) or after the
-    block (if ``visible_before + T`` exceeds ``budget``) the policy's evictions are marked in ``evicted_at`` with the
-    in-flight row index ``first + i``.
+    The op stores the rows (keys rotated by true position in the original mode, else as given; values; positions
+    ``first_position + i``; alive; scores 0) at slots ``[start, start + T)``, rotates the queries (true position, or
+    rank in the cache: the tokens visible before the row), and attends: row ``i`` sees the slots ``s <= start + i``
+    that are alive; after it (``per_row``) or after the block (if ``visible_before + T`` exceeds ``budget``) the
+    policy's evictions are marked in ``evicted_at`` with the in-flight row index ``first + i``.
 
     Args:
-        q: ``[n_heads, T, head_dim]`` float32 queries, already rotated (true position, or rank in the cache).
-        keys, values: ``[n_kv, capacity, head_dim]`` float32 or bfloat16, the block's rows at ``[start, start + T)``.
-        positions: ``[n_kv, capacity]`` int64 true positions; ``evicted_at``: ``[n_kv, capacity]`` int32, updated.
-        scores: ``[n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
-        row_scores: ``[r, n_kv, capacity]`` float32 (any stride over ``r``): row ``i``'s scores for ``i < r``.
-        cos, sin: ``[>= start + T, head_dim]`` float32 RoPE tables to rotate keys by rank (in-cache mode), else None.
+        q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
+        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16, the whole arena.
+        positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape; both updated.
+        scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
+        row_scores: ``[r, n_layers, n_kv, capacity]`` float32: row ``i``'s scores go to ``row_scores[first + i]``
+            for ``i < snapshots``.
+        cos, sin: ``[P, head_dim]`` float32 RoPE tables; row ``p - table_offset`` serves position or rank ``p``.
         first_position: true position of the block's first row; ``budget``: None for the full cache.
 
     Returns:
-        ``[T, n_heads * head_dim]`` float32 attention output.
+        ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
     """
     _load()
     return torch.ops.sparsespec.arena_attention(
-        q, keys, values, positions, evicted_at, scores, row_scores, cos, sin, start, first, visible_before,
-        first_position, per_row, -1 if budget is None else budget, sinks, heavy, window, scale, isa,
+        q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
+        start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
+        heavy, window, scale, isa,
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of the rows of ``x [m, n]`` (float32 or bfloat16) times ``weight [n]``, in one op, computed as
+    ``torch.nn.functional.rms_norm`` computes it (float32 inside, rounded to ``x``'s dtype)."""
+    return torch.ops.sparsespec.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [m, 2 i]`` holding the two halves side by side, in one op."""
+    return torch.ops.sparsespec.silu_mul(gate_up)

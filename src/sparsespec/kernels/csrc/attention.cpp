@@ -66,7 +66,65 @@ void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, i
   for (int s : candidates) evicted_at[s] = row;
 }
 
+// out = x * cos + rotate_half(x) * sin for one head vector; bf16: tables, products and sum rounded to bfloat16.
+void rope(const float* x, const float* c, const float* s, int hd, bool bf16, float* out) {
+  const int half = hd / 2;
+  for (int j = 0; j < hd; ++j) {
+    const float r = j < half ? -x[j + half] : x[j - half];
+    if (bf16)
+      out[j] = round_bf16(round_bf16(x[j] * round_bf16(c[j])) + round_bf16(r * round_bf16(s[j])));
+    else
+      out[j] = x[j] * c[j] + r * s[j];
+  }
+}
+
+void store(const float* x, int hd, bool bf16, void* dst) {
+  if (!bf16) {
+    std::memcpy(dst, x, sizeof(float) * hd);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int j = 0; j < hd; ++j) {
+    const float r = round_bf16(x[j]);
+    uint32_t bits;
+    std::memcpy(&bits, &r, 4);
+    out[j] = (uint16_t)(bits >> 16);
+  }
+}
+
 }  // namespace
+
+void stage_rows(const StageRows& st, const AttnBlock& b) {
+  const int hd = st.hd, T = st.T;
+  const std::size_t elt = b.bf16 ? 2 : 4;
+  auto table_row = [&](const float* table, int64_t p) { return table + (p - st.table_offset) * hd; };
+  int64_t rank = b.visible_before;
+  for (int i = 0; i < T; ++i) {
+    const int64_t p = st.in_cache ? rank : b.first_position + i;
+    for (int h = 0; h < st.n_heads; ++h) {
+      const long at = ((long)h * T + i) * hd;
+      rope(st.q + at, table_row(st.cos, p), table_row(st.sin, p), hd, false, st.q_rotated + at);
+    }
+    rank = b.per_row ? std::min<int64_t>(rank + 1, b.budget) : rank + 1;
+  }
+  float rotated[kAttnMaxHeadDim];
+  for (int h = 0; h < st.n_kv; ++h)
+    for (int i = 0; i < T; ++i) {
+      const long at = ((long)h * T + i) * hd;
+      const long slot = (long)h * b.cap + b.start + i;
+      const int64_t position = b.first_position + i;
+      const float* key = st.k + at;
+      if (!st.in_cache) {
+        rope(key, table_row(st.cos, position), table_row(st.sin, position), hd, st.bf16_keys, rotated);
+        key = rotated;
+      }
+      store(key, hd, b.bf16, static_cast<char*>(b.keys) + slot * hd * elt);
+      store(st.v + at, hd, b.bf16, static_cast<char*>(b.values) + slot * hd * elt);
+      b.positions[slot] = position;
+      b.evicted_at[slot] = kNever;
+      if (b.scores) b.scores[slot] = 0.0f;
+    }
+}
 
 void attend_block(int isa, const AttnBlock& b) {
   const AttnKernels& kernels = attention_kernels(isa);

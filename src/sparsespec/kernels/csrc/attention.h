@@ -21,6 +21,7 @@ namespace sparsespec {
 
 constexpr int kAttnChunk = 256;
 constexpr int kAttnMaxGroup = 64;  // query heads per KV head
+constexpr int kAttnMaxHeadDim = 256;
 constexpr int32_t kNever = 0x7fffffff;  // evicted_at of an alive slot
 
 // One chunk of slots [s0, s1) of one KV head, for one row.
@@ -58,10 +59,10 @@ const AttnKernels& attention_kernels(int isa);  // kAuto = the best this CPU run
 struct AttnBlock {
   int n_kv = 0, group = 0, hd = 0, T = 0, cap = 0;
   const float* q = nullptr;  // [n_kv * group, T, hd] rotated queries
-  const void* keys = nullptr;
-  const void* values = nullptr;
+  void* keys = nullptr;    // [n_kv, cap, hd]
+  void* values = nullptr;
   bool bf16 = false;
-  const int64_t* positions = nullptr;  // [n_kv, cap]
+  int64_t* positions = nullptr;        // [n_kv, cap]
   int32_t* evicted_at = nullptr;       // [n_kv, cap]
   float* scores = nullptr;             // [n_kv, cap] or null
   float* row_scores = nullptr;         // [snapshots, n_kv, cap] (rows first..), row stride row_stride, or null
@@ -78,5 +79,41 @@ struct AttnBlock {
 };
 
 void attend_block(int isa, const AttnBlock& b);
+
+// The block's new rows entering one layer of the arena, before attend_block (the arena's torch path does the same in
+// these steps: KVArena.attend, Rope.rotate): queries rotated in float32 by true position (original mode) or by rank
+// (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
+// keys and values stored at slots [start, start + T) in the arena's dtype, positions set, evicted_at = kNever,
+// scores 0. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in the dtype of x
+// (bf16_keys: keys came in as bfloat16, so with bfloat16-rounded tables and bfloat16 rounding after every step).
+struct StageRows {
+  int n_heads = 0, n_kv = 0, hd = 0, T = 0;
+  const float* q = nullptr;  // [n_heads, T, hd] queries as given (widened to float32)
+  const float* k = nullptr;  // [n_kv, T, hd] keys as given (widened)
+  const float* v = nullptr;  // [n_kv, T, hd]
+  bool bf16_keys = false;
+  const float* cos = nullptr;  // [P, hd] RoPE tables; row p - table_offset serves position (or rank) p
+  const float* sin = nullptr;
+  int64_t table_offset = 0;
+  bool in_cache = false;
+  float* q_rotated = nullptr;  // [n_heads, T, hd] out
+};
+
+void stage_rows(const StageRows& st, const AttnBlock& b);
+
+// x rounded to the nearest bfloat16 (ties to even), as a float.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u) {  // inf, nan: keep (nan stays nan)
+    bits &= 0xffff0000u | ((bits & 0xffffu) ? 0x00400000u : 0u);
+  } else {
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+  }
+  float out;
+  __builtin_memcpy(&out, &bits, 4);
+  return out;
+}
 
 }  // namespace sparsespec

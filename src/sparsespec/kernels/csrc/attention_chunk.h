@@ -19,8 +19,6 @@
 namespace sparsespec {
 namespace ATTN_ISA {
 
-constexpr int kMaxHeadDim = 256;
-
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
   const uint32_t bits = (uint32_t)x << 16;
@@ -69,7 +67,7 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
   using T = typename Vec::T;
   const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  alignas(64) float rotated[4][kMaxHeadDim];
+  alignas(64) float rotated[4][kAttnMaxHeadDim];
   for (int s = s0; s < s1; s += 4) {
     const int n = std::min(4, s1 - s);
     bool seen[4];
@@ -151,7 +149,7 @@ template <class K>
 void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
   const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  alignas(64) float rotated[kMaxHeadDim];
+  alignas(64) float rotated[kAttnMaxHeadDim];
   for (int s = s0; s < s1; ++s) {
     if (!sees(a, s)) {
       for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;

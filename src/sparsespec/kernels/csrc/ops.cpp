@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <vector>
 
 #include "attention.h"
@@ -29,6 +30,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
                        const std::vector<int64_t>& rows, int64_t k, const c10::optional<at::Tensor>& bias,
                        int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_linear: x must be [m, ", k, "]");
+  TORCH_CHECK(k % kQuarter == 0, "gguf_linear: k must be a multiple of ", kQuarter, " (repacked rows)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "gguf_linear: x must be float32 or bfloat16");
   TORCH_CHECK(weights.size() == types.size() && weights.size() == rows.size(), "gguf_linear: segment lists differ");
@@ -126,75 +128,127 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, co
   return out;
 }
 
-// Attention of the open block's T rows over one layer of the KV arena (see attention.h and
-// sparsespec/cache/arena.py): q [n_heads, T, hd] float32 queries already rotated (by true position, or by their
-// rank in the in-cache mode); keys, values [n_kv, cap, hd] float32 or bfloat16 with the block's rows written at
-// slots [start, start + T); positions [n_kv, cap] int64; evicted_at [n_kv, cap] int32, updated with the evictions
-// (row `first + i` for row i); scores [n_kv, cap] float32, updated (heavy-hitter policies, else None);
-// row_scores [r, n_kv, cap] float32, row i's scores copied there for i < r (else None); cos, sin [>= start + T, hd]
-// float32 RoPE tables for rotating keys by rank (in-cache mode, else None). per_row: the policy evicts after every
-// row (else once after the block, if visible_before + T exceeds the budget); budget -1: the full cache.
-// Returns [T, n_heads * hd] float32.
-at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& positions, at::Tensor evicted_at, const c10::optional<at::Tensor>& scores,
-                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& cos,
-                           const c10::optional<at::Tensor>& sin, int64_t start, int64_t first, int64_t visible_before,
-                           int64_t first_position, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
+float bf16_to_float(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float x) {
+  const float r = round_bf16(x);
+  uint32_t bits;
+  std::memcpy(&bits, &r, 4);
+  return (uint16_t)(bits >> 16);
+}
+
+// t [d0, d1, d2] (float32 or bfloat16, any strides) as contiguous float32 (widening is exact), without torch ops.
+std::vector<float> widened(const at::Tensor& t) {
+  const int64_t d0 = t.size(0), d1 = t.size(1), d2 = t.size(2);
+  const int64_t s0 = t.stride(0), s1 = t.stride(1), s2 = t.stride(2);
+  std::vector<float> out((std::size_t)(d0 * d1 * d2));
+  const bool bf16 = t.scalar_type() == at::kBFloat16;
+  const void* data = t.data_ptr();
+  std::size_t o = 0;
+  for (int64_t a = 0; a < d0; ++a)
+    for (int64_t b = 0; b < d1; ++b)
+      for (int64_t c = 0; c < d2; ++c) {
+        const int64_t at = a * s0 + b * s1 + c * s2;
+        out[o++] = bf16 ? bf16_to_float(static_cast<const uint16_t*>(data)[at]) : static_cast<const float*>(data)[at];
+      }
+  return out;
+}
+
+// Element i of a contiguous float32 or bfloat16 buffer, as float.
+inline float element(const void* data, bool bf16, int64_t i) {
+  return bf16 ? bf16_to_float(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+}
+
+// Store y at element i of a contiguous float32 or bfloat16 buffer (rounded to nearest even for bfloat16).
+inline void put(void* data, bool bf16, int64_t i, float y) {
+  if (bf16)
+    static_cast<uint16_t*>(data)[i] = float_to_bf16(y);
+  else
+    static_cast<float*>(data)[i] = y;
+}
+
+bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+// The open block's T rows entering and attending over one layer of the KV arena (see attention.h and
+// sparsespec/cache/arena.py). q [n_heads, T, hd], k, v [n_kv, T, hd]: the block's queries, keys and values before
+// RoPE (float32 or bfloat16, any strides). Arena tensors, whole (all layers): keys, values [L, n_kv, cap, hd]
+// float32 or bfloat16; positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap] int32 (evictions marked with row
+// `first + i` for row i); scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
+// [R, L, n_kv, cap] float32 (row i's scores copied to row_scores[first + i] for i < snapshots, else None).
+// cos, sin [P, hd] float32 RoPE tables, row p - table_offset for position (original mode) or rank (in-cache mode,
+// table_offset 0). per_row: the policy evicts after every row (else once after the block, if visible_before + T
+// exceeds the budget); budget -1: the full cache. Returns [T, n_heads * hd] in q's dtype.
+at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor keys,
+                           at::Tensor values, at::Tensor positions, at::Tensor evicted_at,
+                           const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& row_scores,
+                           const at::Tensor& cos, const at::Tensor& sin, int64_t table_offset, bool in_cache,
+                           int64_t layer, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
+                           int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
                            int64_t window, double scale, int64_t isa) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "arena_attention: q must be contiguous float32 [n_heads, T, hd]");
-  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
-                  values.scalar_type() == keys.scalar_type() &&
-                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
-              "arena_attention: keys and values must be contiguous float32 or bfloat16 [n_kv, cap, hd] alike");
-  const int64_t n_kv = keys.size(0), cap = keys.size(1), hd = keys.size(2), T = q.size(1);
-  TORCH_CHECK(q.size(2) == hd && q.size(0) % n_kv == 0 && q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 &&
-                  hd <= 256, "arena_attention: q must be [n_kv * group, T, ", hd, "] (group <= 64, even hd <= 256)");
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
+                  values.scalar_type() == keys.scalar_type() && float_or_bf16(keys),
+              "arena_attention: keys and values must be contiguous float32 or bfloat16 [L, n_kv, cap, hd] alike");
+  const int64_t n_layers = keys.size(0), n_kv = keys.size(1), cap = keys.size(2), hd = keys.size(3);
+  const int64_t T = q.dim() == 3 ? q.size(1) : 0;
+  TORCH_CHECK(layer >= 0 && layer < n_layers, "arena_attention: layer ", layer, " outside the arena");
+  TORCH_CHECK(q.dim() == 3 && float_or_bf16(q) && q.size(2) == hd && q.size(0) % n_kv == 0 &&
+                  q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
+              "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, ", hd,
+              "] (group <= 64, even hd <= 256)");
+  TORCH_CHECK(k.sizes() == at::IntArrayRef({n_kv, T, hd}) && v.sizes() == k.sizes() && float_or_bf16(k) &&
+                  float_or_bf16(v), "arena_attention: k and v must be float32 or bfloat16 [", n_kv, ", ", T, ", ", hd,
+              "]");
   TORCH_CHECK(T >= 1 && start >= 0 && start + T <= cap, "arena_attention: rows [", start, ", ", start + T,
               ") outside the arena's ", cap, " slots");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.sizes() == at::IntArrayRef({n_kv, cap}),
-              "arena_attention: positions must be contiguous int64 [n_kv, cap]");
+                  positions.sizes() == at::IntArrayRef({n_layers, n_kv, cap}),
+              "arena_attention: positions must be contiguous int64 [L, n_kv, cap]");
   TORCH_CHECK(evicted_at.scalar_type() == at::kInt && evicted_at.is_contiguous() &&
-                  evicted_at.sizes() == at::IntArrayRef({n_kv, cap}),
-              "arena_attention: evicted_at must be contiguous int32 [n_kv, cap]");
+                  evicted_at.sizes() == at::IntArrayRef({n_layers, n_kv, cap}),
+              "arena_attention: evicted_at must be contiguous int32 [L, n_kv, cap]");
+  const int64_t newest_row = in_cache ? visible_before + T : first_position + T;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd &&
+                  (!in_cache || table_offset == 0) && table_offset >= 0 &&
+                  table_offset <= (in_cache ? 0 : first_position) &&
+                  cos.size(0) + table_offset >= std::max<int64_t>(newest_row, in_cache ? start + T : 0),
+              "arena_attention: cos and sin must be contiguous float32 [P, ", hd, "] covering the block's rows");
   TORCH_CHECK(isa == kAuto || isa_available((int)isa), "arena_attention: instruction set ", isa, " not available");
+  const long layer_slots = (long)n_kv * cap;
   AttnBlock b;
   b.n_kv = (int)n_kv;
   b.group = (int)(q.size(0) / n_kv);
   b.hd = (int)hd;
   b.T = (int)T;
   b.cap = (int)cap;
-  b.q = q.data_ptr<float>();
-  b.keys = keys.data_ptr();
-  b.values = values.data_ptr();
   b.bf16 = keys.scalar_type() == at::kBFloat16;
-  b.positions = positions.data_ptr<int64_t>();
-  b.evicted_at = evicted_at.data_ptr<int32_t>();
+  const std::size_t elt = b.bf16 ? 2 : 4;
+  b.keys = static_cast<char*>(keys.data_ptr()) + layer * layer_slots * hd * elt;
+  b.values = static_cast<char*>(values.data_ptr()) + layer * layer_slots * hd * elt;
+  b.positions = positions.data_ptr<int64_t>() + layer * layer_slots;
+  b.evicted_at = evicted_at.data_ptr<int32_t>() + layer * layer_slots;
   if (scores.has_value() && scores->defined()) {
     TORCH_CHECK(scores->scalar_type() == at::kFloat && scores->is_contiguous() &&
-                    scores->sizes() == at::IntArrayRef({n_kv, cap}),
-                "arena_attention: scores must be contiguous float32 [n_kv, cap]");
-    b.scores = scores->data_ptr<float>();
+                    scores->sizes() == at::IntArrayRef({n_layers, n_kv, cap}),
+                "arena_attention: scores must be contiguous float32 [L, n_kv, cap]");
+    b.scores = scores->data_ptr<float>() + layer * layer_slots;
   }
-  if (row_scores.has_value() && row_scores->defined() && row_scores->size(0) > 0) {
-    TORCH_CHECK(b.scores && row_scores->scalar_type() == at::kFloat && row_scores->dim() == 3 &&
-                    row_scores->size(0) <= T && row_scores->size(1) == n_kv && row_scores->size(2) == cap &&
-                    row_scores->stride(1) == cap && row_scores->stride(2) == 1,
-                "arena_attention: row_scores must be float32 [<= T, n_kv, cap] with rows of cap contiguous slots");
-    b.row_scores = row_scores->data_ptr<float>();
-    b.row_stride = row_scores->stride(0);
-    b.snapshot_rows = (int)row_scores->size(0);
-  }
-  const bool in_cache = cos.has_value() && cos->defined();
-  if (in_cache) {
-    TORCH_CHECK(sin.has_value() && sin->defined() && cos->scalar_type() == at::kFloat &&
-                    sin->scalar_type() == at::kFloat && cos->is_contiguous() && sin->is_contiguous() &&
-                    cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(0) >= start + T &&
-                    cos->size(1) == hd,
-                "arena_attention: cos and sin must be contiguous float32 [>= ", start + T, ", ", hd, "]");
-    b.cos = cos->data_ptr<float>();
-    b.sin = sin->data_ptr<float>();
+  if (snapshots > 0) {
+    TORCH_CHECK(b.scores && row_scores.has_value() && row_scores->defined() &&
+                    row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous() &&
+                    row_scores->dim() == 4 && row_scores->size(1) == n_layers && row_scores->size(2) == n_kv &&
+                    row_scores->size(3) == cap && snapshots <= T && first >= 0 &&
+                    first + snapshots <= row_scores->size(0),
+                "arena_attention: row_scores must be contiguous float32 [R, L, n_kv, cap] with R >= first + ",
+                snapshots);
+    b.row_stride = (long)n_layers * layer_slots;
+    b.row_scores = row_scores->data_ptr<float>() + first * b.row_stride + layer * layer_slots;
+    b.snapshot_rows = (int)snapshots;
   }
   TORCH_CHECK(heavy == 0 || b.scores, "arena_attention: a policy with heavy hitters needs scores");
   b.start = (int)start;
@@ -207,9 +261,88 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& keys, const at
   b.heavy = (int)heavy;
   b.window = (int)window;
   b.scale = (float)scale;
-  auto out = at::empty({T, q.size(0) * hd}, q.options());
-  b.out = out.data_ptr<float>();
+  if (in_cache) {
+    b.cos = cos.data_ptr<float>();
+    b.sin = sin.data_ptr<float>();
+  }
+  const std::vector<float> qf = widened(q), kf = widened(k), vf = widened(v);
+  std::vector<float> q_rotated(qf.size());
+  StageRows st;
+  st.n_heads = (int)q.size(0);
+  st.n_kv = (int)n_kv;
+  st.hd = (int)hd;
+  st.T = (int)T;
+  st.q = qf.data();
+  st.k = kf.data();
+  st.v = vf.data();
+  st.bf16_keys = k.scalar_type() == at::kBFloat16;
+  st.cos = cos.data_ptr<float>();
+  st.sin = sin.data_ptr<float>();
+  st.table_offset = table_offset;
+  st.in_cache = in_cache;
+  st.q_rotated = q_rotated.data();
+  stage_rows(st, b);
+  b.q = q_rotated.data();
+  at::Tensor out = at::empty({T, q.size(0) * hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const bool bf16_out = q.scalar_type() == at::kBFloat16;
+  std::vector<float> out_f(bf16_out ? (std::size_t)out.numel() : 0);
+  b.out = bf16_out ? out_f.data() : out.data_ptr<float>();
   attend_block((int)isa, b);
+  for (std::size_t i = 0; i < out_f.size(); ++i) put(out.data_ptr(), true, (int64_t)i, out_f[i]);
+  return out;
+}
+
+// RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's rms_norm
+// computes it: in float32, y = x * rsqrt(mean(x^2) + eps) rounded to x's dtype, then times the weight, rounded again.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && float_or_bf16(x) && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.is_contiguous() && float_or_bf16(weight),
+              "rms_norm: x must be contiguous float32 or bfloat16 [m, n] and weight [n]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16, w_bf16 = weight.scalar_type() == at::kBFloat16;
+  const int64_t m = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const void* src = x.data_ptr();
+  const void* w = weight.data_ptr();
+  void* dst = out.data_ptr();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row((std::size_t)n);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < n; ++j) row[j] = element(src, bf16, r * n + j);
+      float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // fixed order: lane l sums elements l, l + 8, ...; then in turn
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] += row[j + l] * row[j + l];
+      float sum = 0.0f;
+      for (int l = 0; l < 8; ++l) sum += lanes[l];
+      for (; j < n; ++j) sum += row[j] * row[j];
+      const float inv = 1.0f / std::sqrt(sum / (float)n + (float)eps);
+      for (j = 0; j < n; ++j) {
+        const float normed = bf16 ? round_bf16(row[j] * inv) : row[j] * inv;
+        put(dst, bf16, r * n + j, normed * element(w, w_bf16, j));
+      }
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up [m, 2i] (the two halves, float32 or bfloat16) -> [m, i], each step rounded to the
+// dtype as torch's silu and mul do.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() && float_or_bf16(gate_up),
+              "silu_mul: gate_up must be contiguous float32 or bfloat16 [m, 2 i]");
+  const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
+  const int64_t m = gate_up.size(0), half = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({m, half}, gate_up.options());
+  const void* src = gate_up.data_ptr();
+  void* dst = out.data_ptr();
+  at::parallel_for(0, m * half, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t r = e / half, j = e % half;
+      const float g = element(src, bf16, r * 2 * half + j), u = element(src, bf16, r * 2 * half + half + j);
+      const float act = g / (1.0f + std::exp(-g));
+      put(dst, bf16, e, (bf16 ? round_bf16(act) : act) * u);
+    }
+  });
   return out;
 }
 
@@ -220,16 +353,20 @@ TORCH_LIBRARY(sparsespec, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, int[] rows, int k, Tensor? bias, int isa) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int k, Tensor index) -> Tensor");
   m.def(
-      "arena_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, Tensor(a!) evicted_at, "
-      "Tensor(b!)? scores, Tensor(c!)? row_scores, Tensor? cos, Tensor? sin, int start, int first, "
-      "int visible_before, int first_position, bool per_row, int budget, int sinks, int heavy, int window, "
-      "float scale, int isa) -> Tensor");
+      "arena_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
+      "Tensor(d!) evicted_at, Tensor(e!)? scores, Tensor(f!)? row_scores, Tensor cos, Tensor sin, int table_offset, "
+      "bool in_cache, int layer, int start, int first, int visible_before, int first_position, int snapshots, "
+      "bool per_row, int budget, int sinks, int heavy, int window, float scale, int isa) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sparsespec, CPU, m) {
   m.impl("gguf_linear", &sparsespec::gguf_linear);
   m.impl("gguf_dequantize", &sparsespec::gguf_dequantize);
   m.impl("arena_attention", &sparsespec::arena_attention);
+  m.impl("rms_norm", &sparsespec::rms_norm);
+  m.impl("silu_mul", &sparsespec::silu_mul);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

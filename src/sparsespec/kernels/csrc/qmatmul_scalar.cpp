@@ -42,6 +42,17 @@ std::size_t row_bytes(int type, int k) {
 
 int padded_k(int k) { return chunks_of(k) * kChunk; }
 
+// max |x[i]| over n (a multiple of 16) values: eight running maxima, then their maximum (the same value in any
+// order; the lanes let the compiler use vector max instructions).
+inline float abs_max(const float* x, int n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(x[i + l]));
+  float out = 0.0f;
+  for (int l = 0; l < 8; ++l) out = std::max(out, lanes[l]);
+  return out;
+}
+
 // Compiled for several x86 levels and chosen at load time: the same IEEE operations (max, division, rounding to
 // nearest even, integer sums), so every version gives the same bytes; the newer levels only run them faster.
 #if defined(__x86_64__)
@@ -56,22 +67,20 @@ void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, flo
     float* dsr = ds + (long)r * (k_pad / 16);
     float* dxlr = dxl + (long)r * (k_pad / 4);
     for (int b = 0; b < k_pad / kActBlock; ++b) {
-      const int begin = b * kActBlock;
-      float amax = 0.0f;
-      for (int i = begin; i < std::min(begin + kActBlock, k); ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const int begin = b * kActBlock;  // k is a multiple of 64: a block is wholly inside or wholly padding
+      const float amax = begin < k ? abs_max(xr + begin, kActBlock) : 0.0f;
       const float d = amax / 127.0f;
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int sums[2] = {0, 0};
-      for (int i = 0; i < kActBlock; ++i) {
-        const int at = begin + i;
-        int v = 0;
-        if (at < k) v = std::clamp((int)std::nearbyint(xr[at] * inv), -127, 127);
-        qr[at] = (int8_t)v;
-        sums[i / 16] += v;
+      for (int half = 0; half < 2; ++half) {
+        int sum = 0;
+        for (int i = begin + 16 * half; i < begin + 16 * half + 16; ++i) {
+          const int v = begin < k ? std::clamp((int)std::nearbyint(xr[i] * inv), -127, 127) : 0;
+          qr[i] = (int8_t)v;
+          sum += v;
+        }
+        dsr[2 * b + half] = d * (float)sum;
       }
       dxr[b] = d;
-      dsr[2 * b] = d * (float)sums[0];
-      dsr[2 * b + 1] = d * (float)sums[1];
       for (int lane = 0; lane < kActBlock / 4; ++lane) dxlr[b * (kActBlock / 4) + lane] = d;
     }
   }
@@ -87,17 +96,15 @@ void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q,
     int8_t* qr = q + (long)r * k_pad;
     for (int c = 0; c < k_pad / kChunk; ++c) {
       const int begin = c * kChunk;
-      float amax = 0.0f;
-      for (int i = begin; i < std::min(begin + kChunk, k); ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float amax = abs_max(xr + begin, std::min(kChunk, k - begin));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       d[(long)r * (k_pad / kChunk) + c] = amax / 127.0f;
       for (int g = 0; g < 16; ++g) {
+        const int at = begin + 16 * g;  // k is a multiple of 64: a group is wholly inside or wholly padding
         int sum = 0;
-        for (int i = 0; i < 16; ++i) {
-          const int at = begin + 16 * g + i;
-          int v = 0;
-          if (at < k) v = std::clamp((int)std::nearbyint(xr[at] * inv), -127, 127);
-          qr[at] = (int8_t)v;
+        for (int i = at; i < at + 16; ++i) {
+          const int v = at < k ? std::clamp((int)std::nearbyint(xr[i] * inv), -127, 127) : 0;
+          qr[i] = (int8_t)v;
           sum += v;
         }
         bsum[(long)r * (k_pad / 16) + c * 16 + g] = sum;
