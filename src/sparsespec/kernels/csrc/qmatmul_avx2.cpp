@@ -134,13 +134,19 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
                                              ks.s[4 * p + 1], ks.s[4 * p + 1], ks.s[4 * p + 1]);
       const __m256i s_hi = _mm256_setr_epi32(ks.s[4 * p + 2], ks.s[4 * p + 2], ks.s[4 * p + 2], ks.s[4 * p + 2],
                                              ks.s[4 * p + 3], ks.s[4 * p + 3], ks.s[4 * p + 3], ks.s[4 * p + 3]);
+      // The lane's scale in both 16-bit halves: madd then gives s * (pair 0 + pair 1) of maddubs' sums, the lane's
+      // dot times s, exactly (|pair| <= 2 * 63 * 127, |s| <= 128).
+      const __m256i s_lo_pairs = _mm256_or_si256(_mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
+                                                 _mm256_slli_epi32(s_lo, 16));
+      const __m256i s_hi_pairs = _mm256_or_si256(_mm256_and_si256(s_hi, _mm256_set1_epi32(0xFFFF)),
+                                                 _mm256_slli_epi32(s_hi, 16));
       const int base = c * kChunk + p * kQuarter;
       for (int i = 0; i < MT; ++i) {
         const int8_t* xq = act.q256 + (long)(r0 + i) * act.k_pad + base;
         const __m256i x_lo = _mm256_loadu_si256((const __m256i*)xq);
         const __m256i x_hi = _mm256_loadu_si256((const __m256i*)(xq + 32));
-        sum_lo[i] = _mm256_add_epi32(sum_lo[i], _mm256_mullo_epi32(dot4(lo, x_lo), s_lo));
-        sum_hi[i] = _mm256_add_epi32(sum_hi[i], _mm256_mullo_epi32(dot4(hi, x_hi), s_hi));
+        sum_lo[i] = _mm256_add_epi32(sum_lo[i], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), s_lo_pairs));
+        sum_hi[i] = _mm256_add_epi32(sum_hi[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), s_hi_pairs));
       }
     }
     for (int i = 0; i < MT; ++i) {

@@ -157,16 +157,19 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
     __m512i isum[MT];
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    // Each group's scale in both 16-bit halves of its int32: vpdpwssd then adds s * (pair 0) + s * (pair 1) of
+    // maddubs' sums, the lane's dot times s, exactly (|pair| <= 2 * 63 * 127, |s| <= 128).
+    const __m512i s_pairs16 =
+        _mm512_or_si512(_mm512_and_si512(s16, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s16, 16));
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const __m512i codes = load_codes<TYPE>(chunk + SB + p * QB);
-      const __m512i s_lanes = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(4 * p)), s16);
+      const __m512i s_pairs = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(4 * p)), s_pairs16);
       const int base = c * kChunk + p * kQuarter;
 #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         const __m512i x = _mm512_loadu_si512(act.q256 + (long)(r0 + i) * act.k_pad + base);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
-        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot, s_lanes));
+        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(codes, x), s_pairs);
       }
     }
 #pragma GCC unroll 8
