@@ -36,7 +36,7 @@ KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_neon.cpp",
-    "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
+    "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
 )
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON = -1, 0, 1, 2, 3
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
@@ -160,9 +160,11 @@ def arena_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of the rows of ``x [m, n]`` (float32 or bfloat16) times ``weight [n]``, in one op, computed as
     ``torch.nn.functional.rms_norm`` computes it (float32 inside, rounded to ``x``'s dtype)."""
+    _load()
     return torch.ops.sparsespec.rms_norm(x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [m, 2 i]`` holding the two halves side by side, in one op."""
+    _load()
     return torch.ops.sparsespec.silu_mul(gate_up)

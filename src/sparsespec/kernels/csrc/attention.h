@@ -101,6 +101,10 @@ struct StageRows {
 
 void stage_rows(const StageRows& st, const AttnBlock& b);
 
+// silu(gate[j]) * up[j] for j < n, float32 or bfloat16 (bf16: silu rounded to bfloat16, then the product, as
+// torch's silu and mul do); elementwise.cpp.
+void silu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16);
+
 // x rounded to the nearest bfloat16 (ties to even), as a float.
 inline float round_bf16(float x) {
   uint32_t bits;

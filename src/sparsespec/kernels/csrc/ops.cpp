@@ -333,14 +333,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
   const int64_t m = gate_up.size(0), half = gate_up.size(1) / 2;
   at::Tensor out = at::empty({m, half}, gate_up.options());
-  const void* src = gate_up.data_ptr();
-  void* dst = out.data_ptr();
-  at::parallel_for(0, m * half, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t r = e / half, j = e % half;
-      const float g = element(src, bf16, r * 2 * half + j), u = element(src, bf16, r * 2 * half + half + j);
-      const float act = g / (1.0f + std::exp(-g));
-      put(dst, bf16, e, (bf16 ? round_bf16(act) : act) * u);
+  const char* src = static_cast<const char*>(gate_up.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const std::size_t elt = bf16 ? 2 : 4;
+  constexpr int64_t kSpan = 2048;  // elements per task
+  const int64_t spans = (half + kSpan - 1) / kSpan;
+  at::parallel_for(0, m * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / spans, j0 = task % spans * kSpan, n = std::min(kSpan, half - j0);
+      const char* gate = src + (r * 2 * half + j0) * elt;
+      silu_mul_span(gate, gate + half * elt, dst + (r * half + j0) * elt, (int)n, bf16);
     }
   });
   return out;

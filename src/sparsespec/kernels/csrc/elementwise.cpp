@@ -1,0 +1,71 @@
+// Element-wise steps of the decoder layer (torch-free core of ops.cpp's silu_mul).
+// No FP-exception semantics are needed here, which lets the compiler turn the clamps into vector min / max (the
+// values are the same IEEE operations either way).
+#pragma GCC optimize("no-trapping-math")
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "attention.h"
+
+namespace sparsespec {
+namespace {
+
+// exp(x) in float32 to about 2 ulp, branch-free so that loops of it vectorize: x = n ln2 + r (two-part ln2), a
+// degree-7 polynomial for exp(r), times 2^n. x is clamped to [-87, 88] (the result stays a normal float).
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+inline float silu(float g) { return g / (1.0f + exp_poly(-g)); }
+
+inline float widen(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Nearest bfloat16, ties to even (finite values and infinities; a NaN stays a NaN unless its payload is only in
+// the low 16 bits), branch-free.
+inline uint16_t narrow(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void silu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16) {
+  if (bf16) {
+    const uint16_t* g = static_cast<const uint16_t*>(gate);
+    const uint16_t* u = static_cast<const uint16_t*>(up);
+    uint16_t* y = static_cast<uint16_t*>(out);
+    for (int j = 0; j < n; ++j) y[j] = narrow(widen(narrow(silu(widen(g[j])))) * widen(u[j]));
+  } else {
+    const float* g = static_cast<const float*>(gate);
+    const float* u = static_cast<const float*>(up);
+    float* y = static_cast<float*>(out);
+    for (int j = 0; j < n; ++j) y[j] = silu(g[j]) * u[j];
+  }
+}
+
+}  // namespace sparsespec
