@@ -139,6 +139,8 @@ void attend_block(int isa, const AttnBlock& b) {
   std::vector<int32_t> ranks(b.cos ? (std::size_t)H * b.cap : 0);
   std::vector<float> m((std::size_t)H * G);
   const long out_stride = (long)H * G * hd;
+  // Per-head loops fork threads only when a head's share is worth a thread's start-up (a few microseconds).
+  const int64_t head_grain = stop >= 4096 ? 1 : H;
 
   auto chunk_args = [&](int h, int row) {
     AttnChunk a;
@@ -166,7 +168,7 @@ void attend_block(int isa, const AttnBlock& b) {
     const int n_chunks = last / kAttnChunk + 1;
     const int64_t newest = b.first_position + i;
     if (b.cos) {
-      at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; ++h) compute_ranks(b, (int)h, last, newest, ranks.data() + h * b.cap);
       });
     }
@@ -190,7 +192,7 @@ void attend_block(int isa, const AttnBlock& b) {
                            m.data() + (long)h * G, chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
       }
     });
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h) {
         float total[kAttnMaxGroup];
         for (int g = 0; g < G; ++g) {
@@ -219,7 +221,7 @@ void attend_block(int isa, const AttnBlock& b) {
     });
     if (b.per_row) {
       n_visible += 1;
-      at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; ++h) evict(b, (int)h, last, newest, n_visible, b.first + i);
       });
       n_visible = std::min(n_visible, b.budget);
