@@ -105,10 +105,11 @@ inline void decode_scales(const uint8_t* s, ChunkScales& out) {
 }
 
 // Integer sub-block scales of a K-quant chunk: s[g] multiplies the dots of group g of 16 (Q4_K / Q5_K: sc of the
-// group's sub-block of 32), and the chunk's float factors.
+// group's sub-block of 32), o[g] the group's activation sum in the offset term (Q4_K / Q5_K: mn of the sub-block;
+// Q6_K: -32 s[g]), and the chunk's float factors.
 struct KScales {
   int32_t s[16];
-  int32_t mn[16];  // Q4_K / Q5_K: min of the group's sub-block
+  int32_t o[16];
   float d, dmin;
 };
 
@@ -119,29 +120,22 @@ inline void decode_k_scales(const uint8_t* s, KScales& out) {
     out.dmin = 0.0f;
     for (int g = 0; g < 16; ++g) {
       out.s[g] = (int8_t)s[2 + g];
-      out.mn[g] = 0;
+      out.o[g] = -32 * out.s[g];
     }
   } else {
     out.d = half_to_float(load_u16(s));
     out.dmin = half_to_float(load_u16(s + 2));
     for (int g = 0; g < 16; ++g) {
       out.s[g] = s[4 + g / 2];
-      out.mn[g] = s[12 + g / 2];
+      out.o[g] = s[12 + g / 2];
     }
   }
 }
 
-// The chunk's integer offset sum (see qmatmul.h): Q4_K / Q5_K sum_j mn_j (b_2j + b_2j+1); Q6_K -32 sum_g sc_g b_g.
-template <int TYPE>
-inline int32_t k_offset_sum(const KScales& ks, const int32_t* bsum) {
-  int32_t total = 0;
-  for (int g = 0; g < 16; ++g) total += (TYPE == Q6_K ? ks.s[g] : ks.mn[g]) * bsum[g];
-  return TYPE == Q6_K ? -32 * total : total;
-}
-
+// The float factor of a chunk's offset terms (see qmatmul.h): Q6_K d * D, Q4_K / Q5_K (-dmin) * D.
 template <int TYPE>
 inline float k_offset_factor(const KScales& ks, float d256) {
-  return TYPE == Q6_K ? ks.d * d256 : -(ks.dmin * d256);
+  return TYPE == Q6_K ? ks.d * d256 : -ks.dmin * d256;
 }
 
 // The 64 codes of one quarter: unsigned (0 .. 63) for every format but Q8_0, whose codes are signed bytes.

@@ -30,9 +30,9 @@
 // accumulates exactly in int32:
 //   for each chunk: isum[L] = sum over quarters p of dot[p][L] * s[4p + L/4]  (s: sc of the lane's sub-block / group)
 //       acc[L] = fma(float(isum[L]), d * D, acc[L])
-//       Q4_K, Q5_K: off = fma(float(sum_j mn_j (b_2j + b_2j+1)), -(dmin * D), off)
-//       Q6_K:       off = fma(float(-32 * sum_g sc_g b_g), d * D, off)
-//   y = hsum(acc) + off (+ bias)
+//       for g in 0..15: off[g] = fma(float(o_g * b_g), f, off[g])   (exact integer products, below 2^24)
+//           Q4_K, Q5_K: o_g = mn of the group's sub-block, f = (-dmin) * D;  Q6_K: o_g = -32 sc_g, f = d * D
+//   y = hsum(acc) + hsum(off) (+ bias)
 #pragma once
 
 #include <cstddef>

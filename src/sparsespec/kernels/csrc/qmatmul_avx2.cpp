@@ -115,12 +115,8 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
   constexpr int QB = quarter_bytes_of<TYPE>();
   const int n_chunks = chunks_of(k);
   const long chunks_per_row = act.k_pad / kChunk;
-  __m256 acc_lo[MT], acc_hi[MT];
-  float off[MT];
-  for (int i = 0; i < MT; ++i) {
-    acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
-    off[i] = 0.0f;
-  }
+  __m256 acc_lo[MT], acc_hi[MT], off_lo[MT], off_hi[MT];
+  for (int i = 0; i < MT; ++i) acc_lo[i] = acc_hi[i] = off_lo[i] = off_hi[i] = _mm256_setzero_ps();
   KScales ks;
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
@@ -155,12 +151,19 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
       const __m256 scale = _mm256_set1_ps(ks.d * d256);
       acc_lo[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo[i]), scale, acc_lo[i]);
       acc_hi[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi[i]), scale, acc_hi[i]);
-      const int32_t total = k_offset_sum<TYPE>(ks, act.bsum + r * (act.k_pad / 16) + c * 16);
-      off[i] = std::fma((float)total, k_offset_factor<TYPE>(ks, d256), off[i]);
+      const int32_t* b = act.bsum + r * (act.k_pad / 16) + c * 16;
+      const __m256 factor = _mm256_set1_ps(k_offset_factor<TYPE>(ks, d256));
+      const __m256i o_lo = _mm256_loadu_si256((const __m256i*)ks.o);
+      const __m256i o_hi = _mm256_loadu_si256((const __m256i*)(ks.o + 8));
+      off_lo[i] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_mullo_epi32(o_lo, _mm256_loadu_si256((const __m256i*)b))), factor, off_lo[i]);
+      off_hi[i] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_mullo_epi32(o_hi, _mm256_loadu_si256((const __m256i*)(b + 8)))), factor,
+          off_hi[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {
-    float y = hsum(acc_lo[i], acc_hi[i]) + off[i];
+    float y = hsum(acc_lo[i], acc_hi[i]) + hsum(off_lo[i], off_hi[i]);
     if (bias) y += bias[n];
     out[(long)(r0 + i) * ldo + n] = y;
   }

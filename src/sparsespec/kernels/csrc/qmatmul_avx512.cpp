@@ -131,21 +131,17 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
   const int n_chunks = chunks_of(k);
   const long chunks_per_row = act.k_pad / kChunk;
   const __m512i group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[MT];
-  float off[MT];
+  __m512 acc[MT], off[MT];
 #pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    off[i] = 0.0f;
-  }
+  for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
-    __m512i s16, o16;  // per-group integer scales, and the offset multipliers (mins, or Q6_K's scales)
+    __m512i s16, o16;  // per-group integer scales, and the offset multipliers (mins, or Q6_K's -32 s)
     float d, dmin = 0.0f;
     if constexpr (TYPE == Q6_K) {
       d = _cvtsh_ss(load_u16(chunk));
       s16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 2)));
-      o16 = s16;
+      o16 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s16, 5));
     } else {
       d = _cvtsh_ss(load_u16(chunk));
       dmin = _cvtsh_ss(load_u16(chunk + 2));
@@ -178,14 +174,13 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
       const float d256 = act.d256[r * chunks_per_row + c];
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(d * d256), acc[i]);
       const __m512i b = _mm512_loadu_si512(act.bsum + r * (act.k_pad / 16) + c * 16);
-      int32_t total = _mm512_reduce_add_epi32(_mm512_mullo_epi32(o16, b));
-      if constexpr (TYPE == Q6_K) total *= -32;
-      off[i] = std::fma((float)total, TYPE == Q6_K ? d * d256 : -(dmin * d256), off[i]);
+      const __m512 factor = _mm512_set1_ps(TYPE == Q6_K ? d * d256 : -dmin * d256);
+      off[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(o16, b)), factor, off[i]);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) {
-    float y = hsum(acc[i]) + off[i];
+    float y = hsum(acc[i]) + hsum(off[i]);
     if (bias) y += bias[n];
     out[(long)(r0 + i) * ldo + n] = y;
   }

@@ -94,12 +94,9 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
   constexpr int QB = quarter_bytes_of<TYPE>();
   const int n_chunks = chunks_of(k);
   const long chunks_per_row = act.k_pad / kChunk;
-  float32x4_t acc[MT][4];
-  float off[MT];
-  for (int i = 0; i < MT; ++i) {
-    for (int v = 0; v < 4; ++v) acc[i][v] = vdupq_n_f32(0.0f);
-    off[i] = 0.0f;
-  }
+  float32x4_t acc[MT][4], off[MT][4];
+  for (int i = 0; i < MT; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = off[i][v] = vdupq_n_f32(0.0f);
   KScales ks;
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
@@ -123,12 +120,15 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
       const long r = r0 + i;
       const float d256 = act.d256[r * chunks_per_row + c];
       for (int v = 0; v < 4; ++v) acc[i][v] = vfmaq_n_f32(acc[i][v], vcvtq_f32_s32(sum[i][v]), ks.d * d256);
-      const int32_t total = k_offset_sum<TYPE>(ks, act.bsum + r * (act.k_pad / 16) + c * 16);
-      off[i] = std::fma((float)total, k_offset_factor<TYPE>(ks, d256), off[i]);
+      const int32_t* b = act.bsum + r * (act.k_pad / 16) + c * 16;
+      const float factor = k_offset_factor<TYPE>(ks, d256);
+      for (int v = 0; v < 4; ++v)
+        off[i][v] = vfmaq_n_f32(off[i][v], vcvtq_f32_s32(vmulq_s32(vld1q_s32(ks.o + 4 * v), vld1q_s32(b + 4 * v))),
+                                factor);
     }
   }
   for (int i = 0; i < MT; ++i) {
-    float y = hsum(acc[i]) + off[i];
+    float y = hsum(acc[i]) + hsum(off[i]);
     if (bias) y += bias[n];
     out[(long)(r0 + i) * ldo + n] = y;
   }

@@ -126,7 +126,7 @@ void rows_scalar_k(const uint8_t* w, int k, int n_begin, int n_end, const Activa
     const uint8_t* row = w + (std::size_t)n * rb;
     for (int r = 0; r < act.m; ++r) {
       const int8_t* xq = act.q256 + (long)r * act.k_pad;
-      float acc[16] = {0}, off = 0.0f;
+      float acc[16] = {0}, off[16] = {0};
       for (int c = 0; c < n_chunks; ++c) {
         const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
         decode_k_scales<TYPE>(chunk, ks);
@@ -143,10 +143,11 @@ void rows_scalar_k(const uint8_t* w, int k, int n_begin, int n_end, const Activa
         const float d256 = act.d256[(long)r * (act.k_pad / kChunk) + c];
         const float scale = ks.d * d256;
         for (int lane = 0; lane < 16; ++lane) acc[lane] = std::fma((float)isum[lane], scale, acc[lane]);
-        const int32_t ioff = k_offset_sum<TYPE>(ks, act.bsum + (long)r * (act.k_pad / 16) + c * 16);
-        off = std::fma((float)ioff, k_offset_factor<TYPE>(ks, d256), off);
+        const int32_t* b = act.bsum + (long)r * (act.k_pad / 16) + c * 16;
+        const float factor = k_offset_factor<TYPE>(ks, d256);
+        for (int g = 0; g < 16; ++g) off[g] = std::fma((float)(ks.o[g] * b[g]), factor, off[g]);
       }
-      float y = canonical_hsum(acc) + off;
+      float y = canonical_hsum(acc) + canonical_hsum(off);
       if (bias) y += bias[n];
       out[(long)r * ldo + n] = y;
     }
