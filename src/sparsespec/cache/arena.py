@@ -31,11 +31,12 @@ Position modes: ``original`` rotates keys by their true positions when they are 
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
 ever reaches ``budget + staging``.
 
-Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer, the whole
-block: it also stores the block's rows and rotates queries and keys) when the native kernels are available and the entries are stored unquantized (the compute dtype or
-bfloat16: the op reads ``keys`` / ``values`` as they are) under a policy other than ``hybrid-age``; else through the
-torch path below (``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``),
-which is its reference: the same visibility, scores, snapshots and evictions.
+Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
+also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
+kernels are available and the entries are stored unquantized (the compute dtype or bfloat16: the op reads ``keys`` /
+``values`` as they are) under a policy other than ``hybrid-age``; else through the torch path below (the row writes,
+``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``), which is its
+reference: the same stored rows, visibility, scores, snapshots and evictions.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "attention.h"
 
@@ -13,11 +14,14 @@ namespace sparsespec {
 namespace {
 
 // exp(x) in float32 to about 2 ulp, branch-free so that loops of it vectorize: x = n ln2 + r (two-part ln2), a
-// degree-7 polynomial for exp(r), times 2^n. x is clamped to [-87, 88] (the result stays a normal float).
+// degree-7 polynomial for exp(r), times 2^n as two exact power-of-two factors (so that n may reach 128). Past
+// ln(FLT_MAX) the result is +inf, as the true exponential's; below -87 it is exp(-87) (about 1.6e-38, which
+// silu's 1 + exp(-g) absorbs exactly as it absorbs the true value).
 inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+  constexpr float kLogMax = 88.72283935546875f;
+  const float xc = std::min(std::max(x, -87.0f), kLogMax);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -26,10 +30,13 @@ inline float exp_poly(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
+  const int32_t half = (int32_t)n >> 1;
+  const int32_t bits1 = (half + 127) << 23, bits2 = ((int32_t)n - half + 127) << 23;
+  float scale1, scale2;
+  std::memcpy(&scale1, &bits1, 4);
+  std::memcpy(&scale2, &bits2, 4);
+  const float result = y * scale1 * scale2;
+  return x > kLogMax ? std::numeric_limits<float>::infinity() : result;
 }
 
 inline float silu(float g) { return g / (1.0f + exp_poly(-g)); }

@@ -292,8 +292,8 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's rms_norm
-// computes it: in float32, y = x * rsqrt(mean(x^2) + eps) rounded to x's dtype, then times the weight, rounded again.
+// RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's fused
+// rms_norm computes it: in float32, y = x * rsqrt(mean(x^2) + eps) * weight, rounded once to x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && float_or_bf16(x) && weight.dim() == 1 &&
                   weight.size(0) == x.size(1) && weight.is_contiguous() && float_or_bf16(weight),
@@ -316,10 +316,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int l = 0; l < 8; ++l) sum += lanes[l];
       for (; j < n; ++j) sum += row[j] * row[j];
       const float inv = 1.0f / std::sqrt(sum / (float)n + (float)eps);
-      for (j = 0; j < n; ++j) {
-        const float normed = bf16 ? round_bf16(row[j] * inv) : row[j] * inv;
-        put(dst, bf16, r * n + j, normed * element(w, w_bf16, j));
-      }
+      for (j = 0; j < n; ++j) put(dst, bf16, r * n + j, row[j] * inv * element(w, w_bf16, j));
     }
   });
   return out;
