@@ -4,8 +4,9 @@ Builds a KV arena with a model's shapes (default SmolLM2-135M: 30 layers, 9 quer
 holding ``n`` random bfloat16 entries, then times decode steps (``begin(1)``, ``attend`` in every layer, ``end``,
 ``commit(1)``) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
 layers; microseconds per layer in the attention itself (``_attend_native``, or the torch path's ``_attend_block`` /
-``_attend_row_by_row``: everything after the new row is written); and the effective GB/s of the KV bytes a step
-must read (keys and values of every visible entry, once) over the attention's own time.
+``_attend_row_by_row``: everything after the new row is written; the native op writes the row itself, so its time
+includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
+entry, once) over the attention's own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions

@@ -163,9 +163,20 @@ async def _stream(
         kind, value = first
         opened = False
         while kind == "text":
-            yield _event(responses.chunk(value, first=not opened))
+            # Text that arrived while the last chunk was being sent goes out in one chunk: a client slower than the
+            # engine costs one event per chunk, not per token.
+            pieces = [value]
+            while not job.events.empty():
+                kind, value = job.events.get_nowait()
+                if kind != "text":
+                    break
+                pieces.append(value)
+            else:
+                kind = None
+            yield _event(responses.chunk("".join(pieces), first=not opened))
             opened = True
-            kind, value = await job.events.get()
+            if kind is None:
+                kind, value = await job.events.get()
         if kind == "error":
             status, message = value
             yield _event(error_body(message, "invalid_request_error" if status < 500 else "server_error"))
