@@ -2,6 +2,7 @@
 // of attention.h, heavy-hitter scores and their per-row snapshots, and the policy's evictions
 // (sparsespec/cache/policy.py: choose_evictions), row by row as the arena's torch path does.
 #include "attention.h"
+#include "elementwise.h"
 
 #include <ATen/Parallel.h>
 

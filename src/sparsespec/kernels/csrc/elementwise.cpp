@@ -8,7 +8,7 @@
 #include <cstring>
 #include <limits>
 
-#include "attention.h"
+#include "elementwise.h"
 
 namespace sparsespec {
 namespace {

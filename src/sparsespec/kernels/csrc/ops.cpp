@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "elementwise.h"
 #include "qmatmul.h"
 
 namespace sparsespec {
