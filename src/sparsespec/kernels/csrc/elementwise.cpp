@@ -41,13 +41,6 @@ inline float exp_poly(float x) {
 
 inline float silu(float g) { return g / (1.0f + exp_poly(-g)); }
 
-inline float widen(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Nearest bfloat16, ties to even (finite values and infinities; a NaN stays a NaN unless its payload is only in
 // the low 16 bits), branch-free.
 inline uint16_t narrow(float x) {
@@ -66,7 +59,7 @@ void silu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16
     const uint16_t* g = static_cast<const uint16_t*>(gate);
     const uint16_t* u = static_cast<const uint16_t*>(up);
     uint16_t* y = static_cast<uint16_t*>(out);
-    for (int j = 0; j < n; ++j) y[j] = narrow(widen(narrow(silu(widen(g[j])))) * widen(u[j]));
+    for (int j = 0; j < n; ++j) y[j] = narrow(bf16_to_float(narrow(silu(bf16_to_float(g[j])))) * bf16_to_float(u[j]));
   } else {
     const float* g = static_cast<const float*>(gate);
     const float* u = static_cast<const float*>(up);

@@ -24,4 +24,20 @@ inline float round_bf16(float x) {
   return out;
 }
 
+// A bfloat16 (its 16 bits) widened to float32 (exact).
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The bits of x rounded to the nearest bfloat16 (ties to even).
+inline uint16_t float_to_bf16(float x) {
+  const float r = round_bf16(x);
+  uint32_t bits;
+  __builtin_memcpy(&bits, &r, 4);
+  return (uint16_t)(bits >> 16);
+}
+
 }  // namespace sparsespec

@@ -129,20 +129,6 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, co
   return out;
 }
 
-float bf16_to_float(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float x) {
-  const float r = round_bf16(x);
-  uint32_t bits;
-  std::memcpy(&bits, &r, 4);
-  return (uint16_t)(bits >> 16);
-}
-
 // t [d0, d1, d2] (float32 or bfloat16, any strides) as contiguous float32 (widening is exact), without torch ops.
 std::vector<float> widened(const at::Tensor& t) {
   const int64_t d0 = t.size(0), d1 = t.size(1), d2 = t.size(2);
