@@ -132,6 +132,25 @@ def test_native_attention_reads_bf16_entries_of_a_float32_arena(mode):
     assert evictions["within"] > 0 and evictions["other"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_positions_past_the_rope_tables_equal_torch_path(dtype):
+    """True positions beyond the cached RoPE tables: the op gets rows computed for the block alone (a table offset)
+    and must store and attend exactly as the torch path, which computes them the same way."""
+    from sparsespec.rope import TABLE_LIMIT
+
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    native = _arena(config, "hybrid", "original", dtype, 64, True)
+    ref = _arena(config, "hybrid", "original", torch.float32, 64, False)
+    for arena in (native, ref):
+        arena.next_position = TABLE_LIMIT - 3  # the first block straddles the limit, the later ones lie past it
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        _block(native, ref, _rows(config, 3, gen, dtype), False, f"block {step}")
+        native.commit(3)
+        ref.commit(3)
+    assert native.next_position > TABLE_LIMIT + 6
+
+
 @pytest.mark.parametrize(("kv_dtype", "name", "uses_op"), [
     ("auto", "hybrid", True), ("bf16", "hybrid", True), ("int8", "hybrid", False), ("int4", "hybrid", False),
     ("auto", "hybrid-age", False),

@@ -38,9 +38,15 @@ class Rope:
         if first + count <= TABLE_LIMIT:
             cos, sin = self.tables(first + count)
             return cos, sin, 0
-        freqs = torch.arange(first, first + count).float()[:, None] * self.inv_freq
+        cos, sin = self._computed(torch.arange(first, first + count))
+        return cos, sin, first
+
+    def _computed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin ``[..., head_dim]`` for ``positions`` past the cached tables, computed for them alone
+        (memory stays bounded in very long runs)."""
+        freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin(), first
+        return emb.cos(), emb.sin()
 
     def _tables_in(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`tables` rounded to ``dtype`` once (the values :meth:`rotate` multiplies by)."""
@@ -67,10 +73,8 @@ class Rope:
         if highest <= TABLE_LIMIT:
             cos_table, sin_table = self.tables(highest)
             cos, sin = cos_table[positions], sin_table[positions]
-        else:  # very long runs with true positions: compute, so memory stays bounded
-            freqs = positions.float()[..., None] * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos(), emb.sin()
+        else:
+            cos, sin = self._computed(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = self.head_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
