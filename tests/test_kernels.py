@@ -27,11 +27,17 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sparsespec import kernels
-from sparsespec.kernels.repack import BLOCK_TYPES, repack
+from sparsespec.kernels.repack import BLOCK_TYPES, TILED_TYPES, pack, repack, repack_tiles
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
 
 TYPES = sorted(BLOCK_TYPES)
+# (GGML type, column tiles?): every block type in the row layout, and Q4_K / Q6_K also in 16-column tiles.
+LAYOUTS = [(t, False) for t in TYPES] + [(t, True) for t in sorted(TILED_TYPES)]
+
+
+LAYOUT_IDS = [BLOCK_TYPES[t][0] + ("-tiles" if tiles else "") for t, tiles in LAYOUTS]
+
 ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16)
 # fp16 fields of each block (byte offsets): scales that must be finite and modest.
 _F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
@@ -61,15 +67,16 @@ def reference(raw: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
     return dequantize(raw, GGMLQuantizationType(ggml_type)).reshape(raw.shape[0], k).astype(np.float64)
 
 
-def packed(raw: np.ndarray, ggml_type: int, k: int) -> tuple[torch.Tensor, int]:
-    blob, k_padded = repack(ggml_type, raw, k)
-    return torch.from_numpy(blob.reshape(-1)), k_padded
+def packed(raw: np.ndarray, ggml_type: int, k: int, tiles: bool = False) -> tuple[torch.Tensor, int, int]:
+    """(repacked bytes, padded k, kernel type)."""
+    kernel_type, blob, k_padded = pack(ggml_type, raw, k, tiles)
+    return torch.from_numpy(blob.reshape(-1)), k_padded, kernel_type
 
 
-def run(blob, ggml_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None):
+def run(blob, kernel_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None):
     if k_padded != k:
         x = torch.nn.functional.pad(x, (0, k_padded - k))
-    return kernels.gguf_linear(x, [blob], [ggml_type], [rows], k_padded, bias, isa)
+    return kernels.gguf_linear(x, [blob], [kernel_type], [rows], k_padded, bias, isa)
 
 
 def activation_bound(x: torch.Tensor, w: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -87,27 +94,27 @@ def activation_bound(x: torch.Tensor, w: np.ndarray, ggml_type: int) -> np.ndarr
     return half_step + rounding
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_repack_is_lossless(ggml_type):
+@pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
+def test_repack_is_lossless(ggml_type, tiles):
     for rows, k in shapes_for(ggml_type):
         raw = random_blocks(ggml_type, rows, k, seed=rows)
-        blob, k_padded = packed(raw, ggml_type, k)
-        ours = kernels.gguf_dequantize(blob, ggml_type, k_padded, torch.arange(rows)).numpy()[:, :k]
+        blob, k_padded, kind = packed(raw, ggml_type, k, tiles)
+        ours = kernels.gguf_dequantize(blob, kind, k_padded, torch.arange(rows)).numpy()[:, :k]
         assert np.array_equal(ours, reference(raw, ggml_type, k).astype(np.float32))
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_matmul_within_activation_rounding_bound(ggml_type):
+@pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
+def test_matmul_within_activation_rounding_bound(ggml_type, tiles):
     g = torch.Generator().manual_seed(ggml_type)
     for rows, k in shapes_for(ggml_type):
         raw = random_blocks(ggml_type, rows, k, seed=k)
         w = reference(raw, ggml_type, k)
-        blob, k_padded = packed(raw, ggml_type, k)
+        blob, k_padded, kind = packed(raw, ggml_type, k, tiles)
         bias = torch.randn(rows, generator=g)
         for m in ROW_COUNTS:
             x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
             x[:, :: max(1, k // 7)] *= 20  # outlier channels, as real activations have
-            y = run(blob, ggml_type, rows, k, k_padded, x, bias=bias).double().numpy()
+            y = run(blob, kind, rows, k, k_padded, x, bias=bias).double().numpy()
             y_ref = x.double().numpy() @ w.T + bias.double().numpy()
             err = np.abs(y - y_ref)
             bound = activation_bound(x, w, ggml_type)
@@ -115,39 +122,58 @@ def test_matmul_within_activation_rounding_bound(ggml_type):
             assert (err <= 0.6 * bound).mean() > 0.99  # rounding errors partly cancel: most outputs sit well inside
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type):
+@pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
+def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type, tiles):
     isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_NEON) if kernels.isa_available(i)]
     if not isas:
         pytest.skip("no SIMD path runs on this CPU")
     g = torch.Generator().manual_seed(1)
     for rows, k in shapes_for(ggml_type):
         raw = random_blocks(ggml_type, rows, k, seed=3)
-        blob, k_padded = packed(raw, ggml_type, k)
+        blob, k_padded, kind = packed(raw, ggml_type, k, tiles)
         for m in ROW_COUNTS:
             x = torch.randn(m, k, generator=g)
-            scalar = run(blob, ggml_type, rows, k, k_padded, x, kernels.ISA_SCALAR)
+            scalar = run(blob, kind, rows, k, k_padded, x, kernels.ISA_SCALAR)
             for isa in isas:
-                assert torch.equal(run(blob, ggml_type, rows, k, k_padded, x, isa), scalar), kernels.isa_name(isa)
+                assert torch.equal(run(blob, kind, rows, k, k_padded, x, isa), scalar), kernels.isa_name(isa)
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_a_row_does_not_depend_on_the_rows_beside_it(ggml_type):
+@pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(ggml_type, tiles):
     rows, k = shapes_for(ggml_type)[0]
-    blob, k_padded = packed(random_blocks(ggml_type, rows, k, seed=5), ggml_type, k)
+    blob, k_padded, kind = packed(random_blocks(ggml_type, rows, k, seed=5), ggml_type, k, tiles)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
-    together = run(blob, ggml_type, rows, k, k_padded, x)
+    together = run(blob, kind, rows, k, k_padded, x)
     for m in ROW_COUNTS:
-        assert torch.equal(run(blob, ggml_type, rows, k, k_padded, x[:m]), together[:m])
-    alone = torch.cat([run(blob, ggml_type, rows, k, k_padded, x[i: i + 1]) for i in range(16)])
+        assert torch.equal(run(blob, kind, rows, k, k_padded, x[:m]), together[:m])
+    alone = torch.cat([run(blob, kind, rows, k, k_padded, x[i: i + 1]) for i in range(16)])
     assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(TILED_TYPES), ids=lambda t: BLOCK_TYPES[t][0])
+def test_tiles_equal_the_row_layout_within_float_rounding_and_cut_like_it(ggml_type):
+    """The two layouts hold the same weight: their products differ only in the float steps' order, and the first
+    rows of a tiled weight (a cut inside a tile, as a draft's smaller vocabulary makes) are the first outputs."""
+    from sparsespec.linear import NativeLinear
+
+    rows, k = shapes_for(ggml_type)[0]
+    raw = random_blocks(ggml_type, rows, k, seed=7)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    by_rows, by_tiles = (NativeLinear([(kind, blob, rows)], k, k_padded)
+                         for blob, k_padded, kind in (packed(raw, ggml_type, k, tiles) for tiles in (False, True)))
+    # The same bytes per weight as the row layout; the last tile is padded to 16 columns.
+    assert by_tiles.types == [TILED_TYPES[ggml_type]]
+    assert by_tiles.nbytes == by_rows.nbytes // rows * (-(-rows // 16) * 16)
+    assert torch.allclose(by_tiles(x), by_rows(x), rtol=1e-5, atol=1e-5 * by_rows(x).abs().max().item())
+    cut = by_tiles.first_rows(21)
+    assert cut.out_features == 21 and torch.equal(cut(x), by_tiles(x)[:, :21])
 
 
 def test_a_wrongly_packed_block_fails_the_bound():
     """Swapping the two nibble planes of one quarter (a plausible packing bug) is caught by the reference."""
     ggml_type, rows, k = 12, 8, 512  # Q4_K
     raw = random_blocks(ggml_type, rows, k, seed=9)
-    blob, k_padded = packed(raw, ggml_type, k)
+    blob, k_padded, _ = packed(raw, ggml_type, k)
     broken = blob.clone().view(rows, -1)
     quarter = broken[:, 20:52]  # the first quarter's nibbles, after the 20-byte scale section
     broken[:, 20:52] = (quarter >> 4) | ((quarter & 0x0F) << 4)
@@ -157,9 +183,23 @@ def test_a_wrongly_packed_block_fails_the_bound():
     assert (err > activation_bound(x, w, ggml_type)).any()
 
 
+def test_a_wrongly_packed_tile_fails_the_bound():
+    """Swapping the nibbles of one 64-byte pair of codes in a tile (inputs 0-3 with 4-7 of 16 columns) is caught."""
+    ggml_type, rows, k = 12, 16, 512  # Q4_K
+    raw = random_blocks(ggml_type, rows, k, seed=9)
+    blob, k_padded, kind = packed(raw, ggml_type, k, tiles=True)
+    broken = blob.clone()
+    pair = broken[320:384]  # the first pair of codes, after the 320-byte scale section
+    broken[320:384] = (pair >> 4) | ((pair & 0x0F) << 4)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    w = reference(raw, ggml_type, k)
+    err = np.abs(run(broken, kind, rows, k, k_padded, x).double().numpy() - x.double().numpy() @ w.T)
+    assert (err > activation_bound(x, w, ggml_type)).any()
+
+
 def test_bad_inputs_raise():
     raw = random_blocks(2, 4, 64, seed=0)
-    blob, k = packed(raw, 2, 64)
+    blob, k, _ = packed(raw, 2, 64)
     with pytest.raises(RuntimeError, match="bytes"):
         kernels.gguf_linear(torch.randn(1, 64), [blob[:-1]], [2], [4], 64)
     with pytest.raises(RuntimeError, match="unsupported block type"):
@@ -168,6 +208,11 @@ def test_bad_inputs_raise():
         kernels.gguf_linear(torch.randn(1, 63), [blob], [2], [4], 64)
     with pytest.raises(ValueError, match="does not hold"):
         repack(2, raw[:, :-1], 64)
+    with pytest.raises(ValueError, match="in tiles"):
+        repack_tiles(2, raw, 64)  # only Q4_K and Q6_K have a tile layout
+    tiles, k, kind = packed(random_blocks(12, 20, 256, seed=0), 12, 256, tiles=True)
+    with pytest.raises(RuntimeError, match="bytes"):  # 20 rows fill two tiles, not one
+        kernels.gguf_linear(torch.randn(1, 256), [tiles[: tiles.numel() // 2]], [kind], [20], 256)
 
 
 def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):

@@ -103,6 +103,28 @@ def native_tiny(seed=0, noise=0.0, ggml_type=8):
     return Transformer(config, state, torch.float32, "native", linear_options={"ggml_type": ggml_type})
 
 
+def with_random_tiles(model, ggml_type=12):
+    """``model`` with every projection and the head replaced by random ``ggml_type`` blocks in 16-column tiles
+    (``gguf`` cannot quantize floats to the K-quants; the Qwen targets load their Q4_K / Q6_K this way on x86)."""
+    from test_kernels import random_blocks
+
+    from sparsespec.kernels.repack import pack
+
+    def tiled(linear: NativeLinear, seed: int) -> NativeLinear:
+        k = -(-linear.in_features // 256) * 256
+        raw = random_blocks(ggml_type, linear.out_features, k, seed=seed)
+        kind, blob, _ = pack(ggml_type, raw, k, tiles=True)
+        return NativeLinear([(kind, torch.from_numpy(blob.reshape(-1)), linear.out_features)], linear.in_features, k)
+
+    seed = 0
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            seed += 1
+            setattr(layer, name, tiled(getattr(layer, name), seed))
+    model.lm_head = tiled(model.lm_head, seed + 1)
+    return model
+
+
 @pytest.mark.parametrize("name,spec,dtype", [
     ("full", {}, torch.bfloat16), ("full", {}, torch.float32),
     ("hybrid", dict(budget=12, sinks=2, heavy=4), torch.float32), ("window", dict(budget=10), torch.float32),
@@ -128,6 +150,29 @@ def test_native_speculative_equals_autoregressive(name, spec, dtype):
     assert spec_out == ar
     if name != "full":
         assert t_cache.evicted_tokens > 0
+
+
+@pytest.mark.parametrize("ggml_type", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_tiled_target_verifies_every_row_as_its_autoregressive_step(ggml_type):
+    """A target in column tiles (bfloat16, full cache) drafting for itself: every draft is the target's own
+    single-row step, so every token is accepted exactly when each row of the 5-row verification pass equals the
+    single-row step bit for bit; the output equals plain decoding."""
+    model = with_random_tiles(native_tiny(), ggml_type)
+    assert model.layers[0].qkv.types == [ggml_type + 100]
+    model.dtype = torch.bfloat16
+    model.embed, model.norm = model.embed.to(torch.bfloat16), model.norm.to(torch.bfloat16)
+    for layer in model.layers:
+        layer.attn_norm, layer.mlp_norm = layer.attn_norm.to(torch.bfloat16), layer.mlp_norm.to(torch.bfloat16)
+    ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ar = list(generate_tokens(model, full_arena(model, chunk=8), ids, max_new_tokens=40, sampling=SamplingParams(),
+                              prefill_chunk=8))
+    stats = SpeculativeStats()
+    out = list(speculative_tokens(model, full_arena(model, chunk=8, max_inflight=target_inflight_rows(4)), model,
+                                  full_arena(model, chunk=8, max_inflight=draft_inflight_rows(4)), ids,
+                                  max_new_tokens=40, sampling=SamplingParams(), gamma=4, prefill_chunk=8,
+                                  stats=stats))
+    assert out == ar
+    assert stats.accepted == stats.drafted > 0
 
 
 def test_draft_with_a_limited_vocabulary_keeps_speculation_exact():

@@ -380,7 +380,8 @@ class NativeLinear:
     """Weights kept in a GGUF file's own block formats, multiplied by the native kernels (``kernels/``).
 
     A linear may stack several GGUF tensors of different block types along the output dimension (q, k and v of one
-    layer): ``segments`` lists them as ``(ggml type, repacked bytes, rows)``. Activations are quantized to 8 bits
+    layer): ``segments`` lists them as ``(kernel type, repacked bytes, rows)`` (the kernel type is the GGML type,
+    or its column-tile layout: ``kernels/repack.py``). Activations are quantized to 8 bits
     per block of 32 inside the kernel; the result is computed in float32 and returned in the dtype of ``x`` (float32
     or bfloat16). Each
     row's result is independent of how many rows share the call (``kernels/csrc/qmatmul.h``).
@@ -418,7 +419,7 @@ class NativeLinear:
         for kind, blob, rows in zip(self.types, self.blobs, self.rows):
             keep = min(rows, left)
             if keep:
-                segments.append((kind, blob[: blob.numel() // rows * keep], keep))
+                segments.append((kind, blob[: kernels.weight_bytes(kind, self.padded_in, keep)], keep))
             left -= keep
         bias = None if self.bias is None else self.bias[:n]
         return NativeLinear(segments, self.in_features, self.padded_in, bias)

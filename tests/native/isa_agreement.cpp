@@ -16,7 +16,21 @@ static uint16_t random_half(std::mt19937& rng) {
   return (uint16_t)(0x1800 + (rng() % 0x0C00)) | (uint16_t)((rng() & 1) << 15);
 }
 
+// Column tiles: random codes and scales, finite halves for each chunk's d (and Q4_K's dmin) of 16 columns.
+static void fill_tiles(int type, int n, int k, std::vector<uint8_t>& w, std::mt19937& rng) {
+  w.resize(weight_bytes(type, k, n));
+  for (auto& b : w) b = (uint8_t)rng();
+  const std::size_t chunk_bytes = tile_bytes(type, k) / (k / 256);
+  const int halves = type == Q4_K_T16 ? 32 : 16;
+  for (std::size_t at = 0; at < w.size(); at += chunk_bytes)
+    for (int h = 0; h < halves; ++h) {
+      const uint16_t v = random_half(rng);
+      std::memcpy(w.data() + at + 2 * h, &v, 2);
+    }
+}
+
 static void fill_weights(int type, int n, int k, std::vector<uint8_t>& w, std::mt19937& rng) {
+  if (is_tiled(type)) return fill_tiles(type, n, k, w, rng);
   const std::size_t rb = row_bytes(type, k);
   w.resize(rb * n);
   for (auto& b : w) b = (uint8_t)rng();
@@ -42,7 +56,7 @@ static void fill_weights(int type, int n, int k, std::vector<uint8_t>& w, std::m
 
 int main() {
   std::mt19937 rng(1234);
-  const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K};
+  const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_T16, Q6_K_T16};
   std::vector<int> isas;
   for (int isa : {kAvx2, kAvx512, kNeon})
     if (isa_available(isa)) isas.push_back(isa);
@@ -52,7 +66,7 @@ int main() {
   }
   int passed = 0, failed = 0;
   for (int type : types) {
-    const bool k_quant = type >= Q4_K;
+    const bool k_quant = is_k_quant(type);
     for (int k : {k_quant ? 256 : 96, k_quant ? 768 : 576, k_quant ? 1280 : 608}) {
       const int n = 37;
       std::vector<uint8_t> w;
@@ -77,6 +91,12 @@ int main() {
         for (int isa : isas) {
           std::fill(out.begin(), out.end(), -1.0f);
           qmatmul_rows(isa, type, w.data(), k, 0, n, act, bias.data(), out.data(), n);
+          if (is_tiled(type)) {  // columns split off the tiles' edges, as threads may split them
+            std::vector<float> split((std::size_t)m * n, -1.0f);
+            qmatmul_rows(isa, type, w.data(), k, 0, 21, act, bias.data(), split.data(), n);
+            qmatmul_rows(isa, type, w.data(), k, 21, n, act, bias.data(), split.data(), n);
+            if (std::memcmp(split.data(), out.data(), out.size() * sizeof(float)) != 0) out[0] = -2.0f;
+          }
           if (std::memcmp(out.data(), reference.data(), out.size() * sizeof(float)) == 0) {
             ++passed;
           } else {

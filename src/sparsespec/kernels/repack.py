@@ -158,3 +158,57 @@ def repack(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
         parts.append(scales[:, full])
         parts.append(quarters[:, 4 * full :].reshape(n, -1))
     return np.ascontiguousarray(np.concatenate(parts, axis=-1)), k_padded
+
+
+# GGML type -> the kernel type of its column-tile layout (``csrc/qmatmul.h``): 16 output rows side by side per
+# 256-input chunk, so a pass of several activation rows multiplies each unpacked vector of codes for 16 columns.
+TILED_TYPES = {12: 112, 14: 114}  # Q4_K, Q6_K
+TILE = 16
+
+
+def repack_tiles(ggml_type: int, raw: np.ndarray, k: int) -> np.ndarray:
+    """A Q4_K or Q6_K tensor's raw bytes ``[n, row bytes]`` -> its column tiles ``[ceil(n / 16), tile bytes]``
+    (the last tile zero padded), losslessly: each code and scale keeps its value."""
+    ggml_type = int(ggml_type)
+    name, size, block_bytes = BLOCK_TYPES[ggml_type]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    nb = k // size
+    if ggml_type not in TILED_TYPES or k % size or raw.size != n * nb * block_bytes:
+        raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights in tiles")
+    tiles = -(-n // TILE)
+    blocks = np.zeros((tiles * TILE, nb, block_bytes), np.uint8)
+    blocks[:n] = raw.reshape(n, nb, block_bytes)
+    codes, scales = _decode(ggml_type, blocks)  # [n', k], [n', nb, scale bytes]
+    # [tile, chunk, column, ...]
+    codes = codes.reshape(tiles, TILE, nb, CHUNK).transpose(0, 2, 1, 3)
+    scales = scales.reshape(tiles, TILE, nb, -1).transpose(0, 2, 1, 3)
+
+    def by_column(field: np.ndarray) -> np.ndarray:  # [t, nb, 16, f] -> [t, nb, f * 16]: field row j, column c
+        return field.transpose(0, 1, 3, 2).reshape(tiles, nb, -1)
+
+    def pairs(low: np.ndarray) -> np.ndarray:  # codes [t, nb, 16, 256] < 16 -> [t, nb, 2048]
+        q = low.reshape(tiles, nb, TILE, 32, 2, 4)  # [.., column, pair j, half, b]: input 8j + 4 half + b
+        packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [.., column, j, b]
+        return packed.transpose(0, 1, 3, 2, 4).reshape(tiles, nb, -1)  # pair j, byte 4c + b
+
+    if name == "Q4_K":
+        parts = [scales[..., 0:2].reshape(tiles, nb, -1), scales[..., 2:4].reshape(tiles, nb, -1),
+                 by_column(scales[..., 4:12]), by_column(scales[..., 12:20]), pairs(codes)]
+    else:  # Q6_K
+        high = (codes >> 4).reshape(tiles, nb, TILE, 16, 4, 4)  # [.., column, group g, i, b]: input 16g + 4i + b
+        bits = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+        bits = bits.transpose(0, 1, 3, 2, 4).reshape(tiles, nb, 16, 64)  # [.., g, 4c + b]
+        low = pairs(codes & 0x0F).reshape(tiles, nb, 16, 128)  # [.., g, pairs 2g and 2g + 1]
+        groups = np.concatenate([low, bits], axis=-1).reshape(tiles, nb, -1)  # per group: 128 + 64 bytes
+        parts = [scales[..., 0:2].reshape(tiles, nb, -1), by_column(scales[..., 2:18]), groups]
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(tiles, -1))
+
+
+def pack(ggml_type: int, raw: np.ndarray, k: int, tiles: bool) -> tuple[int, np.ndarray, int]:
+    """(kernel type, repacked bytes, padded k) of a GGUF tensor: column tiles where ``tiles`` and the type has
+    them (Q4_K, Q6_K), else the row layout of :func:`repack`."""
+    if tiles and int(ggml_type) in TILED_TYPES:
+        return TILED_TYPES[int(ggml_type)], repack_tiles(ggml_type, raw, k), k
+    packed, padded_k = repack(ggml_type, raw, k)
+    return int(ggml_type), packed, padded_k

@@ -133,7 +133,8 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     (``kernels/repack.py``: lossless, the file's bytes per weight); nothing is dequantized. Returns the ``state`` and
     ``linears`` arguments of :class:`~sparsespec.model.Transformer` for the ``native`` format.
     """
-    from ..kernels.repack import BLOCK_TYPES, repack
+    from .. import kernels
+    from ..kernels.repack import BLOCK_TYPES, pack
     from ..linear import NativeEmbedding, NativeLinear
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -142,6 +143,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
     shapes = expected_shapes(config)
     file = np.memmap(path, dtype=np.uint8, mode="r")
+    tiles = kernels.tiles_preferred()
 
     def data(t) -> np.ndarray:
         """The raw bytes of ``t``: ``[rows, row bytes]`` for a block type."""
@@ -171,10 +173,10 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             raw = unpermute_rotary_rows(raw, heads)
         try:
-            packed, padded_k = repack(kind, raw, k)
+            kernel_type, packed, padded_k = pack(kind, raw, k, tiles)
         except ValueError as exc:
             raise UserError(f"{path}: {gguf_name} is damaged ({exc}).") from None
-        return kind, torch.from_numpy(packed.reshape(-1)), rows, padded_k
+        return kernel_type, torch.from_numpy(packed.reshape(-1)), rows, padded_k
 
     def linear(names: list[str], bias_names: list[str] = ()) -> NativeLinear:
         parts = [segment(n) for n in names]

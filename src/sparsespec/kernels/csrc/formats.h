@@ -188,6 +188,37 @@ inline std::size_t row_bytes_of(int k) {
   return bytes;
 }
 
+// Column tiles (qmatmul.h): bytes of one chunk of a tile, and where its parts start.
+template <int TYPE>
+constexpr int tile_scale_bytes_of() { return TYPE == Q4_K_T16 ? 320 : 288; }
+template <int TYPE>
+constexpr int tile_chunk_bytes_of() { return TYPE == Q4_K_T16 ? 320 + 2048 : 288 + 16 * 192; }
+constexpr int kTileGroupBytes = 192;  // Q6_K_T16: one group's two pairs of low nibbles and its high bits
+
+// Calls f.template operator()<TYPE>() for a tiled type id (returns false for any other).
+template <class F>
+inline bool dispatch_tiled(int type, F&& f) {
+  switch (type) {
+    case Q4_K_T16: f.template operator()<Q4_K_T16>(); return true;
+    case Q6_K_T16: f.template operator()<Q6_K_T16>(); return true;
+    default: return false;
+  }
+}
+
+// The 16 columns' code of input i (0 .. 255) of one tiled chunk: codes[c] = code(c, i).
+template <int TYPE>
+inline void tile_codes(const uint8_t* chunk, int i, uint8_t codes[16]) {
+  const int quad = i / 4, b = i % 4, shift = 4 * (quad % 2);
+  const uint8_t* group = chunk + tile_scale_bytes_of<TYPE>() + kTileGroupBytes * (quad / 4);  // Q6_K_T16
+  const uint8_t* pair = TYPE == Q4_K_T16 ? chunk + tile_scale_bytes_of<TYPE>() + 64 * (quad / 2)
+                                         : group + 64 * ((quad % 4) / 2);
+  for (int c = 0; c < 16; ++c) {
+    uint8_t code = (pair[4 * c + b] >> shift) & 0x0F;
+    if constexpr (TYPE == Q6_K_T16) code |= ((group[128 + 4 * c + b] >> (2 * (quad % 4))) & 3) << 4;
+    codes[c] = code;
+  }
+}
+
 // Calls f.template operator()<TYPE>() for a runtime type id (returns false for an unsupported type).
 template <class F>
 inline bool dispatch_type(int type, F&& f) {

@@ -46,9 +46,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     (is_k_quant((int)types[s]) ? any_k : any_32) = true;
     TORCH_CHECK(supported_type((int)types[s]), "gguf_linear: unsupported block type ", types[s]);
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
-    TORCH_CHECK((std::size_t)weights[s].numel() == row_bytes((int)types[s], (int)k) * (std::size_t)rows[s],
+    TORCH_CHECK(!is_tiled((int)types[s]) || k % kChunk == 0, "gguf_linear: a tiled weight needs k a multiple of ",
+                kChunk);
+    TORCH_CHECK((std::size_t)weights[s].numel() == weight_bytes((int)types[s], (int)k, rows[s]),
                 "gguf_linear: segment ", s, " has ", weights[s].numel(), " bytes, not ",
-                row_bytes((int)types[s], (int)k) * rows[s]);
+                weight_bytes((int)types[s], (int)k, rows[s]));
     first_row.push_back(n_total);
     n_total += rows[s];
   }
@@ -120,7 +122,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, const at::Tensor& index) {
   TORCH_CHECK(supported_type((int)type), "gguf_dequantize: unsupported block type ", type);
   const at::Tensor idx = index.to(at::kLong).contiguous();
-  const int64_t n = weight.numel() / (int64_t)row_bytes((int)type, (int)k);
+  const int64_t n = is_tiled((int)type) ? weight.numel() / (int64_t)tile_bytes((int)type, (int)k) * kTileColumns
+                                         : weight.numel() / (int64_t)row_bytes((int)type, (int)k);
   TORCH_CHECK(idx.numel() == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < n),
               "gguf_dequantize: row index out of range");
   auto out = at::empty({idx.numel(), k}, weight.options().dtype(at::kFloat));
@@ -360,5 +363,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("isa_available", &sparsespec::isa_available);
   module.def("isa_name", &sparsespec::isa_name);
   module.def("row_bytes", &sparsespec::row_bytes);
+  module.def("weight_bytes", &sparsespec::weight_bytes);
   module.def("supported_type", &sparsespec::supported_type);
 }

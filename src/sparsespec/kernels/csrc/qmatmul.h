@@ -33,6 +33,24 @@
 //       for g in 0..15: off[g] = fma(float(o_g * b_g), f, off[g])   (exact integer products, below 2^24)
 //           Q4_K, Q5_K: o_g = mn of the group's sub-block, f = (-dmin) * D;  Q6_K: o_g = -32 sc_g, f = d * D
 //   y = hsum(acc) + hsum(off) (+ bias)
+//
+// Column tiles (Q4_K_T16, Q6_K_T16: the types a multi-row verification pass streams on the Qwen targets). The
+// weight's rows (output columns) in tiles of 16, the last one zero padded; a tile is ceil(K / 256) chunks, each
+// holding that chunk's data for the 16 columns side by side, so one 64-byte vector holds 4 inputs of 16 columns
+// (byte 4c + b: column c, input b) and a single integer dot serves 16 columns per activation row:
+//   Q4_K_T16 chunk: d[16], dmin[16] fp16; sc[8][16], mn[8][16] u8 (sub-block j, column c at 16 j + c); then 32
+//     pairs of 64 bytes: pair j, byte 4c + b = code(c, 8j + b) | code(c, 8j + 4 + b) << 4.
+//   Q6_K_T16 chunk: d[16] fp16; sc[16][16] int8 (group g, column c); then per group g of 16 inputs 192 bytes:
+//     pairs 2g and 2g + 1 of the codes' low nibbles as above, then 64 bytes of high bits: byte 4c + b, bits 2i,
+//     2i + 1 = code(c, 16g + 4i + b) >> 4 (a chunk reads front to back, one stream for the prefetcher).
+// Canonical arithmetic, per column and activation row (the Q8_K activations above; dot_j: exact integer dot of
+// the column's codes of sub-block / group j and the row's q256; b_g: the row's group sums):
+//   Q4_K_T16, each chunk: isum = sum_j sc_j dot_j,  osum = sum_j mn_j (b_2j + b_2j+1)   (exact int32)
+//       acc = fma(float(isum), d * D, acc);  off = fma(float(osum), (-dmin) * D, off)
+//   Q6_K_T16, each chunk: isum = sum_g sc_g (dot_g - 32 b_g);  acc = fma(float(isum), d * D, acc);  off stays 0
+//   y = acc + off (+ bias)
+// The scale multiplies once per sub-block and column rather than once per 4 inputs, and the float steps run once
+// per chunk for 16 columns: a pass of several rows costs little more integer work per row than the dots.
 #pragma once
 
 #include <cstddef>
@@ -42,6 +60,11 @@ namespace sparsespec {
 
 // GGML type ids of the supported block formats.
 enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// The column-tile layouts of two of them (kernel type ids of this library, not GGML's).
+constexpr int kTiled = 100;
+enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled };
+constexpr int kTileColumns = 16;
+inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16; }
 
 // Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs).
 enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
@@ -55,6 +78,8 @@ int code_bits(int type);         // 4, 5, 6 or 8
 int scale_bytes(int type);       // bytes of a chunk's scale section
 int quarter_bytes(int type);     // bytes of one quarter's codes
 std::size_t row_bytes(int type, int k);   // bytes of one repacked row of k inputs (k a multiple of 64)
+std::size_t tile_bytes(int type, int k);  // bytes of one 16-column tile of a tiled type (k a multiple of 256)
+std::size_t weight_bytes(int type, int k, long rows);  // bytes of a repacked weight of `rows` rows, either layout
 
 // Per-row quantized activations of an [m, k] float matrix; k_pad = k rounded up to 256, rows zero padded.
 struct Activations {
@@ -69,7 +94,7 @@ struct Activations {
   const int32_t* bsum = nullptr;    // [m, k_pad / 16]: sum of q256 over each group of 16
 };
 
-inline bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K || is_tiled(type); }
 
 int padded_k(int k);  // k rounded up to a multiple of 256
 // Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4] from x [m, k] (row stride ldx).
@@ -83,6 +108,15 @@ void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n
 
 // Dequantize rows of a repacked weight into floats: out [len(rows), k].
 void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out);
+
+// The tiled types' kernels: columns [n_begin, n_end) of a tiled weight (each instruction set; qmatmul_rows
+// dispatches to them).
+void qmatmul_tiles_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                          const float* bias, float* out, long ldo);
+void qmatmul_tiles_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                        const float* bias, float* out, long ldo);
+void qmatmul_tiles_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                          const float* bias, float* out, long ldo);
 
 // Instruction sets compiled in and runnable here, best first.
 int best_isa();

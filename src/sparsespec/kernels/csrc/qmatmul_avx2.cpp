@@ -9,6 +9,13 @@
 namespace sparsespec {
 namespace {
 
+// Four activations broadcast to every 32-bit lane.
+inline __m256i quad(const int8_t* x) {
+  int32_t v;
+  __builtin_memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // 32 bits -> 32 bytes, byte j = value where bit j is set, else 0.
 inline __m256i expand_bits(uint32_t bits, char value) {
   const __m256i spread = _mm256_shuffle_epi8(
@@ -200,7 +207,123 @@ void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activation
   }
 }
 
+// Column tiles (qmatmul.h): 8 columns per ymm, a tile as two halves. maddubs sums stay exact in int16 (Q4_K: 8
+// of them, each <= 2 * 15 * 127; Q6_K: 2, each <= 2 * 63 * 127) before madd widens them to int32.
+template <int TYPE, int MT>
+inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, const Activations& act,
+                           __m256 y[MT]) {
+  const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int h32 = 32 * half, h8 = 8 * half;
+  __m256 acc[MT], off[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
+    const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>() + h32;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
+    __m256i isum[MT], osum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = osum[i] = _mm256_setzero_si256();
+    if constexpr (TYPE == Q4_K_T16) {
+      for (int j = 0; j < 8; ++j) {
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 64 + 16 * j + h8)));
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 192 + 16 * j + h8)));
+        __m256i s16[MT];
+        for (int i = 0; i < MT; ++i) s16[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          const __m256i packed = _mm256_loadu_si256((const __m256i*)(pairs + 64 * (4 * j + p)));
+          const __m256i z0 = _mm256_and_si256(packed, low4);
+          const __m256i z1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 32 * j + 8 * p;
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z0, quad(x)));
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z1, quad(x + 4)));
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(_mm256_madd_epi16(s16[i], ones), sc));
+          const int32_t* b = act.bsum + (long)(r0 + i) * per_row16 + ch * 16 + 2 * j;
+          osum[i] = _mm256_add_epi32(osum[i], _mm256_mullo_epi32(mn, _mm256_set1_epi32(b[0] + b[1])));
+        }
+      }
+    } else {  // Q6_K_T16
+      const __m256i two = _mm256_set1_epi8(0x30);
+      for (int g = 0; g < 16; ++g) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 32 + 16 * g + h8)));
+        const uint8_t* group = pairs + kTileGroupBytes * g;  // pairs already points at this half's 32 bytes
+        const __m256i p0 = _mm256_loadu_si256((const __m256i*)group);
+        const __m256i p1 = _mm256_loadu_si256((const __m256i*)(group + 64));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(group + 128));
+        const __m256i z0 = _mm256_or_si256(_mm256_and_si256(p0, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(h, 4), two));
+        const __m256i z1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(h, 2), two));
+        const __m256i z2 = _mm256_or_si256(_mm256_and_si256(p1, low4), _mm256_and_si256(h, two));
+        const __m256i z3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), two));
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 16 * g;
+          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(z0, quad(x)), _mm256_maddubs_epi16(z1, quad(x + 4)));
+          const __m256i s23 =
+              _mm256_add_epi16(_mm256_maddubs_epi16(z2, quad(x + 8)), _mm256_maddubs_epi16(z3, quad(x + 12)));
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+          const int32_t b = act.bsum[(long)(r0 + i) * per_row16 + ch * 16 + g];
+          const __m256i t = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * b));
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(t, sc));
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m256 D = _mm256_set1_ps(act.d256[(long)(r0 + i) * per_row256 + ch]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, D), acc[i]);
+      if constexpr (TYPE == Q4_K_T16) {
+        const __m256 neg_dmin = _mm256_xor_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f));
+        off[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum[i]), _mm256_mul_ps(neg_dmin, D), off[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) y[i] = _mm256_add_ps(acc[i], off[i]);
+}
+
+template <int TYPE>
+void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                float* out, long ldo) {
+  const int n_chunks = k / kChunk;
+  const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
+  for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
+    const uint8_t* tile = w + (std::size_t)t * tb;
+    for (int half = 0; half < 2; ++half) {
+      const int n0 = t * kTileColumns + 8 * half;
+      if (n0 + 8 <= n_begin || n0 >= n_end) continue;
+      for (int r = 0; r < act.m; r += 4) {
+        const int rows = act.m - r < 4 ? act.m - r : 4;
+        __m256 y[4];
+        switch (rows) {
+          case 1: tile_half_pass<TYPE, 1>(tile, n_chunks, half, r, act, y); break;
+          case 2: tile_half_pass<TYPE, 2>(tile, n_chunks, half, r, act, y); break;
+          case 3: tile_half_pass<TYPE, 3>(tile, n_chunks, half, r, act, y); break;
+          default: tile_half_pass<TYPE, 4>(tile, n_chunks, half, r, act, y); break;
+        }
+        for (int i = 0; i < rows; ++i) {
+          alignas(32) float v[8];
+          _mm256_store_ps(v, y[i]);
+          for (int c = 0; c < 8; ++c) {
+            const int n = n0 + c;
+            if (n < n_begin || n >= n_end) continue;
+            out[(long)(r + i) * ldo + n] = bias ? v[c] + bias[n] : v[c];
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void qmatmul_tiles_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                        const float* bias, float* out, long ldo) {
+  dispatch_tiled(type, [&] <int T>() { tiles_avx2<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
 
 void qmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                        const float* bias, float* out, long ldo) {

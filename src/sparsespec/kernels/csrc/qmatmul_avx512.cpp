@@ -221,7 +221,141 @@ void rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activati
   }
 }
 
+// Four activations broadcast to every lane (one column's 4 inputs in each).
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+inline __m512i quad(const int8_t* x) { return _mm512_set1_epi32(*(const unaligned_i32*)x); }
+
+// Column tiles (qmatmul.h): one zmm lane per column. Per sub-block / group and activation row: the integer dots
+// (vpdpbusd with the row's 4 activations broadcast), one multiply by the 16 columns' scales; per chunk and row the
+// float steps. Results go to y[i] (16 columns of row r0 + i).
+template <int TYPE, int MT>
+inline void tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activations& act, __m512 y[MT]) {
+  const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT], off[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
+    const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>();
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
+    __m512i isum[MT], osum[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) isum[i] = osum[i] = _mm512_setzero_si512();
+    if constexpr (TYPE == Q4_K_T16) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 64 + 16 * j)));
+        __m512i z[8];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512i packed = _mm512_loadu_si512(pairs + 64 * (4 * j + p));
+          z[2 * p] = _mm512_and_si512(packed, low4);
+          z[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 32 * j;
+          __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[0], quad(x));
+          __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[1], quad(x + 4));
+          dot0 = _mm512_dpbusd_epi32(dot0, z[2], quad(x + 8));
+          dot1 = _mm512_dpbusd_epi32(dot1, z[3], quad(x + 12));
+          dot0 = _mm512_dpbusd_epi32(dot0, z[4], quad(x + 16));
+          dot1 = _mm512_dpbusd_epi32(dot1, z[5], quad(x + 20));
+          dot0 = _mm512_dpbusd_epi32(dot0, z[6], quad(x + 24));
+          dot1 = _mm512_dpbusd_epi32(dot1, z[7], quad(x + 28));
+          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dot0, dot1), sc));
+        }
+      }
+      for (int j = 0; j < 8; ++j) {  // the mins' terms, apart so that the loop above keeps its registers
+        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 192 + 16 * j)));
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* b = act.bsum + (long)(r0 + i) * per_row16 + ch * 16 + 2 * j;
+          osum[i] = _mm512_add_epi32(osum[i], _mm512_mullo_epi32(mn, _mm512_set1_epi32(b[0] + b[1])));
+        }
+      }
+    } else {  // Q6_K_T16
+      const __m512i two = _mm512_set1_epi8(0x30);
+      for (int g = 0; g < 16; ++g) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 32 + 16 * g)));
+        const uint8_t* group = pairs + kTileGroupBytes * g;
+        const __m512i p0 = _mm512_loadu_si512(group);
+        const __m512i p1 = _mm512_loadu_si512(group + 64);
+        const __m512i h = _mm512_loadu_si512(group + 128);
+        const __m512i z0 = _mm512_or_si512(_mm512_and_si512(p0, low4),
+                                           _mm512_and_si512(_mm512_slli_epi16(h, 4), two));
+        const __m512i z1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p0, 4), low4),
+                                           _mm512_and_si512(_mm512_slli_epi16(h, 2), two));
+        const __m512i z2 = _mm512_or_si512(_mm512_and_si512(p1, low4), _mm512_and_si512(h, two));
+        const __m512i z3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p1, 4), low4),
+                                           _mm512_and_si512(_mm512_srli_epi16(h, 2), two));
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 16 * g;
+          __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z0, quad(x));
+          __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z1, quad(x + 4));
+          dot0 = _mm512_dpbusd_epi32(dot0, z2, quad(x + 8));
+          dot1 = _mm512_dpbusd_epi32(dot1, z3, quad(x + 12));
+          const int32_t b = act.bsum[(long)(r0 + i) * per_row16 + ch * 16 + g];
+          const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(dot0, dot1), _mm512_set1_epi32(32 * b));
+          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(t, sc));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512 D = _mm512_set1_ps(act.d256[(long)(r0 + i) * per_row256 + ch]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, D), acc[i]);
+      if constexpr (TYPE == Q4_K_T16) {
+        const __m512 neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(chunk + 32)))),
+            _mm512_set1_epi32((int)0x80000000u)));
+        off[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(osum[i]), _mm512_mul_ps(neg_dmin, D), off[i]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) y[i] = _mm512_add_ps(acc[i], off[i]);
+}
+
+template <int TYPE>
+void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                  float* out, long ldo) {
+  const int n_chunks = k / kChunk;
+  const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
+  for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
+    const int n0 = t * kTileColumns;
+    const int lo = n_begin > n0 ? n_begin - n0 : 0, hi = n_end - n0 < kTileColumns ? n_end - n0 : kTileColumns;
+    const __mmask16 mask = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < act.m; r += 8) {
+      const int rows = act.m - r < 8 ? act.m - r : 8;
+      __m512 y[8];
+      const uint8_t* tile = w + (std::size_t)t * tb;
+      switch (rows) {
+        case 1: tile_pass<TYPE, 1>(tile, n_chunks, r, act, y); break;
+        case 2: tile_pass<TYPE, 2>(tile, n_chunks, r, act, y); break;
+        case 3: tile_pass<TYPE, 3>(tile, n_chunks, r, act, y); break;
+        case 4: tile_pass<TYPE, 4>(tile, n_chunks, r, act, y); break;
+        case 5: tile_pass<TYPE, 5>(tile, n_chunks, r, act, y); break;
+        case 6: tile_pass<TYPE, 6>(tile, n_chunks, r, act, y); break;
+        case 7: tile_pass<TYPE, 7>(tile, n_chunks, r, act, y); break;
+        default: tile_pass<TYPE, 8>(tile, n_chunks, r, act, y); break;
+      }
+      for (int i = 0; i < rows; ++i) {
+        const __m512 v = bias ? _mm512_add_ps(y[i], b) : y[i];
+        _mm512_mask_storeu_ps(out + (long)(r + i) * ldo + n0, mask, v);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void qmatmul_tiles_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                          const float* bias, float* out, long ldo) {
+  dispatch_tiled(type, [&] <int T>() { tiles_avx512<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
 
 void qmatmul_rows_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                          const float* bias, float* out, long ldo) {

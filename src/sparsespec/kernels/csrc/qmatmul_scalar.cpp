@@ -2,6 +2,7 @@
 // dequantization, format tables and the instruction-set dispatch.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "formats.h"
 
@@ -13,7 +14,7 @@
 namespace sparsespec {
 
 bool supported_type(int type) {
-  return dispatch_type(type, [] <int T>() {});
+  return is_tiled(type) || dispatch_type(type, [] <int T>() {});
 }
 
 int code_bits(int type) {
@@ -38,6 +39,17 @@ std::size_t row_bytes(int type, int k) {
   std::size_t out = 0;
   dispatch_type(type, [&] <int T>() { out = row_bytes_of<T>(k); });
   return out;
+}
+
+std::size_t tile_bytes(int type, int k) {
+  std::size_t out = 0;
+  dispatch_tiled(type, [&] <int T>() { out = (std::size_t)(k / kChunk) * tile_chunk_bytes_of<T>(); });
+  return out;
+}
+
+std::size_t weight_bytes(int type, int k, long rows) {
+  if (is_tiled(type)) return tile_bytes(type, k) * (std::size_t)((rows + kTileColumns - 1) / kTileColumns);
+  return row_bytes(type, k) * (std::size_t)rows;
 }
 
 int padded_k(int k) { return chunks_of(k) * kChunk; }
@@ -193,7 +205,98 @@ void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activati
   }
 }
 
+// The codes of one tiled chunk: codes[i][c] = code(c, i) for input i (0 .. 255) and column c.
+template <int TYPE>
+void decode_tile_chunk(const uint8_t* chunk, uint8_t codes[kChunk][kTileColumns]) {
+  for (int i = 0; i < kChunk; ++i) tile_codes<TYPE>(chunk, i, codes[i]);
+}
+
+// Column tiles, the canonical arithmetic of qmatmul.h spelled out one column and row at a time.
+template <int TYPE>
+void tiles_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
+                  float* out, long ldo) {
+  const int n_chunks = k / kChunk;
+  const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
+  const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
+  std::vector<float> acc((std::size_t)act.m * kTileColumns), off(acc.size());
+  static thread_local uint8_t codes[kChunk][kTileColumns];
+  for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
+    const uint8_t* tile = w + (std::size_t)t * tb;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(off.begin(), off.end(), 0.0f);
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
+      decode_tile_chunk<TYPE>(chunk, codes);
+      for (int r = 0; r < act.m; ++r) {
+        const int8_t* xq = act.q256 + (long)r * act.k_pad + ch * kChunk;
+        const int32_t* b = act.bsum + r * per_row16 + ch * 16;
+        const float D = act.d256[r * per_row256 + ch];
+        for (int c = 0; c < kTileColumns; ++c) {
+          const float d = half_to_float(load_u16(chunk + 2 * c));
+          int32_t isum = 0, osum = 0;
+          if constexpr (TYPE == Q4_K_T16) {
+            for (int j = 0; j < 8; ++j) {
+              int32_t dot = 0;
+              for (int i = 32 * j; i < 32 * j + 32; ++i) dot += (int32_t)codes[i][c] * (int32_t)xq[i];
+              isum += (int32_t)chunk[64 + 16 * j + c] * dot;
+              osum += (int32_t)chunk[192 + 16 * j + c] * (b[2 * j] + b[2 * j + 1]);
+            }
+            const float dmin = half_to_float(load_u16(chunk + 32 + 2 * c));
+            off[r * kTileColumns + c] = std::fma((float)osum, (-dmin) * D, off[r * kTileColumns + c]);
+          } else {
+            for (int g = 0; g < 16; ++g) {
+              int32_t dot = 0;
+              for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (int32_t)codes[i][c] * (int32_t)xq[i];
+              isum += (int32_t)(int8_t)chunk[32 + 16 * g + c] * (dot - 32 * b[g]);
+            }
+          }
+          acc[r * kTileColumns + c] = std::fma((float)isum, d * D, acc[r * kTileColumns + c]);
+        }
+      }
+    }
+    for (int c = 0; c < kTileColumns; ++c) {
+      const int n = t * kTileColumns + c;
+      if (n < n_begin || n >= n_end) continue;
+      for (int r = 0; r < act.m; ++r) {
+        float y = acc[r * kTileColumns + c] + off[r * kTileColumns + c];
+        if (bias) y += bias[n];
+        out[(long)r * ldo + n] = y;
+      }
+    }
+  }
+}
+
+// Row `n` of a tiled weight as floats (the GGUF's own values: w = a q + c as decode_scales computes a and c).
+template <int TYPE>
+void dequantize_tiled_row(const uint8_t* w, int k, long n, float* o) {
+  const int n_chunks = k / kChunk;
+  const uint8_t* tile = w + (std::size_t)(n / kTileColumns) * n_chunks * tile_chunk_bytes_of<TYPE>();
+  const int c = (int)(n % kTileColumns);
+  uint8_t codes[kTileColumns];
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
+    const float d = half_to_float(load_u16(chunk + 2 * c));
+    for (int i = 0; i < kChunk; ++i) {
+      tile_codes<TYPE>(chunk, i, codes);
+      float a, offset;
+      if constexpr (TYPE == Q4_K_T16) {
+        a = d * (float)chunk[64 + 16 * (i / 32) + c];
+        offset = -(half_to_float(load_u16(chunk + 32 + 2 * c)) * (float)chunk[192 + 16 * (i / 32) + c]);
+      } else {
+        a = d * (float)(int8_t)chunk[32 + 16 * (i / 16) + c];
+        offset = -32.0f * a;
+      }
+      o[ch * kChunk + i] = a * (float)codes[c] + offset;
+    }
+  }
+}
+
 }  // namespace
+
+void qmatmul_tiles_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                          const float* bias, float* out, long ldo) {
+  dispatch_tiled(type, [&] <int T>() { tiles_scalar<T>(w, k, n_begin, n_end, act, bias, out, ldo); });
+}
 
 void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                          const float* bias, float* out, long ldo) {
@@ -206,6 +309,10 @@ void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_e
 }
 
 void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out) {
+  if (dispatch_tiled(type, [&] <int T>() {
+        for (int i = 0; i < n_rows; ++i) dequantize_tiled_row<T>(w, k, rows[i], out + (long)i * k);
+      }))
+    return;
   dispatch_type(type, [&] <int T>() {
     const std::size_t rb = row_bytes_of<T>(k);
     ChunkScales sc;
@@ -232,6 +339,8 @@ void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int
 #if !defined(__x86_64__)
 void qmatmul_rows_avx2(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_rows_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+void qmatmul_tiles_avx2(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+void qmatmul_tiles_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 #endif
 #if !defined(__aarch64__)
 void qmatmul_rows_neon(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
@@ -276,6 +385,14 @@ const char* isa_name(int isa) {
 void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                   const float* bias, float* out, long ldo) {
   if (isa == kAuto) isa = best_isa();
+  if (is_tiled(type)) {  // the column tiles have x86 paths; elsewhere the scalar one (ARM loads row layouts)
+    switch (isa) {
+      case kAvx512: qmatmul_tiles_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+      case kAvx2: qmatmul_tiles_avx2(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+      default: qmatmul_tiles_scalar(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
+    }
+    return;
+  }
   switch (isa) {
     case kAvx512: qmatmul_rows_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
     case kAvx2: qmatmul_rows_avx2(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
