@@ -30,7 +30,7 @@ from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions
 from sparsespec.loading.load import LoadedModel
-from sparsespec.serve.server import ServerState, create_app
+from sparsespec.serve.server import STREAM_INTERVAL_SECONDS, ServerState, create_app
 from sparsespec.serve.worker import EngineWorker
 
 from conftest import tiny_model
@@ -257,6 +257,25 @@ def test_bad_requests_get_400_error_objects(tiny_server):
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
     assert get(url + "/nowhere")[0] == 404
     assert get(url + "/health") == (200, '{"status":"ok"}')
+
+
+def test_streamed_chunks_are_spaced_by_the_interval_and_carry_every_token(tiny_server):
+    """A model faster than the stream interval: after the first, chunks leave at most once per interval, each with
+    every token decoded meanwhile, and together they are the whole answer."""
+    url, _ = tiny_server
+    c = client(url)
+    body = dict(model="any", prompt="Once", max_tokens=200, temperature=0)
+    whole = c.completions.create(**body).choices[0].text
+    arrivals, pieces = [], []
+    for chunk in c.completions.create(stream=True, **body):
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter())
+            pieces.append(chunk.choices[0].text)
+    assert "".join(pieces) == whole
+    assert 2 <= len(pieces) < 200
+    # Arrival gaps can shrink by the network's jitter only: the median gap is at least most of the interval.
+    gaps = sorted(b - a for a, b in zip(arrivals[1:], arrivals[2:]))
+    assert not gaps or gaps[len(gaps) // 2] >= 0.8 * STREAM_INTERVAL_SECONDS
 
 
 def test_client_leaving_mid_stream_cancels_its_generation(tiny_server):

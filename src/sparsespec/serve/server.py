@@ -27,6 +27,8 @@ from .worker import EngineWorker, Job, QueueFull, extension
 
 log = logging.getLogger("sparsespec.serve")
 
+STREAM_INTERVAL_SECONDS = 0.025  # the shortest gap between two streamed text chunks (see _stream)
+
 
 class ServerState:
     """The worker once loaded; ``load`` runs in a background thread so that ``/health`` answers meanwhile."""
@@ -158,13 +160,20 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
 async def _stream(
     worker: EngineWorker, job: Job, first: tuple, parsed: ParsedRequest, responses: Responses
 ) -> AsyncIterator[str]:
-    """Server-sent events of one job; leaving early (the client went away) cancels the job."""
+    """Server-sent events of one job; leaving early (the client went away) cancels the job.
+
+    The first text goes out at once; after that a chunk leaves at most every :data:`STREAM_INTERVAL_SECONDS` and
+    carries every token decoded since the last one, so a fast model costs one event (and one client parse) per
+    interval rather than per token, on the same cores as the engine.
+    """
+    loop = asyncio.get_running_loop()
     try:
         kind, value = first
         opened = False
+        last_sent = None
         while kind == "text":
-            # Text that arrived while the last chunk was being sent goes out in one chunk: a client slower than the
-            # engine costs one event per chunk, not per token.
+            if last_sent is not None and (wait := last_sent + STREAM_INTERVAL_SECONDS - loop.time()) > 0:
+                await asyncio.sleep(wait)
             pieces = [value]
             while not job.events.empty():
                 kind, value = job.events.get_nowait()
@@ -175,6 +184,7 @@ async def _stream(
                 kind = None
             yield _event(responses.chunk("".join(pieces), first=not opened))
             opened = True
+            last_sent = loop.time()
             if kind is None:
                 kind, value = await job.events.get()
         if kind == "error":
