@@ -1,18 +1,22 @@
 """The server's cost and its long-chat behaviour, through the real ``openai`` client against ``sparsespec serve``.
 
-Three measurements, each a JSON line (appended to ``results/serve.jsonl``):
+Four measurements, each a JSON line (appended to ``results/serve.jsonl``):
 
 - ``overhead``: streamed decode tok/s through the API against the engine called as ``sparsespec generate`` calls
   it, in this same run (same prompt, flags and tokens; the server is idle while the engine runs here);
 - ``ttft``: time to first token of a follow-up turn after ~``--history-tokens`` of conversation, resumed from the
   cache (prefix reuse) against re-reading the whole history (after an unrelated request emptied the cache);
 - ``long_chat``: ``--turns`` turns of ``--turn-tokens`` of corpus text each, with a hybrid ``--budget`` cache and
-  in-cache positions: the server's RSS, decode tok/s, time to first token, evictions per turn (one line each).
+  in-cache positions: the server's RSS, decode tok/s, time to first token, evictions per turn (one line each);
+- ``side_by_side`` (not in the default modes; needs llama-cpp-python and its server extra): ``--side-turns`` turns
+  of the same script through ``sparsespec serve`` (its default cache) and llama-cpp-python's server on the same
+  GGUF file, one after the other: per turn tok/s and time to first token, and the medians' ratios.
 
 The server runs as a subprocess so that its RSS is its own. Run on an idle machine:
 
     python benchmarks/bench_serve.py                       # all three, SmolLM2-135M
     python benchmarks/bench_serve.py --modes long_chat --turns 60 --turn-tokens 400
+    python benchmarks/bench_serve.py --modes side_by_side --model qwen2.5-coder-1.5b
     python benchmarks/bench_serve.py --history-tokens 200 --turns 3 --turn-tokens 20 --max-tokens 4 --new-tokens 8 \\
         --out /tmp/serve.jsonl                             # a few seconds' smoke run
 """
@@ -23,6 +27,7 @@ import argparse
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +37,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from common import PROSE_PROMPT, RESULTS_DIR, emit, machine
+from common import PROSE_PROMPT, RESULTS_DIR, emit, fixture_path, machine
 
 from sparsespec.engine import CacheOptions, RunStats, run_generation
 from sparsespec.loading.fetch import corpus_text_path
@@ -41,18 +46,29 @@ from sparsespec.loading.tokenizer import eos_token_ids
 from sparsespec.sampling import SamplingParams
 
 
-class Server:
-    """``sparsespec serve`` in a subprocess on a free loopback port."""
+def free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
 
-    def __init__(self, args, *flags: str):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        command = [sys.executable, "-m", "sparsespec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-                   "--weights", args.weights, "--threads", str(args.threads), "--port", str(self.port), *flags]
+
+class Server:
+    """An OpenAI-compatible server in a subprocess on a free loopback port: ``sparsespec serve`` by default, or
+    llama-cpp-python's server on the same GGUF file (``llama=True``)."""
+
+    def __init__(self, args, *flags: str, llama: bool = False):
+        self.port = free_port()
+        if llama:
+            command = [sys.executable, "-m", "llama_cpp.server", "--model", str(fixture_path(args.model)),
+                       "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+                       "--n_ctx", str(args.llama_context), "--port", str(self.port), "--verbose", "False", *flags]
+        else:
+            command = [sys.executable, "-m", "sparsespec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+                       "--weights", args.weights, "--threads", str(args.threads), "--port", str(self.port), *flags]
         self.flags = list(flags)
-        self.process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600
         while not self._healthy():
@@ -65,7 +81,7 @@ class Server:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as response:  # 503 while loading
                 return response.status == 200
         except OSError:
             return False
@@ -83,6 +99,7 @@ class Server:
         else:
             chunks = self.client.completions.create(prompt=prompt, **kwargs)
         text, first, last, usage, extension = [], None, None, None, {}
+        pieces = 0
         for chunk in chunks:
             if chunk.choices:
                 choice = chunk.choices[0]
@@ -92,13 +109,16 @@ class Server:
                     first = first if first is not None else now
                     last = now
                     text.append(piece)
+                    pieces += 1
                 extension = (chunk.model_extra or {}).get("sparsespec") or extension
             if chunk.usage is not None:
                 usage = chunk.usage
-        tokens = usage.completion_tokens
+        # A server that ignores include_usage streams one token per chunk: count the chunks that carried text.
+        tokens = usage.completion_tokens if usage is not None else pieces
         decode = (tokens - 1) / (last - first) if first is not None and last > first and tokens > 1 else 0.0
         return {"text": "".join(text), "ttft_s": (first or time.perf_counter()) - started, "tokens": tokens,
-                "prompt_tokens": usage.prompt_tokens, "tok_s": decode, "server": extension}
+                "prompt_tokens": usage.prompt_tokens if usage is not None else None, "tok_s": decode,
+                "server": extension}
 
     def close(self) -> None:
         self.process.send_signal(signal.SIGINT)
@@ -183,6 +203,45 @@ def bench_long_chat(args, base: dict) -> None:
         server.close()
 
 
+def chat_script(args, server: Server, tokenizer) -> list[dict]:
+    """``--side-turns`` turns of corpus text, each answered greedily; one record per turn."""
+    history: list[dict] = []
+    records = []
+    for turn in range(args.side_turns):
+        text = corpus_words(args.turn_tokens, tokenizer, start=turn * args.turn_tokens * 6)
+        history = history + [{"role": "user", "content": text + "\n\nWhat happens next?"}]
+        result = server.stream(messages=history, max_tokens=args.max_tokens)
+        history = history + [{"role": "assistant", "content": result["text"]}]
+        records.append({"turn": turn + 1, "prompt_tokens": result["prompt_tokens"], "new_tokens": result["tokens"],
+                        "tok_s": round(result["tok_s"], 3), "ttft_s": round(result["ttft_s"], 4)})
+    return records
+
+
+def bench_side_by_side(args, base: dict) -> None:
+    """The same conversation script through ``sparsespec serve`` and llama-cpp-python's server on the same GGUF file,
+    one server at a time: per turn tok/s and time to first token, then the medians."""
+    tokenizer = load_model(args.model, DTYPES[args.dtype], args.weights).tokenizer
+    medians = {}
+    for engine in ("sparsespec", "llama.cpp"):
+        server = Server(args, llama=engine == "llama.cpp")
+        try:
+            records = chat_script(args, server, tokenizer)
+        finally:
+            server.close()
+        for record in records:
+            emit({"bench": "serve_side_by_side", **base, "engine": engine, **record}, args.out)
+        # The first turn reads the prompt from scratch; the follow-ups resume from the cache on both servers.
+        follow = records[1:] or records
+        medians[engine] = {"tok_s": statistics.median(r["tok_s"] for r in records),
+                           "first_ttft_s": records[0]["ttft_s"],
+                           "follow_up_ttft_s": statistics.median(r["ttft_s"] for r in follow)}
+    ours, theirs = medians["sparsespec"], medians["llama.cpp"]
+    emit({"bench": "serve_side_by_side_summary", **base, "turns": args.side_turns, "turn_tokens": args.turn_tokens,
+          "max_tokens": args.max_tokens, "sparsespec": ours, "llama_cpp": theirs,
+          "tok_s_ratio": round(ours["tok_s"] / theirs["tok_s"], 4),
+          "follow_up_ttft_ratio": round(ours["follow_up_ttft_s"] / theirs["follow_up_ttft_s"], 4)}, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="overhead,ttft,long_chat")
@@ -198,10 +257,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=50, help="long_chat: turns")
     parser.add_argument("--turn-tokens", type=int, default=400, help="long_chat: corpus tokens per user turn")
     parser.add_argument("--budget", type=int, default=1024, help="long_chat: hybrid budget")
+    parser.add_argument("--side-turns", type=int, default=8, help="side_by_side: turns of the conversation script")
+    parser.add_argument("--llama-context", type=int, default=8192, help="side_by_side: llama.cpp's n_ctx")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.jsonl")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    unknown = set(modes) - {"overhead", "ttft", "long_chat"}
+    unknown = set(modes) - {"overhead", "ttft", "long_chat", "side_by_side"}
     if unknown:
         raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     if "overhead" in modes and args.draft:
@@ -221,6 +282,11 @@ def main() -> None:
             server.close()
     if "long_chat" in modes:
         bench_long_chat(args, base)
+    if "side_by_side" in modes:
+        if args.draft or args.weights not in ("auto", "native"):
+            raise SystemExit("side_by_side compares the GGUF file's own weights without a draft; "
+                             "run it with the default --weights and no --draft")
+        bench_side_by_side(args, base)
 
 
 if __name__ == "__main__":
