@@ -17,7 +17,8 @@ a full cache, the budget for a budgeted one. Calibrate first, at the same thread
     sparsespec calibrate --threads 2
     python benchmarks/bench_simulator.py                # Qwen2.5-Coder 1.5B (+0.5B draft) and SmolLM2; minutes
     python benchmarks/bench_simulator.py --quick        # SmolLM2 only, few tokens, short contexts; under a minute
-    python benchmarks/bench_simulator.py --weights int8 --draft-weights int4   # the default formats, by their bytes
+    python benchmarks/bench_simulator.py --weights int8 --draft-weights int4   # torch's formats, by their bytes
+    python benchmarks/bench_simulator.py --weights native   # the GGUF files' own blocks (the default for GGUF)
 
 The summary line reports the mean absolute and the mean signed error ((predicted − measured) / measured): a signed
 mean far from zero is a bias of the model, not noise.
@@ -38,6 +39,7 @@ from common import PROSE_PROMPT, RESULTS_DIR, emit, loadavg, machine, median
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.edge import load_profile, predict_autoregressive, predict_speculative
+from sparsespec.edge.commands import native_bytes_per_parameter
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.errors import UserError
 from sparsespec.eval.prompts import load_prompts
@@ -169,6 +171,13 @@ def run_once(target, ids: list[int], new_tokens: int, config: Config, draft_mode
 
 # The simulator's name of each engine weight format (its bytes: see edge/roofline.py).
 SIMULATOR_FORMAT = {"dense": "bf16", "int8": "int8", "int4": "int4"}
+WEIGHT_CHOICES = (*SIMULATOR_FORMAT, "native")
+
+
+def simulator_format(weights: str, model: str) -> str | float:
+    """The simulator's weight format for the engine's ``weights`` on ``model``: a format name, or for ``native``
+    the GGUF file's own bytes per streamed parameter."""
+    return native_bytes_per_parameter(model) if weights == "native" else SIMULATOR_FORMAT[weights]
 
 
 def predict(config: Config, target, draft_model, device, prompt_tokens: int, new_tokens: int, run: Run,
@@ -232,9 +241,9 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated configuration names to run (default: all)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (16 with --quick)")
-    parser.add_argument("--weights", choices=("dense", "int8", "int4"), default="dense",
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="dense",
                         help="the target's weight format, run by the engine and modelled by its bytes (default: dense)")
-    parser.add_argument("--draft-weights", choices=("dense", "int8", "int4"), default=None,
+    parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                         help="a draft model's weight format (default: as --weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None,
@@ -278,8 +287,9 @@ def main() -> None:
                   "gamma": config.gamma if config.draft else None, "prompt_tokens": len(ids),
                   "new_tokens": new_tokens, "measured_tok_s": measured, "runs": [round(s, 3) for s in speeds],
                   "engine_tok_s": median([r.stats.tokens_per_s for r in runs])}
-        formats = {"weights": SIMULATOR_FORMAT[args.weights],
-                   "draft_weights": SIMULATOR_FORMAT[args.weights if config.draft == "self" else draft_weights]}
+        formats = {"weights": simulator_format(args.weights, config.target),
+                   "draft_weights": (simulator_format(args.weights, config.target) if config.draft in (None, "self")
+                                     else simulator_format(draft_weights, config.draft))}
         prediction = predict(config, target, draft_model, device, len(ids), new_tokens, run, formats)
         record["predicted_tok_s"] = prediction.pop("predicted_tok_s")
         record["error_fraction"] = (record["predicted_tok_s"] - measured) / measured
