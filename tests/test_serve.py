@@ -7,6 +7,7 @@ memory), where only speed matters.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -30,8 +31,9 @@ from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions
 from sparsespec.loading.load import LoadedModel
-from sparsespec.serve.server import STREAM_INTERVAL_SECONDS, ServerState, create_app
-from sparsespec.serve.worker import EngineWorker
+from sparsespec.serve.server import ServerState, create_app
+from sparsespec.sampling import SamplingParams
+from sparsespec.serve.worker import TEXT_INTERVAL_SECONDS, EngineWorker, GenerationRequest, Job
 
 from conftest import tiny_model
 
@@ -259,23 +261,43 @@ def test_bad_requests_get_400_error_objects(tiny_server):
     assert get(url + "/health") == (200, '{"status":"ok"}')
 
 
-def test_streamed_chunks_are_spaced_by_the_interval_and_carry_every_token(tiny_server):
-    """A model faster than the stream interval: after the first, chunks leave at most once per interval, each with
-    every token decoded meanwhile, and together they are the whole answer."""
+def test_streamed_chunks_carry_every_token_in_fewer_events(tiny_server):
+    """A model faster than the hand-over interval streams several tokens per chunk, and the chunks together are
+    the whole answer."""
     url, _ = tiny_server
     c = client(url)
     body = dict(model="any", prompt="Once", max_tokens=200, temperature=0)
     whole = c.completions.create(**body).choices[0].text
-    arrivals, pieces = [], []
-    for chunk in c.completions.create(stream=True, **body):
-        if chunk.choices and chunk.choices[0].text:
-            arrivals.append(time.perf_counter())
-            pieces.append(chunk.choices[0].text)
+    pieces = [chunk.choices[0].text for chunk in c.completions.create(stream=True, **body)
+              if chunk.choices and chunk.choices[0].text]
     assert "".join(pieces) == whole
     assert 2 <= len(pieces) < 200
-    # Arrival gaps can shrink by the network's jitter only: the median gap is at least most of the interval.
-    gaps = sorted(b - a for a, b in zip(arrivals[1:], arrivals[2:]))
-    assert not gaps or gaps[len(gaps) // 2] >= 0.8 * STREAM_INTERVAL_SECONDS
+
+
+def test_the_engine_hands_text_over_at_most_once_per_interval(tiny_loaded, monkeypatch):
+    """The engine thread wakes the event loop with text at once for the first piece, then at most once per
+    interval (the last hand-over flushes the end), as timed where the engine hands it over."""
+    handed: list[tuple[float, str, object]] = []
+    real_emit = Job.emit
+    monkeypatch.setattr(Job, "emit", lambda job, kind, value: (handed.append((time.perf_counter(), kind, value)),
+                                                                real_emit(job, kind, value)))
+    worker = EngineWorker(tiny_loaded, CacheOptions())
+    worker.start()
+    try:
+        async def run() -> None:
+            prompt = tiny_loaded.tokenizer.encode("Once")
+            job = worker.submit(GenerationRequest(prompt, 200, SamplingParams()), asyncio.get_running_loop())
+            while (await job.events.get())[0] == "text":
+                pass
+
+        asyncio.run(run())
+    finally:
+        worker.stop()
+    texts = [(at, value) for at, kind, value in handed if kind == "text"]
+    assert handed[-1][1] == "done" and handed[-1][2].stats.new_tokens == 200
+    assert 2 <= len(texts) < 200
+    gaps = [b[0] - a[0] for a, b in zip(texts, texts[1:-1])]
+    assert all(gap >= TEXT_INTERVAL_SECONDS for gap in gaps)
 
 
 def test_client_leaving_mid_stream_cancels_its_generation(tiny_server):

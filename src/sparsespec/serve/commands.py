@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 
 from ..flags import WEIGHT_CHOICES
 from ..errors import UserError
@@ -90,18 +92,40 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"sparsespec: {target.name} loaded; serving.", file=sys.stderr, flush=True)
         return EngineWorker(target, cache, draft, queue_size=args.queue_size, no_evict_overflow=args.no_evict_overflow)
 
-    state = ServerState(load)
+    # The engine takes this (the main) thread, the HTTP server a thread beside it (see ServerState).
+    state = ServerState(load, background=False)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="sparsespec-http", daemon=True)
     state.on_failure = lambda exc: setattr(server, "should_exit", True)
     print(f"sparsespec: loading {args.model}; the API will be at http://{args.host}:{args.port}/v1 "
           "(GET /health answers 503 until then)", file=sys.stderr, flush=True)
+    http.start()
+    # The HTTP server's own shutdown (Ctrl-C, or a port it could not bind) stops the engine's loop.
+    watcher = threading.Thread(target=_stop_engine_after, args=(http, state), name="sparsespec-watch", daemon=True)
+    watcher.start()
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
+        state.run_engine()
+    except KeyboardInterrupt:
         pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+        if state.worker is not None:
+            state.worker.stop()
     if state.error is not None:
         raise state.error
+    if not server.started:
+        raise UserError(f"Could not listen on {args.host}:{args.port} (is the port in use?).")
     return 0
+
+
+def _stop_engine_after(http: threading.Thread, state) -> None:
+    """Stop the engine's loop once the HTTP server's thread has ended."""
+    http.join()
+    while state.worker is None and state.error is None:  # still loading: stop as soon as it is ready
+        time.sleep(0.1)
+    if state.worker is not None:
+        state.worker.stop()
 
 
 # ------------------------------------------------------------------------------------------------------ chat

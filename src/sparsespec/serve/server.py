@@ -27,32 +27,51 @@ from .worker import EngineWorker, Job, QueueFull, extension
 
 log = logging.getLogger("sparsespec.serve")
 
-STREAM_INTERVAL_SECONDS = 0.025  # the shortest gap between two streamed text chunks (see _stream)
-
 
 class ServerState:
-    """The worker once loaded; ``load`` runs in a background thread so that ``/health`` answers meanwhile."""
+    """The worker once loaded, so that ``/health`` answers while the model loads.
 
-    def __init__(self, load: Callable[[], EngineWorker], on_failure: Callable[[BaseException], None] | None = None):
+    With ``background`` (tests, an app embedded elsewhere) the app's start runs ``load`` and then the engine in
+    threads of their own. Without it the caller gives its own thread to :meth:`run_engine`: the ``serve`` command
+    gives the engine the process's main thread and runs the HTTP server beside it. That placement is for speed:
+    torch's OpenMP workers spin between parallel regions only while the process has no more OpenMP masters than
+    cores, and an engine thread beside the main thread's own pool made every kernel call wait for its workers to
+    wake (SmolLM2 decoded at 0.87x of ``generate`` through the API, one linear took 4x as long).
+    """
+
+    def __init__(self, load: Callable[[], EngineWorker], on_failure: Callable[[BaseException], None] | None = None,
+                 background: bool = True):
         self._load = load
         self.on_failure = on_failure
+        self.background = background
         self.worker: EngineWorker | None = None
         self.error: BaseException | None = None
 
     def start_loading(self) -> None:
-        threading.Thread(target=self._run_load, name="sparsespec-load", daemon=True).start()
+        """Load and start the engine in background threads (a no-op without ``background``)."""
+        if self.background:
+            threading.Thread(target=self._loaded, name="sparsespec-load", daemon=True).start()
 
-    def _run_load(self) -> None:
+    def run_engine(self) -> None:
+        """Load the model and serve requests on the calling thread until the worker is stopped."""
+        worker = self._loaded()
+        if worker is not None:
+            worker.run()
+
+    def _loaded(self) -> EngineWorker | None:
         try:
             worker = self._load()
-            worker.start()
+            if self.background:
+                worker.start()
             self.worker = worker
+            return worker
         except BaseException as exc:
             self.error = exc
             if not isinstance(exc, UserError):
                 log.exception("loading the model failed")
             if self.on_failure is not None:
                 self.on_failure(exc)
+            return None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -162,18 +181,13 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """Server-sent events of one job; leaving early (the client went away) cancels the job.
 
-    The first text goes out at once; after that a chunk leaves at most every :data:`STREAM_INTERVAL_SECONDS` and
-    carries every token decoded since the last one, so a fast model costs one event (and one client parse) per
-    interval rather than per token, on the same cores as the engine.
+    A chunk carries the text of one event from the worker (which sends text at most every
+    :data:`~sparsespec.serve.worker.TEXT_INTERVAL_SECONDS`), or of every event waiting when the last chunk was sent.
     """
-    loop = asyncio.get_running_loop()
     try:
         kind, value = first
         opened = False
-        last_sent = None
         while kind == "text":
-            if last_sent is not None and (wait := last_sent + STREAM_INTERVAL_SECONDS - loop.time()) > 0:
-                await asyncio.sleep(wait)
             pieces = [value]
             while not job.events.empty():
                 kind, value = job.events.get_nowait()
@@ -184,7 +198,6 @@ async def _stream(
                 kind = None
             yield _event(responses.chunk("".join(pieces), first=not opened))
             opened = True
-            last_sent = loop.time()
             if kind is None:
                 kind, value = await job.events.get()
         if kind == "error":
