@@ -56,8 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a model, or 'self'")
-    parser.add_argument("--weights", default="auto", help="the target's weight format (default: auto = int8)")
-    parser.add_argument("--draft-weights", default="auto", help="the draft's weight format (default: auto = int4)")
+    parser.add_argument("--weights", default="auto",
+                        help="the target's weight format (default: auto, native for a GGUF file)")
+    parser.add_argument("--draft-weights", default="auto",
+                        help="the draft's weight format (default: auto, native for a GGUF file)")
     parser.add_argument("--contexts", default="1024,4096,8192", help="tokens of corpus text before each prompt")
     parser.add_argument("--draft-budgets", default="64,256,1024,full", help="draft cache budgets ('full': no budget)")
     parser.add_argument("--target-budget", type=int, default=None,
