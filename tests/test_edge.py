@@ -30,6 +30,7 @@ from sparsespec.edge import (
 from sparsespec.edge.commands import add_simulate_arguments, run_simulate, simulate
 from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters, weight_bytes
 from sparsespec.errors import UserError
+from sparsespec.flags import DEFAULT_DRAFT_BUDGET
 
 SHIPPED = {
     "host",
@@ -424,7 +425,7 @@ def test_run_simulate_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["device"] == "jetson-orin-nano-8gb"
     assert set(report["modes"]) == {"full", "sparse", "speculative", "combined"}
-    assert report["draft"] == "self" and report["settings"]["draft_budget"] == 64
+    assert report["draft"] == "self" and report["settings"]["draft_budget"] == DEFAULT_DRAFT_BUDGET
     full, sparse = report["modes"]["full"], report["modes"]["sparse"]
     assert all(m["tokens_per_second"] > 0 for m in report["modes"].values())
     # the default budget is the largest SRAM-resident one, so sparse keeps its KV on chip and full does not

@@ -13,7 +13,10 @@ from .errors import UserError
 WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-DEFAULT_DRAFT_BUDGET = 64  # the draft's hybrid cache when no --draft-policy / --draft-budget is given
+# The draft's hybrid cache when no --draft-policy / --draft-budget is given: the knee of the measured acceptance
+# (benchmarks/RESULTS.md, draft budget): 64 entries lost prose at 1k context (0.24 against 0.59), more than 256
+# gained nothing at 1k-8k and cost draft time.
+DEFAULT_DRAFT_BUDGET = 256
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
 
@@ -33,7 +36,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
     p = f"--{prefix}"
     parser.add_argument(f"{p}policy", default=None,
                         help="full | window | streaming | h2o | hybrid | hybrid-age (default: "
-                        + ("hybrid, budget 64)" if prefix else "full, or hybrid when a budget or size is given)"))
+                        + (f"hybrid, budget {DEFAULT_DRAFT_BUDGET})" if prefix else "full, or hybrid when a budget or size is given)"))
     parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
     parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")
     parser.add_argument(f"{p}heavy", type=int, default=None, help="heavy hitters kept")

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..flags import parse_size
+from ..flags import DEFAULT_DRAFT_BUDGET, parse_size
 from .profile import DeviceProfile, list_profiles, load_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
@@ -37,8 +37,6 @@ DEFAULT_GAMMA = 4
 DEFAULT_ACCEPTANCE = 0.8
 # Budget used when none is given and not even 16 entries fit the device's SRAM budget.
 FALLBACK_BUDGET = 256
-# Cache of the self-speculative draft (the target's weights over a small sparse cache) when none is given.
-DEFAULT_SELF_DRAFT_BUDGET = 64
 WEIGHT_FORMATS = ("bf16", "int8", "int4", "native")
 
 
@@ -67,7 +65,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         type=int,
         default=None,
         help=f"draft KV budget (default: the target's cache size for a draft model, "
-        f"{DEFAULT_SELF_DRAFT_BUDGET} for self-speculation)",
+        f"{DEFAULT_DRAFT_BUDGET} for self-speculation)",
     )
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
                         help="target weight format, by the engine's real bytes (int8: per-channel scales; int4: "
@@ -201,7 +199,7 @@ def simulate(
     draft_format = o.draft_weights or o.weights
     draft_weights = _format(draft_format, o.native_bytes if self_draft else o.draft_native_bytes)
     if self_draft and draft_budget is None:
-        draft_budget = DEFAULT_SELF_DRAFT_BUDGET
+        draft_budget = DEFAULT_DRAFT_BUDGET
     sparse_modes = policy != "full"
 
     # Largest SRAM-resident budgets: decoding alone (1 staged slot), and speculating (γ+1 staged slots) beside the
