@@ -447,3 +447,15 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
 def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):
     assert main(["serve", "--model", "smollm2-135m", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_fails_before_loading(capsys, monkeypatch):
+    import sparsespec.serve.commands as commands
+
+    monkeypatch.setattr(commands, "load_engine", lambda *a: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "smollm2-135m", "--port", str(port)]) == 2
+    assert f"Could not listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -83,6 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_worker_options(options[0], args.queue_size, args.no_evict_overflow)
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be from 0 to 65535 (got {args.port}).")
+    _check_port_free(args.host, args.port)  # before the model loads, not a minute after
     resolve_model(args.model)  # a wrong name fails now, not after the port is open
     if args.draft not in (None, "self"):
         resolve_model(args.draft)
@@ -117,6 +118,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         raise UserError(f"Could not listen on {args.host}:{args.port} (is the port in use?).")
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise :class:`UserError` if ``host:port`` cannot be bound now (taken, or not an address of this machine)."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise UserError(f"Could not listen on {host}:{port} ({exc.strerror or exc}).") from None
 
 
 def _stop_engine_after(http: threading.Thread, state) -> None:
