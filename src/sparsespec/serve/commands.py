@@ -104,10 +104,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # The HTTP server's own shutdown (Ctrl-C, or a port it could not bind) stops the engine's loop.
     watcher = threading.Thread(target=_stop_engine_after, args=(http, state), name="sparsespec-watch", daemon=True)
     watcher.start()
+    interrupted = False
     try:
         state.run_engine()
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     finally:
         server.should_exit = True
         http.join(timeout=30)
@@ -115,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
             state.worker.stop()
     if state.error is not None:
         raise state.error
-    if not server.started:
+    if not interrupted and not server.started:
         raise UserError(f"Could not listen on {args.host}:{args.port} (is the port in use?).")
     return 0
 

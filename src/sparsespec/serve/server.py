@@ -65,7 +65,7 @@ class ServerState:
                 worker.start()
             self.worker = worker
             return worker
-        except BaseException as exc:
+        except Exception as exc:  # Ctrl-C while loading on the main thread goes on up to the command
             self.error = exc
             if not isinstance(exc, UserError):
                 log.exception("loading the model failed")
