@@ -215,6 +215,21 @@ def test_bad_inputs_raise():
         kernels.gguf_linear(torch.randn(1, 256), [tiles[: tiles.numel() // 2]], [kind], [20], 256)
 
 
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, capsys):
+    """A build killed outright leaves torch's lock file behind; a start does not wait on it forever."""
+    import threading
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (0, 0))  # decades old: a killed build's
+    kernels.wait_for_other_build(tmp_path)
+    assert not lock.exists() and "interrupted build" in capsys.readouterr().err
+    lock.touch()  # a build in progress: waited for until its lock goes
+    threading.Timer(1.5, lock.unlink).start()
+    kernels.wait_for_other_build(tmp_path)
+    assert not lock.exists() and capsys.readouterr().err == ""
+
+
 def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
     """``SPARSESPEC_KERNELS=torch``: no native op is loaded, ``auto`` picks the torch formats, generation runs."""
     code = (

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -53,6 +54,28 @@ def _build_dir() -> Path:
     return cache_dir() / "kernels" / digest.hexdigest()[:16]
 
 
+# No build takes this long (about a minute here); a build lock this old was left by a process that was killed.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def wait_for_other_build(folder: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
+    """Wait while another process builds into ``folder`` (torch's ``folder/lock``), but not on a lock older than
+    ``stale_after`` seconds: a build killed outright (SIGKILL, a power cut) leaves its lock behind, and torch
+    would make every later start wait on it forever. Such a lock is removed with a warning."""
+    lock = folder / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            print(f"sparsespec: warning: removing a build lock left {age / 60:.0f} minutes ago by an interrupted "
+                  f"build ({lock}).", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
+
+
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
@@ -63,6 +86,7 @@ def _load():
 
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
+        wait_for_other_build(folder)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module = cpp_extension.load(
