@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "elementwise.h"
+
 #define ATTN_ISA attn_avx2
 namespace sparsespec {
 namespace attn_avx2 {
@@ -16,12 +18,7 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline float scalar(float x) { return x; }
-inline float scalar(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
+inline float scalar(uint16_t x) { return bf16_to_float(x); }
 
 // Canonical 8-lane sum: i + 4, i + 2, i + 1.
 inline float hsum(__m256 v) {

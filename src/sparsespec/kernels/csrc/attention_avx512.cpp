@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "elementwise.h"
+
 #define ATTN_ISA attn_avx512
 namespace sparsespec {
 namespace attn_avx512 {
@@ -15,12 +17,7 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline float scalar(float x) { return x; }
-inline float scalar(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
+inline float scalar(uint16_t x) { return bf16_to_float(x); }
 
 // Canonical 16-lane sum: i + 8, i + 4, i + 2, i + 1.
 inline float hsum(__m512 v) {
