@@ -4,7 +4,8 @@ Two arenas are driven in lockstep through the same random operations (per-block 
 evictions between rows, partial commits, rollbacks): one on the native op in the dtype under test, the other on the
 torch path in float32. Inputs are bfloat16-representable, so a bfloat16 arena holds exactly the values of its
 float32 twin, and the native op (which widens every element to float32) must match the twin to float32 rounding:
-outputs and scores close, evictions, positions and stored keys exact, after every layer of every block.
+outputs and scores close, evictions, positions and stored keys exact, after every layer of every block. Quantized
+arenas run both paths in float32, so both quantize the same values: codes, scales and zeros must be equal too.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def _rows(config, n_rows, gen, dtype):
 
 def _assert_same_state(native: KVArena, ref: KVArena, layer: int, what: str) -> None:
     assert torch.equal(native.keys[layer].float(), ref.keys[layer].float()), f"{what}: keys"
+    if ref._keys.params is not None:  # quantized: the same codes (checked above) and the same scales and zeros
+        assert torch.equal(native.values[layer], ref.values[layer]), f"{what}: value codes"
+        assert torch.equal(native._keys.params[layer], ref._keys.params[layer]), f"{what}: key params"
+        assert torch.equal(native._values.params[layer], ref._values.params[layer]), f"{what}: value params"
     assert torch.equal(native.positions[layer], ref.positions[layer]), f"{what}: positions"
     assert torch.equal(native.evicted_at[layer], ref.evicted_at[layer]), f"{what}: evicted_at"
     if ref.policy.needs_scores:
@@ -132,6 +137,31 @@ def test_native_attention_reads_bf16_entries_of_a_float32_arena(mode):
     assert evictions["within"] > 0 and evictions["other"] > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+@pytest.mark.parametrize("name", ["full", "streaming", "hybrid"])
+def test_native_attention_reads_quantized_entries_as_the_torch_path(name, mode, kv_dtype):
+    """int8 / int4 arenas: the op quantizes new rows to exactly the codes, scales and zeros ``quant.quantize`` gives
+    (float32 compute, so both paths quantize the same rotated keys), and its outputs and scores match the torch
+    path, which reads the same codes through ``quant.dequantize``."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    evictions = _run(config, name, mode, torch.float32, seed=zlib.crc32(f"{name} {mode} {kv_dtype}".encode()),
+                     kv_dtype=kv_dtype)
+    if name != "full":
+        assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_every_instruction_set_reads_quantized_entries_as_the_torch_path(monkeypatch, isa, kv_dtype, head_dim):
+    """head_dim 64: the vector dequantization (whole groups of 16 or 32 channels); 8: groups smaller than a vector,
+    dequantized by the scalar loop inside every instruction set's path."""
+    monkeypatch.setattr(kernels, "arena_attention", functools.partial(kernels.arena_attention, isa=isa))
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    _run(config, "hybrid", "in-cache", torch.float32, seed=13, n_ops=8, kv_dtype=kv_dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_positions_past_the_rope_tables_equal_torch_path(dtype):
     """True positions beyond the cached RoPE tables: the op gets rows computed for the block alone (a table offset)
@@ -152,12 +182,12 @@ def test_positions_past_the_rope_tables_equal_torch_path(dtype):
 
 
 @pytest.mark.parametrize(("kv_dtype", "name", "uses_op"), [
-    ("auto", "hybrid", True), ("bf16", "hybrid", True), ("int8", "hybrid", False), ("int4", "hybrid", False),
-    ("auto", "hybrid-age", False),
+    ("auto", "hybrid", True), ("bf16", "hybrid", True), ("int8", "hybrid", True), ("int4", "hybrid", True),
+    ("auto", "hybrid-age", False), ("int8", "hybrid-age", False),
 ])
-def test_native_op_serves_unquantized_entries_under_plain_ranking_only(monkeypatch, kv_dtype, name, uses_op):
-    """int8 / int4 codes need dequantizing and hybrid-age ranks by score per age, which the op does not do: those
-    arenas attend through the torch path (and never call the op), the others through the op."""
+def test_native_op_serves_every_kv_dtype_under_plain_ranking_only(monkeypatch, kv_dtype, name, uses_op):
+    """hybrid-age ranks by score per age, which the op does not do: its arenas attend through the torch path (and
+    never call the op); every KV dtype under the other policies attends through the op."""
     calls = []
 
     def counting(*args, **kwargs):
@@ -189,14 +219,15 @@ def test_every_instruction_set_equals_torch_path(monkeypatch, isa, name, mode):
 
 
 @pytest.mark.parametrize("mode", ["original", "in-cache"])
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode):
+@pytest.mark.parametrize(("name", "kv_dtype"), [(name, "auto") for name in POLICIES] + [("hybrid", "int8"),
+                                                                                        ("hybrid", "int4")])
+def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode, kv_dtype):
     """Row independence: a verification block's rows compute exactly what single-row blocks would."""
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     gen = torch.Generator().manual_seed(3)
     prompt = _rows(config, MAX_BLOCK, gen, torch.bfloat16)
     block = _rows(config, MAX_INFLIGHT, gen, torch.bfloat16)
-    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True) for _ in range(2)]
+    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True, kv_dtype) for _ in range(2)]
     for arena in arenas:
         for _ in range(3):
             arena.begin(MAX_BLOCK, per_block=True)

@@ -86,6 +86,7 @@ def test_stored_entries_are_the_written_rows_quantized_and_move_with_their_slot(
     model = tiny_model(num_hidden_layers=1)
     arena = KVArena(model.config, make_policy("h2o", 12), dtype=torch.float32, max_block=4, max_inflight=4,
                     positions=mode, kv_dtype=kv_dtype)
+    arena.native_attention = False  # the torch path's writes (the op's equal codes: test_attention_native.py)
     written = {}
     original_write = arena._write_rows
 

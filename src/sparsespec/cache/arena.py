@@ -33,10 +33,11 @@ ever reaches ``budget + staging``.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
 also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
-kernels are available and the entries are stored unquantized (the compute dtype or bfloat16: the op reads ``keys`` /
-``values`` as they are) under a policy other than ``hybrid-age``; else through the torch path below (the row writes,
+kernels are available, under a policy other than ``hybrid-age``; else through the torch path below (the row writes,
 ``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``), which is its
-reference: the same stored rows, visibility, scores, snapshots and evictions.
+reference: the same stored rows (quantized entries: the same codes and scales), visibility, scores, snapshots and
+evictions. Quantized entries are read by the op as ``fma(code, scale, zero)`` in float32, by the torch path as
+``quant.dequantize`` rounded to the compute dtype: the two paths' outputs agree to that rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -120,9 +121,9 @@ class KVArena:
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
         self._slot_index = torch.arange(self.capacity)
-        # The native op reads the stored keys and values as they are (float32 or bfloat16) and ranks heavy hitters
-        # by their plain sums; quantized entries and hybrid-age's ranking take the torch path (also its reference).
-        self.native_attention = self._keys.params is None and not policy.age_normalised and kernels.available()
+        # The native op reads the stored keys and values (float32, bfloat16 or codes) and ranks heavy hitters by
+        # their plain sums; hybrid-age's ranking takes the torch path (also the op's reference).
+        self.native_attention = not policy.age_normalised and kernels.available()
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -318,6 +319,7 @@ class KVArena:
             table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
             visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
             budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, scale=self.scale,
+            key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -162,7 +162,8 @@ def arena_attention(
     positions: torch.Tensor, evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, *, table_offset: int, in_cache: bool, layer: int, start: int, first: int,
     visible_before: int, first_position: int, snapshots: int, per_row: bool, budget: int | None, sinks: int,
-    heavy: int, window: int, scale: float, isa: int = ISA_AUTO,
+    heavy: int, window: int, scale: float, key_params: torch.Tensor | None = None,
+    value_params: torch.Tensor | None = None, code_bits: int = 0, isa: int = ISA_AUTO,
 ) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
@@ -174,7 +175,11 @@ def arena_attention(
 
     Args:
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
-        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16, the whole arena.
+        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16, the whole arena; or, with
+            ``code_bits`` 8 or 4, uint8 codes ``[n_layers, n_kv, capacity, head_dim * code_bits / 8]`` and their
+            float16 ``key_params`` / ``value_params`` ``[n_layers, n_kv, capacity, head_dim / group, 2]`` as
+            ``cache/quant.py`` stores them (the op quantizes the new rows as ``quant.quantize`` does and reads an
+            entry as ``fma(code, scale, zero)`` in float32).
         positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape; both updated.
         scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
         row_scores: ``[r, n_layers, n_kv, capacity]`` float32: row ``i``'s scores go to ``row_scores[first + i]``
@@ -189,7 +194,7 @@ def arena_attention(
     return torch.ops.sparsespec.arena_attention(
         q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
         start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
-        heavy, window, scale, isa,
+        heavy, window, scale, key_params, value_params, code_bits, isa,
     )
 
 

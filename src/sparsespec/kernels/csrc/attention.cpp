@@ -93,11 +93,44 @@ void store(const float* x, int hd, bool bf16, void* dst) {
   }
 }
 
+// One head vector x [hd] into slot `slot` of the keys (or values) and their params, in the block's format.
+void store_entry(const AttnBlock& b, const float* x, void* entries, uint16_t* params, long slot) {
+  if (b.code_bits) {
+    quantize_row(x, b.hd, b.code_bits, b.code_group,
+                 static_cast<uint8_t*>(entries) + slot * code_bytes(b.hd, b.code_bits),
+                 params + slot * param_halves(b.hd, b.code_group));
+  } else {
+    store(x, b.hd, b.bf16, static_cast<char*>(entries) + slot * b.hd * (b.bf16 ? 2 : 4));
+  }
+}
+
 }  // namespace
+
+void quantize_row(const float* x, int hd, int bits, int code_group, uint8_t* codes, uint16_t* params) {
+  const float levels = (float)((1 << bits) - 1);
+  uint8_t q[kAttnMaxHeadDim];
+  for (int g = 0; g < hd / code_group; ++g) {
+    const float* xs = x + g * code_group;
+    float low = xs[0], high = xs[0];
+    for (int c = 1; c < code_group; ++c) {
+      low = std::min(low, xs[c]);
+      high = std::max(high, xs[c]);
+    }
+    params[2 * g] = float_to_half(std::max((high - low) / levels, kMinCodeScale));
+    params[2 * g + 1] = float_to_half(low);
+    const float scale = half_to_float(params[2 * g]), zero = half_to_float(params[2 * g + 1]);
+    for (int c = 0; c < code_group; ++c)
+      q[g * code_group + c] = (uint8_t)std::clamp(std::nearbyint((xs[c] - zero) / scale), 0.0f, levels);
+  }
+  if (bits == 8) {
+    std::memcpy(codes, q, hd);
+  } else {
+    for (int c = 0; c < hd / 2; ++c) codes[c] = (uint8_t)(q[c] | (q[c + hd / 2] << 4));
+  }
+}
 
 void stage_rows(const StageRows& st, const AttnBlock& b) {
   const int hd = st.hd, T = st.T;
-  const std::size_t elt = b.bf16 ? 2 : 4;
   auto table_row = [&](const float* table, int64_t p) { return table + (p - st.table_offset) * hd; };
   int64_t rank = b.visible_before;
   for (int i = 0; i < T; ++i) {
@@ -119,8 +152,8 @@ void stage_rows(const StageRows& st, const AttnBlock& b) {
         rope(key, table_row(st.cos, position), table_row(st.sin, position), hd, st.bf16_keys, rotated);
         key = rotated;
       }
-      store(key, hd, b.bf16, static_cast<char*>(b.keys) + slot * hd * elt);
-      store(st.v + at, hd, b.bf16, static_cast<char*>(b.values) + slot * hd * elt);
+      store_entry(b, key, b.keys, b.key_params, slot);
+      store_entry(b, st.v + at, b.values, b.value_params, slot);
       b.positions[slot] = position;
       b.evicted_at[slot] = kNever;
       if (b.scores) b.scores[slot] = 0.0f;
@@ -133,7 +166,9 @@ void attend_block(int isa, const AttnBlock& b) {
   const int stop = b.start + b.T;
   const long lds = stop;
   const int max_chunks = (stop + kAttnChunk - 1) / kAttnChunk;
-  const std::size_t elt = b.bf16 ? 2 : 4;
+  // Bytes of one head's entries, and float16 values of its params (quantized entries).
+  const long head_bytes = (long)b.cap * (b.code_bits ? code_bytes(hd, b.code_bits) : (long)hd * (b.bf16 ? 2 : 4));
+  const long head_params = b.code_bits ? (long)b.cap * param_halves(hd, b.code_group) : 0;
   std::vector<float> logits((std::size_t)H * G * lds);
   std::vector<float> chunk_max((std::size_t)H * max_chunks * G), chunk_sum(chunk_max.size());
   std::vector<float> chunk_out(chunk_max.size() * hd);
@@ -149,9 +184,15 @@ void attend_block(int isa, const AttnBlock& b) {
     a.hd = hd;
     a.q = b.q + ((long)h * G * b.T + row) * hd;
     a.ldq = (long)b.T * hd;
-    a.keys = static_cast<const char*>(b.keys) + (std::size_t)h * b.cap * hd * elt;
-    a.values = static_cast<const char*>(b.values) + (std::size_t)h * b.cap * hd * elt;
+    a.keys = static_cast<const char*>(b.keys) + h * head_bytes;
+    a.values = static_cast<const char*>(b.values) + h * head_bytes;
     a.bf16 = b.bf16;
+    a.code_bits = b.code_bits;
+    a.code_group = b.code_group;
+    if (b.code_bits) {
+      a.key_params = b.key_params + h * head_params;
+      a.value_params = b.value_params + h * head_params;
+    }
     a.evicted_at = b.evicted_at + (long)h * b.cap;
     a.last_slot = b.start + row;
     a.ranks = b.cos ? ranks.data() + (long)h * b.cap : nullptr;

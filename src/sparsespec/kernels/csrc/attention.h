@@ -1,7 +1,14 @@
 // Attention of a block of rows over one layer of the KV arena (sparsespec/cache/arena.py), torch-free core.
 //
-// Arena layout of the layer: keys, values [n_kv, cap, hd] (float32 or bfloat16), positions [n_kv, cap] int64,
-// evicted_at [n_kv, cap] int32 (kNever = alive), scores [n_kv, cap] float32 (heavy-hitter policies only).
+// Arena layout of the layer: keys, values [n_kv, cap, hd] (float32 or bfloat16) or their codes (below),
+// positions [n_kv, cap] int64, evicted_at [n_kv, cap] int32 (kNever = alive), scores [n_kv, cap] float32
+// (heavy-hitter policies only).
+//
+// Quantized entries (sparsespec/cache/quant.py): a key or value head vector is stored as codes [hd * bits / 8]
+// uint8 plus params [hd / code_group, 2] float16 (scale, zero) per group of code_group consecutive channels; int8:
+// one code per byte; int4: channel c in the low nibble of byte c, channel c + hd/2 in the high nibble. Written as
+// quant.py writes them (quantize_row: the same float32 steps, so the same codes and params); read as
+// fma(code, scale, zero) in float32 (dequantize_row), then used as a float32 entry.
 // The block's rows occupy slots [start, start + T); row i sees the slots s <= start + i that are alive.
 //
 // The float steps of a row (they never depend on how many rows share the block, nor on the thread count):
@@ -15,7 +22,10 @@
 // sequence), so results agree across instruction sets to float rounding, and bit for bit on one machine.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+
+#include "elementwise.h"
 
 namespace sparsespec {
 
@@ -23,6 +33,29 @@ constexpr int kAttnChunk = 256;
 constexpr int kAttnMaxGroup = 64;  // query heads per KV head
 constexpr int kAttnMaxHeadDim = 256;
 constexpr int32_t kNever = 0x7fffffff;  // evicted_at of an alive slot
+constexpr float kMinCodeScale = 0x1p-14f;  // quant.py's MIN_SCALE: the float16 scale of a constant group
+
+// Bytes of one stored head vector's codes, and float16 values of its params.
+inline long code_bytes(int hd, int bits) { return (long)hd * bits / 8; }
+inline long param_halves(int hd, int code_group) { return 2L * (hd / code_group); }
+
+// x [hd] -> codes and params as quant.py's quantize: per group, scale = float16(max((max - min) / (2^bits - 1),
+// 2^-14)), zero = float16(min), code = clamp(round_half_even((x - zero) / scale), 0, 2^bits - 1).
+void quantize_row(const float* x, int hd, int bits, int code_group, uint8_t* codes, uint16_t* params);
+
+// codes and params -> [hd] float32 entries, channel c = fma(code, scale, zero) (the scalar definition every
+// instruction set's dequantize_row equals bit for bit). Internal linkage: each file compiles its own copy under
+// its own instruction set, and no file may end up calling another's.
+static inline void dequantize_row_scalar(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group,
+                                  float* out) {
+  for (int g = 0; g < hd / code_group; ++g) {
+    const float scale = half_to_float(params[2 * g]), zero = half_to_float(params[2 * g + 1]);
+    for (int c = g * code_group; c < (g + 1) * code_group; ++c) {
+      const int code = bits == 8 ? codes[c] : c < hd / 2 ? codes[c] & 15 : codes[c - hd / 2] >> 4;
+      out[c] = std::fma((float)code, scale, zero);
+    }
+  }
+}
 
 // One chunk of slots [s0, s1) of one KV head, for one row.
 struct AttnChunk {
@@ -32,6 +65,9 @@ struct AttnChunk {
   const void* keys = nullptr;    // [cap, hd] of this head, float32 or bf16 (bf16 = true)
   const void* values = nullptr;  // [cap, hd]
   bool bf16 = false;
+  int code_bits = 0, code_group = 0;      // 8 or 4: keys and values are codes (see the top), 0: float entries
+  const uint16_t* key_params = nullptr;   // [cap, hd / code_group, 2] float16 (quantized entries only)
+  const uint16_t* value_params = nullptr;
   const int32_t* evicted_at = nullptr;  // [cap]
   int last_slot = 0;                    // slots s <= last_slot are in the row's causal range
   const int32_t* ranks = nullptr;       // [cap] rank of each alive slot (in-cache mode), else null
@@ -59,9 +95,12 @@ const AttnKernels& attention_kernels(int isa);  // kAuto = the best this CPU run
 struct AttnBlock {
   int n_kv = 0, group = 0, hd = 0, T = 0, cap = 0;
   const float* q = nullptr;  // [n_kv * group, T, hd] rotated queries
-  void* keys = nullptr;    // [n_kv, cap, hd]
+  void* keys = nullptr;    // [n_kv, cap, hd], or codes [n_kv, cap, hd * code_bits / 8]
   void* values = nullptr;
   bool bf16 = false;
+  int code_bits = 0, code_group = 0;  // quantized entries: 8 or 4 bits, channels per group; 0: float entries
+  uint16_t* key_params = nullptr;     // [n_kv, cap, hd / code_group, 2] float16
+  uint16_t* value_params = nullptr;
   int64_t* positions = nullptr;        // [n_kv, cap]
   int32_t* evicted_at = nullptr;       // [n_kv, cap]
   float* scores = nullptr;             // [n_kv, cap] or null
@@ -83,7 +122,7 @@ void attend_block(int isa, const AttnBlock& b);
 // The block's new rows entering one layer of the arena, before attend_block (the arena's torch path does the same in
 // these steps: KVArena.attend, Rope.rotate): queries rotated in float32 by true position (original mode) or by rank
 // (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
-// keys and values stored at slots [start, start + T) in the arena's dtype, positions set, evicted_at = kNever,
+// keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set, evicted_at = kNever,
 // scores 0. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in the dtype of x
 // (bf16_keys: keys came in as bfloat16, so with bfloat16-rounded tables and bfloat16 rounding after every step).
 struct StageRows {

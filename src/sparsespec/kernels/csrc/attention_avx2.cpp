@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention.h"
 #include "elementwise.h"
 
 #define ATTN_ISA attn_avx2
@@ -43,6 +44,31 @@ inline void axpy(float a, const K* v, float* y, int n) {
   int j = 0;
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, _mm256_fmadd_ps(av, load8(v + j), _mm256_loadu_ps(y + j)));
   for (; j < n; ++j) y[j] += a * scalar(v[j]);
+}
+
+// attention.h's dequantize_row_scalar, 8 channels at a time (groups and, for int4, half rows of whole vectors;
+// else the scalar loop): fma(code, scale, zero) lane by lane, the same value as the scalar fma.
+inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group,
+                           float* out) {
+  const int half = hd / 2;
+  if (code_group % 8 || (bits == 4 && half % 8)) {
+    dequantize_row_scalar(codes, params, hd, bits, code_group, out);
+    return;
+  }
+  for (int g = 0; g < hd / code_group; ++g) {
+    const __m256 scale = _mm256_set1_ps(half_to_float(params[2 * g]));
+    const __m256 zero = _mm256_set1_ps(half_to_float(params[2 * g + 1]));
+    for (int c = g * code_group; c < (g + 1) * code_group; c += 8) {
+      __m256i code;
+      if (bits == 8) {
+        code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + c)));
+      } else {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + (c < half ? c : c - half))));
+        code = c < half ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+      }
+      _mm256_storeu_ps(out + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, zero));
+    }
+  }
 }
 
 // exp(x) for x <= 0 (Cephes' polynomial, ~1 ulp); 0 below -87.3 (and for -inf).

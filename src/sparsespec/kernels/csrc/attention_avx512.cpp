@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "attention.h"
 #include "elementwise.h"
 
 #define ATTN_ISA attn_avx512
@@ -43,6 +44,31 @@ inline void axpy(float a, const K* v, float* y, int n) {
   int j = 0;
   for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_fmadd_ps(av, load16(v + j), _mm512_loadu_ps(y + j)));
   for (; j < n; ++j) y[j] += a * scalar(v[j]);
+}
+
+// attention.h's dequantize_row_scalar, 16 channels at a time (groups and, for int4, half rows of whole vectors;
+// else the scalar loop): fma(code, scale, zero) lane by lane, the same value as the scalar fma.
+inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group,
+                           float* out) {
+  const int half = hd / 2;
+  if (code_group % 16 || (bits == 4 && half % 16)) {
+    dequantize_row_scalar(codes, params, hd, bits, code_group, out);
+    return;
+  }
+  for (int g = 0; g < hd / code_group; ++g) {
+    const __m512 scale = _mm512_set1_ps(half_to_float(params[2 * g]));
+    const __m512 zero = _mm512_set1_ps(half_to_float(params[2 * g + 1]));
+    for (int c = g * code_group; c < (g + 1) * code_group; c += 16) {
+      __m512i code;
+      if (bits == 8) {
+        code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + c)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + (c < half ? c : c - half))));
+        code = c < half ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+      }
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, zero));
+    }
+  }
 }
 
 // exp(x) for x <= 0 (Cephes' polynomial, ~1 ulp); 0 below -87.3 (and for -inf).

@@ -3,6 +3,8 @@
 //   float dot(const float* q, const float* k, int n), float dot(const float* q, const uint16_t* k, int n)
 //   void axpy(float a, const float* v, float* y, int n), void axpy(float a, const uint16_t* v, float* y, int n)
 //   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
+//   void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group, float* out):
+//     attention.h's dequantize_row_scalar, bit for bit
 // and, for the vector paths, a struct Vec (register type T, W lanes, R registers; load from float or bf16, set1, mul, fma, max,
 // hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
 // once into registers, and the value sums stay in registers.
@@ -28,6 +30,26 @@ inline float to_float(uint16_t x) {
 }
 
 inline bool sees(const AttnChunk& a, int s) { return s <= a.last_slot && a.evicted_at[s] == kNever; }
+
+// The entry type K of the kernels below: float, uint16_t (bfloat16) or Codes (quantized entries, which are read
+// through dequantize_row into a float32 row first); Row<K> is the type of the row the arithmetic reads.
+struct Codes {};
+template <class K>
+using Row = std::conditional_t<std::is_same_v<K, Codes>, float, K>;
+
+// Slot s's key (keys = true) or value row: a pointer into the arena, or for quantized entries `buf` holding the
+// row dequantized.
+template <class K>
+inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf) {
+  if constexpr (std::is_same_v<K, Codes>) {
+    const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + s * code_bytes(a.hd, a.code_bits);
+    const uint16_t* params = (keys ? a.key_params : a.value_params) + s * param_halves(a.hd, a.code_group);
+    dequantize_row(codes, params, a.hd, a.code_bits, a.code_group, buf);
+    return buf;
+  } else {
+    return static_cast<const K*>(keys ? a.keys : a.values) + (long)s * a.hd;
+  }
+}
 
 // key(s) rotated by its rank: x * cos + rotate_half(x) * sin, in float32 (the arena's Rope, Hugging Face layout).
 template <class K>
@@ -65,18 +87,18 @@ inline void chunk_max(const AttnChunk& a, int s0, int s1, float* max_out) {
 template <class K, int NV>
 void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
   using T = typename Vec::T;
-  const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   alignas(64) float rotated[4][kAttnMaxHeadDim];
+  alignas(64) float dequantized[4][kAttnMaxHeadDim];
   for (int s = s0; s < s1; s += 4) {
     const int n = std::min(4, s1 - s);
     bool seen[4];
-    const K* raw[4];
+    const Row<K>* raw[4];
     const float* rot[4];
     for (int i = 0; i < 4; ++i) {
       const int slot = s + std::min(i, n - 1);  // past the chunk's end: repeat its last slot (result unused)
       seen[i] = i < n && sees(a, slot);
-      raw[i] = keys + (long)slot * a.hd;
+      raw[i] = entry_row<K>(a, true, slot, dequantized[i]);
       rot[i] = rotated[i];
       if (a.ranks) {
         if (seen[i]) rotate_key(a, raw[i], a.ranks[slot], rotated[i]);
@@ -109,7 +131,7 @@ template <class K, int NV>
 void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
   using T = typename Vec::T;
   constexpr int GB = std::clamp((Vec::R - NV - 2) / NV, 1, 4);
-  const K* values = static_cast<const K*>(a.values);
+  alignas(64) float dequantized[kAttnMaxHeadDim];
   for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
   for (int g0 = 0; g0 < a.group; g0 += GB) {
     const int nb = std::min(GB, a.group - g0);
@@ -118,8 +140,9 @@ void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float*
       for (int v = 0; v < NV; ++v) acc[b][v] = Vec::set1(0.0f);
     for (int s = s0; s < s1; ++s) {
       if (!sees(a, s)) continue;
+      const Row<K>* value = entry_row<K>(a, false, s, dequantized);
       T x[NV];
-      for (int v = 0; v < NV; ++v) x[v] = Vec::load(values + (long)s * a.hd + v * Vec::W);
+      for (int v = 0; v < NV; ++v) x[v] = Vec::load(value + v * Vec::W);
       for (int b = 0; b < GB; ++b) {
         if (b >= nb) break;
         const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
@@ -147,15 +170,15 @@ bool dispatch_fixed(int hd, F&& f) {
 
 template <class K>
 void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
-  const K* keys = static_cast<const K*>(a.keys);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   alignas(64) float rotated[kAttnMaxHeadDim];
+  alignas(64) float dequantized[kAttnMaxHeadDim];
   for (int s = s0; s < s1; ++s) {
     if (!sees(a, s)) {
       for (int g = 0; g < a.group; ++g) a.logits[g * a.lds + s] = kNegInf;
       continue;
     }
-    const K* k = keys + (long)s * a.hd;
+    const Row<K>* k = entry_row<K>(a, true, s, dequantized);
     for (int g = 0; g < a.group; ++g) {
       float logit;
       if (a.ranks) {
@@ -172,12 +195,12 @@ void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
 
 template <class K>
 void exp_values_impl(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
-  const K* values = static_cast<const K*>(a.values);
+  alignas(64) float dequantized[kAttnMaxHeadDim];
   for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
   std::memset(out, 0, sizeof(float) * a.group * a.hd);
   for (int s = s0; s < s1; ++s) {
     if (!sees(a, s)) continue;
-    const K* v = values + (long)s * a.hd;
+    const Row<K>* v = entry_row<K>(a, false, s, dequantized);
     for (int g = 0; g < a.group; ++g) axpy(a.logits[g * a.lds + s], v, out + g * a.hd, a.hd);
   }
 }
@@ -199,12 +222,14 @@ void exp_values_any(const AttnChunk& a, int s0, int s1, const float* m, float* s
 }
 
 inline void logits_chunk(const AttnChunk& a, int s0, int s1, float* max_out) {
-  if (a.bf16) logits_any<uint16_t>(a, s0, s1, max_out);
+  if (a.code_bits) logits_any<Codes>(a, s0, s1, max_out);
+  else if (a.bf16) logits_any<uint16_t>(a, s0, s1, max_out);
   else logits_any<float>(a, s0, s1, max_out);
 }
 
 inline void exp_values_chunk(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
-  if (a.bf16) exp_values_any<uint16_t>(a, s0, s1, m, sum_out, out);
+  if (a.code_bits) exp_values_any<Codes>(a, s0, s1, m, sum_out, out);
+  else if (a.bf16) exp_values_any<uint16_t>(a, s0, s1, m, sum_out, out);
   else exp_values_any<float>(a, s0, s1, m, sum_out, out);
 }
 

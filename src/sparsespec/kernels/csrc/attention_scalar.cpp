@@ -2,6 +2,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention.h"
+
 #define ATTN_ISA attn_scalar
 namespace sparsespec {
 namespace attn_scalar {
@@ -24,6 +26,11 @@ inline float dot(const float* q, const K* k, int n) {
 template <class K>
 inline void axpy(float a, const K* v, float* y, int n) {
   for (int j = 0; j < n; ++j) y[j] += a * to_f(v[j]);
+}
+
+inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group,
+                           float* out) {
+  dequantize_row_scalar(codes, params, hd, bits, code_group, out);
 }
 
 inline float exp_sum(float* x, int n, float m) {

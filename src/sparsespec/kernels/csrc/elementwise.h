@@ -1,6 +1,8 @@
-// Element-wise helpers shared by the ops: bfloat16 rounding, and the decoder layer's silu * up (elementwise.cpp).
+// Element-wise helpers shared by the ops: bfloat16 and float16 conversions, and the decoder layer's silu * up
+// (elementwise.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace sparsespec {
@@ -38,6 +40,43 @@ inline uint16_t float_to_bf16(float x) {
   uint32_t bits;
   __builtin_memcpy(&bits, &r, 4);
   return (uint16_t)(bits >> 16);
+}
+
+// A float16 (its 16 bits) widened to float32 (exact; subnormals, infinities and nan included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {
+    const float magnitude = (float)mantissa * 0x1p-24f;  // subnormal (or zero): mantissa * 2^-24, exact
+    __builtin_memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The bits of x rounded to the nearest float16 (ties to even; beyond the largest finite value: infinity), as
+// torch's float32 -> float16 conversion.
+inline uint16_t float_to_half(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, 4);
+  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+  bits &= 0x7fffffffu;
+  if (bits >= 0x7f800000u) return sign | 0x7c00u | (bits > 0x7f800000u ? 0x200u : 0u);  // inf, nan
+  if (bits >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and above round to infinity
+  if (bits < 0x38800000u) {  // below 2^-14: a subnormal float16, round(|x| * 2^24) units of 2^-24
+    float magnitude;
+    __builtin_memcpy(&magnitude, &bits, 4);
+    return sign | (uint16_t)std::nearbyint(magnitude * 0x1p24f);
+  }
+  bits += 0xfffu + ((bits >> 13) & 1u);  // round the 13 dropped mantissa bits to nearest even
+  return sign | (uint16_t)((bits - 0x38000000u) >> 13);
 }
 
 }  // namespace sparsespec

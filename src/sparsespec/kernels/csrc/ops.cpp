@@ -167,7 +167,8 @@ bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat |
 // The open block's T rows entering and attending over one layer of the KV arena (see attention.h and
 // sparsespec/cache/arena.py). q [n_heads, T, hd], k, v [n_kv, T, hd]: the block's queries, keys and values before
 // RoPE (float32 or bfloat16, any strides). Arena tensors, whole (all layers): keys, values [L, n_kv, cap, hd]
-// float32 or bfloat16; positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap] int32 (evictions marked with row
+// float32 or bfloat16, or (code_bits 8 or 4) uint8 codes [L, n_kv, cap, hd * code_bits / 8] with key_params,
+// value_params [L, n_kv, cap, hd / group, 2] float16 (attention.h); positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap] int32 (evictions marked with row
 // `first + i` for row i); scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
 // [R, L, n_kv, cap] float32 (row i's scores copied to row_scores[first + i] for i < snapshots, else None).
 // cos, sin [P, hd] float32 RoPE tables, row p - table_offset for position (original mode) or rank (in-cache mode,
@@ -179,14 +180,35 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& cos, const at::Tensor& sin, int64_t table_offset, bool in_cache,
                            int64_t layer, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
                            int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
-                           int64_t window, double scale, int64_t isa) {
+                           int64_t window, double scale, const c10::optional<at::Tensor>& key_params,
+                           const c10::optional<at::Tensor>& value_params, int64_t code_bits, int64_t isa) {
+  const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
-                  values.scalar_type() == keys.scalar_type() && float_or_bf16(keys),
-              "arena_attention: keys and values must be contiguous float32 or bfloat16 [L, n_kv, cap, hd] alike");
-  const int64_t n_layers = keys.size(0), n_kv = keys.size(1), cap = keys.size(2), hd = keys.size(3);
-  const int64_t T = q.dim() == 3 ? q.size(1) : 0;
+                  values.scalar_type() == keys.scalar_type() &&
+                  (quantized ? keys.scalar_type() == at::kByte : float_or_bf16(keys)),
+              "arena_attention: keys and values must be contiguous float32 or bfloat16 [L, n_kv, cap, hd] alike, or "
+              "uint8 codes with code_bits");
+  TORCH_CHECK(q.dim() == 3, "arena_attention: q must be [n_heads, T, hd]");
+  const int64_t n_layers = keys.size(0), n_kv = keys.size(1), cap = keys.size(2), hd = q.size(2);
+  const int64_t T = q.size(1);
+  int64_t code_group = 0;
+  if (quantized) {
+    TORCH_CHECK((code_bits == 8 || code_bits == 4) && keys.size(3) == code_bytes((int)hd, (int)code_bits),
+                "arena_attention: code_bits must be 8 or 4 with codes [L, n_kv, cap, hd * code_bits / 8]");
+    TORCH_CHECK(key_params.has_value() && value_params.has_value() && key_params->defined() &&
+                    value_params->defined(), "arena_attention: quantized entries need key_params and value_params");
+    const at::Tensor& kp = *key_params;
+    TORCH_CHECK(kp.scalar_type() == at::kHalf && kp.is_contiguous() && value_params->is_contiguous() &&
+                    value_params->sizes() == kp.sizes() && value_params->scalar_type() == at::kHalf &&
+                    kp.dim() == 5 && kp.size(0) == n_layers && kp.size(1) == n_kv && kp.size(2) == cap &&
+                    kp.size(4) == 2 && kp.size(3) >= 1 && hd % kp.size(3) == 0,
+                "arena_attention: key_params and value_params must be contiguous float16 [L, n_kv, cap, groups, 2]");
+    code_group = hd / kp.size(3);
+  } else {
+    TORCH_CHECK(keys.size(3) == hd, "arena_attention: keys must be [L, n_kv, cap, ", hd, "]");
+  }
   TORCH_CHECK(layer >= 0 && layer < n_layers, "arena_attention: layer ", layer, " outside the arena");
-  TORCH_CHECK(q.dim() == 3 && float_or_bf16(q) && q.size(2) == hd && q.size(0) % n_kv == 0 &&
+  TORCH_CHECK(float_or_bf16(q) && q.size(0) % n_kv == 0 &&
                   q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
               "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, ", hd,
               "] (group <= 64, even hd <= 256)");
@@ -217,9 +239,16 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   b.T = (int)T;
   b.cap = (int)cap;
   b.bf16 = keys.scalar_type() == at::kBFloat16;
-  const std::size_t elt = b.bf16 ? 2 : 4;
-  b.keys = static_cast<char*>(keys.data_ptr()) + layer * layer_slots * hd * elt;
-  b.values = static_cast<char*>(values.data_ptr()) + layer * layer_slots * hd * elt;
+  const long layer_bytes = layer_slots * keys.size(3) * (long)keys.element_size();
+  b.keys = static_cast<char*>(keys.data_ptr()) + layer * layer_bytes;
+  b.values = static_cast<char*>(values.data_ptr()) + layer * layer_bytes;
+  if (quantized) {
+    const long layer_params = layer_slots * param_halves((int)hd, (int)code_group);
+    b.code_bits = (int)code_bits;
+    b.code_group = (int)code_group;
+    b.key_params = reinterpret_cast<uint16_t*>(key_params->data_ptr<at::Half>()) + layer * layer_params;
+    b.value_params = reinterpret_cast<uint16_t*>(value_params->data_ptr<at::Half>()) + layer * layer_params;
+  }
   b.positions = positions.data_ptr<int64_t>() + layer * layer_slots;
   b.evicted_at = evicted_at.data_ptr<int32_t>() + layer * layer_slots;
   if (scores.has_value() && scores->defined()) {
@@ -345,7 +374,8 @@ TORCH_LIBRARY(sparsespec, m) {
       "arena_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
       "Tensor(d!) evicted_at, Tensor(e!)? scores, Tensor(f!)? row_scores, Tensor cos, Tensor sin, int table_offset, "
       "bool in_cache, int layer, int start, int first, int visible_before, int first_position, int snapshots, "
-      "bool per_row, int budget, int sinks, int heavy, int window, float scale, int isa) -> Tensor");
+      "bool per_row, int budget, int sinks, int heavy, int window, float scale, Tensor(g!)? key_params, "
+      "Tensor(h!)? value_params, int code_bits, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
