@@ -215,21 +215,25 @@ def _checked_dequantize(codes, params, bits, own, what):
 
 
 class RecordedRows:
-    """Records the codes the arena stores as rows are written; hands them out in order, layer by layer."""
+    """Records the codes the arena stores as a block's rows enter a layer (through the native op or the torch
+    path); hands them out in order, layer by layer."""
 
     def __init__(self, arena: KVArena):
         self.arena = arena
         self.bits = {"int8": 8, "int4": 4}[arena.kv_dtype]
         self.rows: dict[int, list] = {}
-        write = arena._write_rows
+        attend = arena.attend
 
-        def spy(layer, start, stop, k, v):
-            write(layer, start, stop, k, v)
+        def spy(layer, q, k, v):
+            out = attend(layer, q, k, v)
+            first, n_rows, _ = arena._block
+            start = arena.n_committed + first
             stores = (arena._keys, arena._values)
-            self.rows[layer] = [(s.data[layer, :, start:stop].clone(), s.params[layer, :, start:stop].clone())
-                                for s in stores] + [0]
+            self.rows[layer] = [(s.data[layer, :, start : start + n_rows].clone(),
+                                 s.params[layer, :, start : start + n_rows].clone()) for s in stores] + [0]
+            return out
 
-        arena._write_rows = spy
+        arena.attend = spy
 
     def __call__(self, layer, n):
         keys, values, used = self.rows[layer]

@@ -33,7 +33,7 @@ ever reaches ``budget + staging``.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
 also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
-kernels are available, under a policy other than ``hybrid-age``; else through the torch path below (the row writes,
+kernels are available; else through the torch path below (the row writes,
 ``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``), which is its
 reference: the same stored rows (quantized entries: the same codes and scales), visibility, scores, snapshots and
 evictions. Quantized entries are read by the op as ``fma(code, scale, zero)`` in float32, by the torch path as
@@ -121,9 +121,8 @@ class KVArena:
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
         self._slot_index = torch.arange(self.capacity)
-        # The native op reads the stored keys and values (float32, bfloat16 or codes) and ranks heavy hitters by
-        # their plain sums; hybrid-age's ranking takes the torch path (also the op's reference).
-        self.native_attention = not policy.age_normalised and kernels.available()
+        # The native op serves every KV dtype and policy; the torch path is its fallback and reference.
+        self.native_attention = kernels.available()
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -318,8 +317,8 @@ class KVArena:
             q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, cos, sin,
             table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
             visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
-            budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, scale=self.scale,
-            key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
+            budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
+            age_normalised=policy.age_normalised, scale=self.scale, key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -49,7 +49,8 @@ void compute_ranks(const AttnBlock& b, int h, int last, int64_t newest, int32_t*
 
 // The policy's evictions in head h once n_visible tokens are visible (slots <= last alive), newest at `newest`:
 // sinks and window protected; with heavy hitters the lowest scores go (ties: the older position), otherwise every
-// unprotected token goes. Evicted slots get evicted_at = row.
+// unprotected token goes. age_normalised (hybrid-age, cache/hybrid_age.py): the score divided by the token's age,
+// max(newest + 1 - position, 1), in float32. Evicted slots get evicted_at = row.
 void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, int row) {
   const int n_evict = n_visible - b.budget;
   if (b.budget < 0 || n_evict <= 0) return;
@@ -60,7 +61,10 @@ void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, i
     if (evicted_at[s] == kNever && !(pos[s] < b.sinks || pos[s] > newest - b.window)) candidates.push_back(s);
   if (b.heavy > 0 && (int)candidates.size() > n_evict) {
     const float* score = b.scores + (long)h * b.cap;
-    auto lower = [&](int x, int y) { return score[x] < score[y] || (score[x] == score[y] && pos[x] < pos[y]); };
+    std::vector<float> key(b.cap);
+    for (int s : candidates)
+      key[s] = b.age_normalised ? score[s] / (float)std::max<int64_t>(newest + 1 - pos[s], 1) : score[s];
+    auto lower = [&](int x, int y) { return key[x] < key[y] || (key[x] == key[y] && pos[x] < pos[y]); };
     std::nth_element(candidates.begin(), candidates.begin() + (n_evict - 1), candidates.end(), lower);
     candidates.resize(n_evict);
   }

@@ -113,6 +113,7 @@ struct AttnBlock {
   int64_t first_position = 0;
   bool per_row = false;  // evict after every row (else, if over budget, once after the block)
   int budget = -1, sinks = 0, heavy = 0, window = 0;  // budget -1: the full cache
+  bool age_normalised = false;  // heavy hitters ranked by score / age (hybrid-age), else by score
   float scale = 1.0f;
   float* out = nullptr;  // [T, n_kv * group * hd]
 };

@@ -172,7 +172,8 @@ bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat |
 // `first + i` for row i); scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
 // [R, L, n_kv, cap] float32 (row i's scores copied to row_scores[first + i] for i < snapshots, else None).
 // cos, sin [P, hd] float32 RoPE tables, row p - table_offset for position (original mode) or rank (in-cache mode,
-// table_offset 0). per_row: the policy evicts after every row (else once after the block, if visible_before + T
+// table_offset 0). age_normalised: heavy hitters ranked by score / age (hybrid-age). per_row: the policy evicts after
+// every row (else once after the block, if visible_before + T
 // exceeds the budget); budget -1: the full cache. Returns [T, n_heads * hd] in q's dtype.
 at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor keys,
                            at::Tensor values, at::Tensor positions, at::Tensor evicted_at,
@@ -180,7 +181,8 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& cos, const at::Tensor& sin, int64_t table_offset, bool in_cache,
                            int64_t layer, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
                            int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
-                           int64_t window, double scale, const c10::optional<at::Tensor>& key_params,
+                           int64_t window, bool age_normalised, double scale,
+                           const c10::optional<at::Tensor>& key_params,
                            const c10::optional<at::Tensor>& value_params, int64_t code_bits, int64_t isa) {
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
@@ -279,6 +281,7 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   b.sinks = (int)sinks;
   b.heavy = (int)heavy;
   b.window = (int)window;
+  b.age_normalised = age_normalised;
   b.scale = (float)scale;
   if (in_cache) {
     b.cos = cos.data_ptr<float>();
@@ -374,7 +377,8 @@ TORCH_LIBRARY(sparsespec, m) {
       "arena_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
       "Tensor(d!) evicted_at, Tensor(e!)? scores, Tensor(f!)? row_scores, Tensor cos, Tensor sin, int table_offset, "
       "bool in_cache, int layer, int start, int first, int visible_before, int first_position, int snapshots, "
-      "bool per_row, int budget, int sinks, int heavy, int window, float scale, Tensor(g!)? key_params, "
+      "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float scale, "
+      "Tensor(g!)? key_params, "
       "Tensor(h!)? value_params, int code_bits, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
