@@ -1,6 +1,6 @@
 // x86 AVX2 attention kernels: 8-lane dot products and value sums, bf16 widened in registers, polynomial exp.
 #if defined(__x86_64__)
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
 #include <cstdint>
@@ -56,8 +56,8 @@ inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd,
     return;
   }
   for (int g = 0; g < hd / code_group; ++g) {
-    const __m256 scale = _mm256_set1_ps(half_to_float(params[2 * g]));
-    const __m256 zero = _mm256_set1_ps(half_to_float(params[2 * g + 1]));
+    const __m256 scale = _mm256_set1_ps(_cvtsh_ss(params[2 * g]));  // F16C: exact, as half_to_float
+    const __m256 zero = _mm256_set1_ps(_cvtsh_ss(params[2 * g + 1]));
     for (int c = g * code_group; c < (g + 1) * code_group; c += 8) {
       __m256i code;
       if (bits == 8) {

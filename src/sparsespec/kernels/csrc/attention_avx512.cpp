@@ -1,6 +1,6 @@
 // x86 AVX-512 attention kernels: 16-lane dot products and value sums, bf16 widened in registers, polynomial exp.
 #if defined(__x86_64__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")
 #include <immintrin.h>
 
 #include <cstdint>
@@ -56,8 +56,8 @@ inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd,
     return;
   }
   for (int g = 0; g < hd / code_group; ++g) {
-    const __m512 scale = _mm512_set1_ps(half_to_float(params[2 * g]));
-    const __m512 zero = _mm512_set1_ps(half_to_float(params[2 * g + 1]));
+    const __m512 scale = _mm512_set1_ps(_cvtsh_ss(params[2 * g]));  // F16C: exact, as half_to_float
+    const __m512 zero = _mm512_set1_ps(_cvtsh_ss(params[2 * g + 1]));
     for (int c = g * code_group; c < (g + 1) * code_group; c += 16) {
       __m512i code;
       if (bits == 8) {

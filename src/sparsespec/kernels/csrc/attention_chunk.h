@@ -126,31 +126,44 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
 }
 
 // head_dim = NV registers: each value row widened once into registers, then added into the sums of up to GB query
-// heads at a time, kept in registers (GB * NV + NV of the Vec::R vector registers).
+// heads at a time, kept in registers (GB * NV + NV of the Vec::R vector registers). Quantized values are
+// dequantized once per slot, a span of kSpan slots at a time into a buffer that every block of GB heads then
+// reads; the sums go through `out` between spans, which changes no value (the same additions in slot order).
 template <class K, int NV>
 void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
   using T = typename Vec::T;
   constexpr int GB = std::clamp((Vec::R - NV - 2) / NV, 1, 4);
-  alignas(64) float dequantized[kAttnMaxHeadDim];
+  constexpr bool kCodes = std::is_same_v<K, Codes>;
+  constexpr int kSpan = kCodes ? 32 : kAttnChunk;
+  alignas(64) float dequantized[kCodes ? kSpan * NV * Vec::W : 1];
   for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
-  for (int g0 = 0; g0 < a.group; g0 += GB) {
-    const int nb = std::min(GB, a.group - g0);
-    T acc[GB][NV];
-    for (int b = 0; b < GB; ++b)
-      for (int v = 0; v < NV; ++v) acc[b][v] = Vec::set1(0.0f);
-    for (int s = s0; s < s1; ++s) {
-      if (!sees(a, s)) continue;
-      const Row<K>* value = entry_row<K>(a, false, s, dequantized);
-      T x[NV];
-      for (int v = 0; v < NV; ++v) x[v] = Vec::load(value + v * Vec::W);
-      for (int b = 0; b < GB; ++b) {
-        if (b >= nb) break;
-        const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
-        for (int v = 0; v < NV; ++v) acc[b][v] = Vec::fma(p, x[v], acc[b][v]);
+  for (int t0 = s0; t0 < s1; t0 += kSpan) {
+    const int t1 = std::min(s1, t0 + kSpan);
+    if constexpr (kCodes)
+      for (int s = t0; s < t1; ++s)
+        if (sees(a, s)) entry_row<K>(a, false, s, dequantized + (s - t0) * a.hd);
+    for (int g0 = 0; g0 < a.group; g0 += GB) {
+      const int nb = std::min(GB, a.group - g0);
+      T acc[GB][NV];
+      for (int b = 0; b < GB; ++b)
+        for (int v = 0; v < NV; ++v)
+          acc[b][v] = t0 == s0 || b >= nb ? Vec::set1(0.0f) : Vec::load(out + (g0 + b) * a.hd + v * Vec::W);
+      for (int s = t0; s < t1; ++s) {
+        if (!sees(a, s)) continue;
+        const Row<K>* value;
+        if constexpr (kCodes) value = dequantized + (s - t0) * a.hd;
+        else value = static_cast<const K*>(a.values) + (long)s * a.hd;
+        T x[NV];
+        for (int v = 0; v < NV; ++v) x[v] = Vec::load(value + v * Vec::W);
+        for (int b = 0; b < GB; ++b) {
+          if (b >= nb) break;
+          const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
+          for (int v = 0; v < NV; ++v) acc[b][v] = Vec::fma(p, x[v], acc[b][v]);
+        }
       }
+      for (int b = 0; b < nb; ++b)
+        for (int v = 0; v < NV; ++v) Vec::store(out + (g0 + b) * a.hd + v * Vec::W, acc[b][v]);
     }
-    for (int b = 0; b < nb; ++b)
-      for (int v = 0; v < NV; ++v) Vec::store(out + (g0 + b) * a.hd + v * Vec::W, acc[b][v]);
   }
 }
 
