@@ -1,7 +1,8 @@
 """The arena's single-row decode attention: the native op against the torch path, and its effective bandwidth.
 
-Builds a KV arena with a model's shapes (default SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64)
-holding ``n`` random bfloat16 entries, then times decode steps (``begin(1)``, ``attend`` in every layer, ``end``,
+Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
+qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding ``n`` random entries stored in
+each of ``--kv-dtypes``, then times decode steps (``begin(1)``, ``attend`` in every layer, ``end``,
 ``commit(1)``) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
 layers; microseconds per layer in the attention itself (``_attend_native``, or the torch path's ``_attend_block`` /
 ``_attend_row_by_row``: everything after the new row is written; the native op writes the row itself, so its time
@@ -10,11 +11,14 @@ entry, once) over the attention's own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
+    python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 16384 \
+        --kv-dtypes bf16,int8,int4 --paths native
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -25,9 +29,15 @@ from common import RESULTS_DIR, emit, machine
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
+from sparsespec.cache.quant import bytes_per_vector
 from sparsespec.config import ModelConfig
 
-SMOLLM2 = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576)
+SHAPES = {
+    "smollm2-135m": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         hidden_size=576),
+    "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                               hidden_size=1536),
+}
 
 
 def make_config(shapes: dict) -> ModelConfig:
@@ -37,17 +47,20 @@ def make_config(shapes: dict) -> ModelConfig:
     )
 
 
-def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int) -> KVArena:
-    """An arena as after ``entries`` tokens of text: random bf16 KV; the full cache keeps them all, a budgeted one
-    its budget (4 sinks and the most recent tokens) with random scores."""
+def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int,
+                 kv_dtype: str) -> KVArena:
+    """An arena as after ``entries`` tokens of text: random KV stored in ``kv_dtype``; the full cache keeps them all,
+    a budgeted one its budget (4 sinks and the most recent tokens) with random scores."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
-    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, positions=positions)
+    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, positions=positions,
+                    kv_dtype=kv_dtype)
     kept = entries if policy.is_full else min(policy.budget, entries)
     gen = torch.Generator().manual_seed(0)
-    shape = (config.num_hidden_layers, config.num_key_value_heads, kept, config.head_dim)
-    arena.keys[:, :, :kept] = torch.randn(shape, generator=gen).bfloat16()
-    arena.values[:, :, :kept] = torch.randn(shape, generator=gen).bfloat16()
+    shape = (config.num_key_value_heads, kept, config.head_dim)
+    for layer in range(config.num_hidden_layers):
+        arena._write_rows(layer, 0, kept, torch.randn(shape, generator=gen).bfloat16(),
+                          torch.randn(shape, generator=gen).bfloat16())
     recent = torch.arange(entries - (kept - min(4, kept)), entries)
     arena.positions[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
     if policy.needs_scores:
@@ -96,7 +109,10 @@ def time_steps(arena: KVArena, native: bool, steps: int, warmup: int) -> tuple[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", default="1024,8192,16384", help="comma-separated tokens of context")
-    parser.add_argument("--policy", default="full", choices=["full", "hybrid", "streaming", "h2o", "window"])
+    parser.add_argument("--shapes", choices=tuple(SHAPES), default="smollm2-135m")
+    parser.add_argument("--kv-dtypes", default="bf16", help="comma-separated: bf16, int8, int4 (default: bf16)")
+    parser.add_argument("--policy", default="full",
+                        choices=["full", "hybrid", "hybrid-age", "streaming", "h2o", "window"])
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
     parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
     parser.add_argument("--steps", type=int, default=10)
@@ -108,24 +124,26 @@ def main() -> None:
     paths = args.paths.split(",")
     if "native" in paths and not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable_reason()}")
-    config = make_config(SMOLLM2)
+    config = make_config(SHAPES[args.shapes])
     facts = machine()
-    for entries in (int(e) for e in args.entries.split(",")):
-        for path in paths:
-            arena = filled_arena(config, args.policy, args.budget, entries, args.steps + args.warmup)
-            times, attention = time_steps(arena, path == "native", args.steps, args.warmup)
-            step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
-            visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
-            kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * visible * config.head_dim * 2
-            emit({
-                "bench": "attention", "model_shapes": "smollm2-135m", "policy": arena.policy.describe(),
-                "positions": arena.positions_mode, "entries": entries, "visible": visible, "path": path,
-                "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
-                "ms_per_step": round(step * 1e3, 3),
-                "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),
-                "kv_mib_per_step": round(kv_bytes / 2**20, 2), "effective_gb_s": round(kv_bytes / inside / 1e9, 2),
-                "steps": args.steps, **facts,
-            }, args.out)
+    for entries, kv_dtype, path in itertools.product((int(e) for e in args.entries.split(",")),
+                                                 args.kv_dtypes.split(","), paths):
+        arena = filled_arena(config, args.policy, args.budget, entries, args.steps + args.warmup, kv_dtype)
+        times, attention = time_steps(arena, path == "native", args.steps, args.warmup)
+        step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
+        visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
+        kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * visible
+                    * bytes_per_vector(kv_dtype, config.head_dim, torch.bfloat16))
+        emit({
+            "bench": "attention", "model_shapes": args.shapes, "kv_dtype": kv_dtype,
+            "policy": arena.policy.describe(),
+            "positions": arena.positions_mode, "entries": entries, "visible": visible, "path": path,
+            "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
+            "ms_per_step": round(step * 1e3, 3),
+            "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),
+            "kv_mib_per_step": round(kv_bytes / 2**20, 2), "effective_gb_s": round(kv_bytes / inside / 1e9, 2),
+            "steps": args.steps, **facts,
+        }, args.out)
 
 
 if __name__ == "__main__":

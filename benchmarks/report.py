@@ -2,6 +2,8 @@
 
     python benchmarks/report.py engine|arena|speculative|simulator [--since "2026-11-30 07:20"]
     python benchmarks/report.py ppl --sweep sweep_ppl_qwen [--span 8192:16384]
+    python benchmarks/report.py kv-bytes [--sweep kv_bytes] [--span 8192:16384]
+    python benchmarks/report.py kv-speed [--sweep kv_bytes_speed]
 
 ``--since`` keeps only the records written at or after that UTC time (records carry ``date``), so a table shows
 one run rather than every run appended to the file. ``--span`` gives the ppl table over a stretch of the text only.
@@ -136,18 +138,61 @@ def ppl(sweep: str, span: tuple[int, int] | None = None) -> str:
     return table(["policy", "positions", *map(str, budgets)], body)
 
 
+def kv_bytes(sweep: str, span: tuple[int, int] | None = None) -> str:
+    """Perplexity per KV dtype and policy at each cache size of a ``bench_kv_bytes.py`` sweep, each with its budget
+    and its change against the bf16 full cache; the full cache per KV dtype last."""
+    records = [r for r in rows(sweep) if r.get("quality")]
+    full = {r["kv_dtype"]: span_ppl(r["quality"], span) for r in records if r["policy"] == "full"}
+    reference = full["bf16"]
+    sizes = sorted({r["kv_bytes"] for r in records if r["kv_bytes"]}, reverse=True)
+    cells = {(r["kv_dtype"], r["policy"], r["kv_bytes"]): r for r in records}
+    body = []
+    for kv_dtype in ("bf16", "int8", "int4"):
+        for policy in ("hybrid", "hybrid-age"):
+            found = [cells.get((kv_dtype, policy, size)) for size in sizes]
+            if any(found):
+                body.append([kv_dtype, policy, *(
+                    "—" if r is None else
+                    f"{span_ppl(r['quality'], span):.2f} ({(span_ppl(r['quality'], span) / reference - 1) * 100:+.1f}%)"
+                    f", {r['budget']} entries" for r in found)])
+    for kv_dtype, value in full.items():
+        body.append([kv_dtype, "full", f"{value:.2f} ({(value / reference - 1) * 100:+.1f}%)", *([""] * (len(sizes) - 1))])
+    return table(["KV dtype", "policy", *(f"{size / 2**20:.2f} MiB" for size in sizes)], body)
+
+
+def kv_speed(sweep: str) -> str:
+    """Decode speed (and, with a draft, acceptance) per point of ``bench_kv_bytes.py --speed-context /
+    --accept-context``, in file order."""
+    body = []
+    for r in rows(sweep):
+        speed = r.get("speed")
+        if not speed:
+            continue
+        kinds = ", ".join(f"{kind} {v['tokens_per_s']:.1f}" for kind, v in speed["by_kind"].items())
+        acceptance = speed.get("acceptance_rate")
+        body.append([r["setup"]["context_tokens"], r["policy"], r["kv_dtype"], r["budget"] or "—",
+                     f"{speed['kv_cache_bytes'] / 2**20:.1f}", r["draft"] or "—", kinds,
+                     "—" if acceptance is None else f"{acceptance:.3f}", r["finished_at"][11:16]])
+    return table(["context", "policy", "KV dtype", "budget", "KV MiB", "draft", "tok/s", "acceptance", "UTC"], body)
+
+
 def main() -> None:
     global SINCE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator", "ppl"])
-    parser.add_argument("--sweep", default="sweep_ppl_smollm2", help="for ppl: the sweep file's name in results/")
+    parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator", "ppl", "kv-bytes", "kv-speed"])
+    parser.add_argument("--sweep", default=None,
+                        help="for ppl / kv-bytes / kv-speed: the sweep file's name in results/ (default: "
+                             "sweep_ppl_smollm2 / kv_bytes / kv_bytes_speed)")
     parser.add_argument("--span", default=None, metavar="START:END",
                         help="for ppl: only token positions START..END-1 (multiples of the sweep's --ppl-window)")
     parser.add_argument("--since", default="", help='UTC time "YYYY-MM-DD HH:MM": only records from then on')
     args = parser.parse_args()
     SINCE = args.since
+    span = tuple(map(int, args.span.split(":"))) if args.span else None
     tables = {"engine": engine, "arena": arena, "speculative": speculative, "simulator": simulator,
-              "ppl": lambda: ppl(args.sweep, tuple(map(int, args.span.split(":"))) if args.span else None)}
+              "ppl": lambda: ppl(args.sweep or "sweep_ppl_smollm2", span),
+              "kv-bytes": lambda: kv_bytes(args.sweep or "kv_bytes", span),
+              "kv-speed": lambda: kv_speed(args.sweep or "kv_bytes_speed")}
     print(tables[args.table]())
 
 
