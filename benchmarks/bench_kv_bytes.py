@@ -51,9 +51,10 @@ def sweep_commands(args: argparse.Namespace) -> list[list[str]]:
               "--text", args.text]
     if args.threads:
         common += ["--threads", str(args.threads)]
-    commands = [] if args.no_quality else [common + ["--policies", "full," + args.policies, "--kv-dtypes", args.kv_dtypes, "--kv-bytes", sizes,
-                          "--out", args.out, "--quality", "--max-tokens", str(args.max_tokens), "--chunk",
-                          str(args.chunk)] + (["--plots", args.plots] if args.plots else [])]
+    quality = common + ["--policies", "full," + args.policies, "--kv-dtypes", args.kv_dtypes, "--kv-bytes", sizes,
+                        "--out", args.out, "--quality", "--max-tokens", str(args.max_tokens), "--chunk",
+                        str(args.chunk)] + (["--plots", args.plots] if args.plots else [])
+    commands = [] if args.no_quality else [quality]
     policy = args.policies.split(",")[0]
     kv_dtypes = args.kv_dtypes.split(",")
 

@@ -156,7 +156,8 @@ def kv_bytes(sweep: str, span: tuple[int, int] | None = None) -> str:
                     f"{span_ppl(r['quality'], span):.2f} ({(span_ppl(r['quality'], span) / reference - 1) * 100:+.1f}%)"
                     f", {r['budget']} entries" for r in found)])
     for kv_dtype, value in full.items():
-        body.append([kv_dtype, "full", f"{value:.2f} ({(value / reference - 1) * 100:+.1f}%)", *([""] * (len(sizes) - 1))])
+        change = f"{value:.2f} ({(value / reference - 1) * 100:+.1f}%)"
+        body.append([kv_dtype, "full", change, *([""] * (len(sizes) - 1))])
     return table(["KV dtype", "policy", *(f"{size / 2**20:.2f} MiB" for size in sizes)], body)
 
 

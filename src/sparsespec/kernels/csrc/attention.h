@@ -123,8 +123,9 @@ void attend_block(int isa, const AttnBlock& b);
 // The block's new rows entering one layer of the arena, before attend_block (the arena's torch path does the same in
 // these steps: KVArena.attend, Rope.rotate): queries rotated in float32 by true position (original mode) or by rank
 // (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
-// keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set, evicted_at = kNever,
-// scores 0. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in the dtype of x
+// keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set,
+// evicted_at = kNever, scores 0. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in
+// the dtype of x
 // (bf16_keys: keys came in as bfloat16, so with bfloat16-rounded tables and bfloat16 rounding after every step).
 struct StageRows {
   int n_heads = 0, n_kv = 0, hd = 0, T = 0;

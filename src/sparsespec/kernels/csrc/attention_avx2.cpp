@@ -63,7 +63,8 @@ inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd,
       if (bits == 8) {
         code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + c)));
       } else {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + (c < half ? c : c - half))));
+        const uint8_t* pair = codes + (c < half ? c : c - half);  // low nibbles: channel c, high: c + half
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)pair));
         code = c < half ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
       }
       _mm256_storeu_ps(out + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, zero));

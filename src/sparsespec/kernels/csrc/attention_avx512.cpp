@@ -63,7 +63,8 @@ inline void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd,
       if (bits == 8) {
         code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + c)));
       } else {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + (c < half ? c : c - half))));
+        const uint8_t* pair = codes + (c < half ? c : c - half);  // low nibbles: channel c, high: c + half
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)pair));
         code = c < half ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
       }
       _mm512_storeu_ps(out + c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, zero));

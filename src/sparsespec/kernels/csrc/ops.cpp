@@ -168,13 +168,13 @@ bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat |
 // sparsespec/cache/arena.py). q [n_heads, T, hd], k, v [n_kv, T, hd]: the block's queries, keys and values before
 // RoPE (float32 or bfloat16, any strides). Arena tensors, whole (all layers): keys, values [L, n_kv, cap, hd]
 // float32 or bfloat16, or (code_bits 8 or 4) uint8 codes [L, n_kv, cap, hd * code_bits / 8] with key_params,
-// value_params [L, n_kv, cap, hd / group, 2] float16 (attention.h); positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap] int32 (evictions marked with row
-// `first + i` for row i); scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
-// [R, L, n_kv, cap] float32 (row i's scores copied to row_scores[first + i] for i < snapshots, else None).
-// cos, sin [P, hd] float32 RoPE tables, row p - table_offset for position (original mode) or rank (in-cache mode,
-// table_offset 0). age_normalised: heavy hitters ranked by score / age (hybrid-age). per_row: the policy evicts after
-// every row (else once after the block, if visible_before + T
-// exceeds the budget); budget -1: the full cache. Returns [T, n_heads * hd] in q's dtype.
+// value_params [L, n_kv, cap, hd / group, 2] float16 (attention.h); positions [L, n_kv, cap] int64; evicted_at
+// [L, n_kv, cap] int32 (evictions marked with row `first + i` for row i); scores [L, n_kv, cap] float32
+// (heavy-hitter policies, else None); row_scores [R, L, n_kv, cap] float32 (row i's scores copied to
+// row_scores[first + i] for i < snapshots, else None). cos, sin [P, hd] float32 RoPE tables, row p - table_offset
+// for position (original mode) or rank (in-cache mode, table_offset 0). age_normalised: heavy hitters ranked by
+// score / age (hybrid-age). per_row: the policy evicts after every row (else once after the block, if
+// visible_before + T exceeds the budget); budget -1: the full cache. Returns [T, n_heads * hd] in q's dtype.
 at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor keys,
                            at::Tensor values, at::Tensor positions, at::Tensor evicted_at,
                            const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& row_scores,
