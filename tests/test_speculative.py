@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 import sparsespec.speculative as speculative
+from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.errors import UserError
 from sparsespec.generate import generate_tokens, prefill
@@ -109,9 +110,16 @@ def test_greedy_speculative_equals_autoregressive(name, positions, row_by_row):
 @pytest.mark.parametrize(("name", "kv_dtype", "draft_kv_dtype"),
                          [("full", "int8", "int4"), ("hybrid", "int4", "int8"), ("hybrid", "bf16", "int4")])
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
-def test_greedy_speculative_equals_autoregressive_with_quantized_kv(name, positions, kv_dtype, draft_kv_dtype):
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_greedy_speculative_equals_autoregressive_with_quantized_kv(monkeypatch, attention, name, positions,
+                                                                      kv_dtype, draft_kv_dtype):
     """A row is quantized once, when it is written; the verification pass and autoregressive decoding read the
-    same stored entries, so the quantized cache is one more cache definition that speculation reproduces."""
+    same stored entries, so the quantized cache is one more cache definition that speculation reproduces, on the
+    native attention op and on the torch path alike."""
+    if attention == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("native kernels unavailable")
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 160, kv_dtype=kv_dtype)
@@ -123,6 +131,7 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_kv(name, positi
     assert 10 < stats.accepted < stats.drafted - 10
     stored = {"bf16": torch.bfloat16, "int8": torch.uint8, "int4": torch.uint8}
     assert t_cache.keys.dtype == stored[kv_dtype] and d_cache.keys.dtype == stored[draft_kv_dtype]
+    assert t_cache.native_attention == d_cache.native_attention == (attention == "native")
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
