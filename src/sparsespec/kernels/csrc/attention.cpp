@@ -60,10 +60,13 @@ void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, i
   for (int s = 0; s <= last; ++s)
     if (evicted_at[s] == kNever && !(pos[s] < b.sinks || pos[s] > newest - b.window)) candidates.push_back(s);
   if (b.heavy > 0 && (int)candidates.size() > n_evict) {
-    const float* score = b.scores + (long)h * b.cap;
-    std::vector<float> key(b.cap);
-    for (int s : candidates)
-      key[s] = b.age_normalised ? score[s] / (float)std::max<int64_t>(newest + 1 - pos[s], 1) : score[s];
+    const float* key = b.scores + (long)h * b.cap;  // the ranking key: the score, or the score per row of age
+    std::vector<float> per_age;
+    if (b.age_normalised) {
+      per_age.resize(b.cap);
+      for (int s : candidates) per_age[s] = key[s] / (float)std::max<int64_t>(newest + 1 - pos[s], 1);
+      key = per_age.data();
+    }
     auto lower = [&](int x, int y) { return key[x] < key[y] || (key[x] == key[y] && pos[x] < pos[y]); };
     std::nth_element(candidates.begin(), candidates.begin() + (n_evict - 1), candidates.end(), lower);
     candidates.resize(n_evict);
