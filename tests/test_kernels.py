@@ -32,7 +32,7 @@ from sparsespec.kernels.repack import BLOCK_TYPES, TILED_TYPES, pack, repack, re
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
 
 TYPES = sorted(BLOCK_TYPES)
-# (GGML type, column tiles?): every block type in the row layout, and Q4_K / Q6_K also in 16-column tiles.
+# (GGML type, column tiles?): every block type in the row layout, and Q4_K / Q6_K / Q5_0 also in 16-column tiles.
 LAYOUTS = [(t, False) for t in TYPES] + [(t, True) for t in sorted(TILED_TYPES)]
 
 
@@ -161,9 +161,12 @@ def test_tiles_equal_the_row_layout_within_float_rounding_and_cut_like_it(ggml_t
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
     by_rows, by_tiles = (NativeLinear([(kind, blob, rows)], k, k_padded)
                          for blob, k_padded, kind in (packed(raw, ggml_type, k, tiles) for tiles in (False, True)))
-    # The same bytes per weight as the row layout; the last tile is padded to 16 columns.
+    # The file's bytes per block (Q4_K: plus its 4 spread scale bytes, as in the row layout); the last tile is
+    # padded to 16 columns.
+    _, size, block_bytes = BLOCK_TYPES[ggml_type]
     assert by_tiles.types == [TILED_TYPES[ggml_type]]
-    assert by_tiles.nbytes == by_rows.nbytes // rows * (-(-rows // 16) * 16)
+    per_row = by_tiles.padded_in // size * (block_bytes + (4 if ggml_type == 12 else 0))
+    assert by_tiles.nbytes == per_row * (-(-rows // 16) * 16)
     assert torch.allclose(by_tiles(x), by_rows(x), rtol=1e-5, atol=1e-5 * by_rows(x).abs().max().item())
     cut = by_tiles.first_rows(21)
     assert cut.out_features == 21 and torch.equal(cut(x), by_tiles(x)[:, :21])
@@ -183,14 +186,15 @@ def test_a_wrongly_packed_block_fails_the_bound():
     assert (err > activation_bound(x, w, ggml_type)).any()
 
 
-def test_a_wrongly_packed_tile_fails_the_bound():
+@pytest.mark.parametrize("ggml_type,scale_bytes", [(12, 320), (6, 32)], ids=["Q4_K", "Q5_0"])
+def test_a_wrongly_packed_tile_fails_the_bound(ggml_type, scale_bytes):
     """Swapping the nibbles of one 64-byte pair of codes in a tile (inputs 0-3 with 4-7 of 16 columns) is caught."""
-    ggml_type, rows, k = 12, 16, 512  # Q4_K
+    rows, k = 16, 512
     raw = random_blocks(ggml_type, rows, k, seed=9)
     blob, k_padded, kind = packed(raw, ggml_type, k, tiles=True)
     broken = blob.clone()
-    pair = broken[320:384]  # the first pair of codes, after the 320-byte scale section
-    broken[320:384] = (pair >> 4) | ((pair & 0x0F) << 4)
+    pair = broken[scale_bytes: scale_bytes + 64]  # the first pair of codes, after the first chunk's scales
+    broken[scale_bytes: scale_bytes + 64] = (pair >> 4) | ((pair & 0x0F) << 4)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
     w = reference(raw, ggml_type, k)
     err = np.abs(run(broken, kind, rows, k, k_padded, x).double().numpy() - x.double().numpy() @ w.T)
@@ -209,7 +213,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="does not hold"):
         repack(2, raw[:, :-1], 64)
     with pytest.raises(ValueError, match="in tiles"):
-        repack_tiles(2, raw, 64)  # only Q4_K and Q6_K have a tile layout
+        repack_tiles(2, raw, 64)  # only Q4_K, Q6_K and Q5_0 have a tile layout
     tiles, k, kind = packed(random_blocks(12, 20, 256, seed=0), 12, 256, tiles=True)
     with pytest.raises(RuntimeError, match="bytes"):  # 20 rows fill two tiles, not one
         kernels.gguf_linear(torch.randn(1, 256), [tiles[: tiles.numel() // 2]], [kind], [20], 256)

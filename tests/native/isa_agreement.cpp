@@ -20,7 +20,7 @@ static uint16_t random_half(std::mt19937& rng) {
 static void fill_tiles(int type, int n, int k, std::vector<uint8_t>& w, std::mt19937& rng) {
   w.resize(weight_bytes(type, k, n));
   for (auto& b : w) b = (uint8_t)rng();
-  const std::size_t chunk_bytes = tile_bytes(type, k) / (k / 256);
+  const std::size_t chunk_bytes = tile_bytes(type, k) / (k / tile_span(type));
   const int halves = type == Q4_K_T16 ? 32 : 16;
   for (std::size_t at = 0; at < w.size(); at += chunk_bytes)
     for (int h = 0; h < halves; ++h) {
@@ -56,7 +56,7 @@ static void fill_weights(int type, int n, int k, std::vector<uint8_t>& w, std::m
 
 int main() {
   std::mt19937 rng(1234);
-  const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_T16, Q6_K_T16};
+  const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_T16, Q6_K_T16, Q5_0_T16};
   std::vector<int> isas;
   for (int isa : {kAvx2, kAvx512, kNeon})
     if (isa_available(isa)) isas.push_back(isa);
@@ -78,13 +78,14 @@ int main() {
         const int k_pad = padded_k(k);
         std::vector<int8_t> q((std::size_t)m * k_pad);
         std::vector<float> dx((std::size_t)m * k_pad / 32), ds((std::size_t)m * k_pad / 16), dxl((std::size_t)m * k_pad / 4);
-        quantize_activations(x.data(), m, k, k, q.data(), dx.data(), ds.data(), dxl.data());
+        std::vector<int32_t> xsum((std::size_t)m * k_pad / 32);
+        quantize_activations(x.data(), m, k, k, q.data(), dx.data(), ds.data(), dxl.data(), xsum.data());
         std::vector<int8_t> q256((std::size_t)m * k_pad);
         std::vector<float> d256((std::size_t)m * k_pad / 256);
         std::vector<int32_t> bsum((std::size_t)m * k_pad / 16);
         quantize_activations_256(x.data(), m, k, k, q256.data(), d256.data(), bsum.data());
-        const Activations act{m, k_pad, q.data(), dx.data(), ds.data(), dxl.data(), q256.data(), d256.data(),
-                              bsum.data()};
+        const Activations act{m,           k_pad,       q.data(),    dx.data(),  ds.data(), dxl.data(),
+                              xsum.data(), q256.data(), d256.data(), bsum.data()};
         std::vector<float> bias(n), reference((std::size_t)m * n), out((std::size_t)m * n);
         for (auto& b : bias) b = normal(rng);
         qmatmul_rows(kScalar, type, w.data(), k, 0, n, act, bias.data(), reference.data(), n);

@@ -11,8 +11,8 @@ and the engine keeps to its torch weight formats.
 Ops (registered under ``torch.ops.sparsespec``):
 
 * ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
-  weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K and Q6_K on x86, in tiles of 16
-  columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
+  weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
+  of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
 * ``arena_attention(...) -> [T, n_heads * head_dim]``: a block of rows entering one layer of the KV arena (RoPE,
   stored keys and values) and attending over it, with the cache policy's scores and evictions
@@ -125,7 +125,7 @@ def isa_name(isa: int = ISA_AUTO) -> str:
 
 
 def tiles_preferred() -> bool:
-    """Whether Q4_K / Q6_K weights load as 16-column tiles (``repack.pack``): where an x86 vector path runs them
+    """Whether Q4_K / Q6_K / Q5_0 weights load as 16-column tiles (``repack.pack``): where an x86 vector path runs them
     (their ARM path is the scalar one, so ARM keeps the row layout and its NEON kernels)."""
     return available() and _load().best_isa() in (ISA_AVX2, ISA_AVX512)
 

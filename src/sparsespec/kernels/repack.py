@@ -161,14 +161,25 @@ def repack(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
 
 
 # GGML type -> the kernel type of its column-tile layout (``csrc/qmatmul.h``): 16 output rows side by side per
-# 256-input chunk, so a pass of several activation rows multiplies each unpacked vector of codes for 16 columns.
-TILED_TYPES = {12: 112, 14: 114}  # Q4_K, Q6_K
+# chunk of inputs (256 for the K-quants, one block of 32 for Q5_0), so a pass of several activation rows multiplies
+# each unpacked vector of codes for 16 columns.
+TILED_TYPES = {12: 112, 14: 114, 6: 106}  # Q4_K, Q6_K, Q5_0
 TILE = 16
 
 
-def repack_tiles(ggml_type: int, raw: np.ndarray, k: int) -> np.ndarray:
-    """A Q4_K or Q6_K tensor's raw bytes ``[n, row bytes]`` -> its column tiles ``[ceil(n / 16), tile bytes]``
-    (the last tile zero padded), losslessly: each code and scale keeps its value."""
+def _pairs(low: np.ndarray) -> np.ndarray:
+    """Codes ``[t, chunks, 16, span]`` below 16 -> ``[t, chunks, span * 8]``: pair j of 64 bytes holds inputs
+    8j + b (low nibble) and 8j + 4 + b (high nibble) of column c at byte 4c + b."""
+    t, chunks, _, span = low.shape
+    q = low.reshape(t, chunks, TILE, span // 8, 2, 4)  # [.., column, pair j, half, b]: input 8j + 4 half + b
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [.., column, j, b]
+    return packed.transpose(0, 1, 3, 2, 4).reshape(t, chunks, -1)  # pair j, byte 4c + b
+
+
+def repack_tiles(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """A Q4_K, Q6_K or Q5_0 tensor's raw bytes ``[n, row bytes]`` -> (its column tiles ``[ceil(n / 16), tile
+    bytes]``, padded k), losslessly: each code and scale keeps its value. The last tile is zero padded; Q5_0 rows of
+    an odd number of blocks get one zero block, as in the row layout (the kernels take k in whole 64s)."""
     ggml_type = int(ggml_type)
     name, size, block_bytes = BLOCK_TYPES[ggml_type]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
@@ -177,38 +188,45 @@ def repack_tiles(ggml_type: int, raw: np.ndarray, k: int) -> np.ndarray:
     if ggml_type not in TILED_TYPES or k % size or raw.size != n * nb * block_bytes:
         raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights in tiles")
     tiles = -(-n // TILE)
-    blocks = np.zeros((tiles * TILE, nb, block_bytes), np.uint8)
-    blocks[:n] = raw.reshape(n, nb, block_bytes)
-    codes, scales = _decode(ggml_type, blocks)  # [n', k], [n', nb, scale bytes]
-    # [tile, chunk, column, ...]
-    codes = codes.reshape(tiles, TILE, nb, CHUNK).transpose(0, 2, 1, 3)
-    scales = scales.reshape(tiles, TILE, nb, -1).transpose(0, 2, 1, 3)
+    padded_nb = nb + (nb % 2 if size == 32 else 0)
+    blocks = np.zeros((tiles * TILE, padded_nb, block_bytes), np.uint8)
+    blocks[:n, :nb] = raw.reshape(n, nb, block_bytes)
+    nb = padded_nb
+
+    def by_tile(field: np.ndarray) -> np.ndarray:  # [n', nb, ...] -> [t, nb, 16, ...]
+        return field.reshape(tiles, TILE, nb, *field.shape[2:]).swapaxes(1, 2)
 
     def by_column(field: np.ndarray) -> np.ndarray:  # [t, nb, 16, f] -> [t, nb, f * 16]: field row j, column c
         return field.transpose(0, 1, 3, 2).reshape(tiles, nb, -1)
 
-    def pairs(low: np.ndarray) -> np.ndarray:  # codes [t, nb, 16, 256] < 16 -> [t, nb, 2048]
-        q = low.reshape(tiles, nb, TILE, 32, 2, 4)  # [.., column, pair j, half, b]: input 8j + 4 half + b
-        packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [.., column, j, b]
-        return packed.transpose(0, 1, 3, 2, 4).reshape(tiles, nb, -1)  # pair j, byte 4c + b
+    if name == "Q5_0":
+        codes = by_tile(_nibbles(blocks[..., 6:22]) | (_bits(blocks[..., 2:6], 32) << 4))  # [t, nb, 16, 32]
+        high = (codes >> 4).reshape(tiles, nb, TILE, 8, 4)  # [.., column, v, b]: input 4v + b
+        bits = sum(high[..., v, :] << v for v in range(8)).astype(np.uint8).reshape(tiles, nb, -1)  # byte 4c + b
+        parts = [by_tile(blocks[..., 0:2]).reshape(tiles, nb, -1), _pairs(codes & 0x0F), bits]
+        return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(tiles, -1)), nb * size
 
+    codes, scales = _decode(ggml_type, blocks)  # [n', k], [n', nb, scale bytes]
+    codes = by_tile(codes.reshape(-1, nb, CHUNK))  # [tile, chunk, column, 256]
+    scales = by_tile(scales)
     if name == "Q4_K":
         parts = [scales[..., 0:2].reshape(tiles, nb, -1), scales[..., 2:4].reshape(tiles, nb, -1),
-                 by_column(scales[..., 4:12]), by_column(scales[..., 12:20]), pairs(codes)]
+                 by_column(scales[..., 4:12]), by_column(scales[..., 12:20]), _pairs(codes)]
     else:  # Q6_K
         high = (codes >> 4).reshape(tiles, nb, TILE, 16, 4, 4)  # [.., column, group g, i, b]: input 16g + 4i + b
         bits = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
         bits = bits.transpose(0, 1, 3, 2, 4).reshape(tiles, nb, 16, 64)  # [.., g, 4c + b]
-        low = pairs(codes & 0x0F).reshape(tiles, nb, 16, 128)  # [.., g, pairs 2g and 2g + 1]
+        low = _pairs(codes & 0x0F).reshape(tiles, nb, 16, 128)  # [.., g, pairs 2g and 2g + 1]
         groups = np.concatenate([low, bits], axis=-1).reshape(tiles, nb, -1)  # per group: 128 + 64 bytes
         parts = [scales[..., 0:2].reshape(tiles, nb, -1), by_column(scales[..., 2:18]), groups]
-    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(tiles, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(tiles, -1)), k
 
 
 def pack(ggml_type: int, raw: np.ndarray, k: int, tiles: bool) -> tuple[int, np.ndarray, int]:
     """(kernel type, repacked bytes, padded k) of a GGUF tensor: column tiles where ``tiles`` and the type has
-    them (Q4_K, Q6_K), else the row layout of :func:`repack`."""
+    them (Q4_K, Q6_K, Q5_0), else the row layout of :func:`repack`."""
     if tiles and int(ggml_type) in TILED_TYPES:
-        return TILED_TYPES[int(ggml_type)], repack_tiles(ggml_type, raw, k), k
+        packed, padded_k = repack_tiles(ggml_type, raw, k)
+        return TILED_TYPES[int(ggml_type)], packed, padded_k
     packed, padded_k = repack(ggml_type, raw, k)
     return int(ggml_type), packed, padded_k

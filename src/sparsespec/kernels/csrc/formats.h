@@ -188,12 +188,17 @@ inline std::size_t row_bytes_of(int k) {
   return bytes;
 }
 
-// Column tiles (qmatmul.h): bytes of one chunk of a tile, and where its parts start.
+// Column tiles (qmatmul.h): inputs per chunk of a tile, bytes of one chunk, and where its parts start.
 template <int TYPE>
-constexpr int tile_scale_bytes_of() { return TYPE == Q4_K_T16 ? 320 : 288; }
+constexpr int tile_span_of() { return TYPE == Q5_0_T16 ? kActBlock : kChunk; }
 template <int TYPE>
-constexpr int tile_chunk_bytes_of() { return TYPE == Q4_K_T16 ? 320 + 2048 : 288 + 16 * 192; }
+constexpr int tile_scale_bytes_of() { return TYPE == Q4_K_T16 ? 320 : TYPE == Q6_K_T16 ? 288 : 32; }
+template <int TYPE>
+constexpr int tile_chunk_bytes_of() {
+  return TYPE == Q4_K_T16 ? 320 + 2048 : TYPE == Q6_K_T16 ? 288 + 16 * 192 : 32 + 4 * 64 + 64;
+}
 constexpr int kTileGroupBytes = 192;  // Q6_K_T16: one group's two pairs of low nibbles and its high bits
+constexpr int kTileQ5HighBytes = 32 + 4 * 64;  // Q5_0_T16: where a chunk's high bits start
 
 // Calls f.template operator()<TYPE>() for a tiled type id (returns false for any other).
 template <class F>
@@ -201,20 +206,22 @@ inline bool dispatch_tiled(int type, F&& f) {
   switch (type) {
     case Q4_K_T16: f.template operator()<Q4_K_T16>(); return true;
     case Q6_K_T16: f.template operator()<Q6_K_T16>(); return true;
+    case Q5_0_T16: f.template operator()<Q5_0_T16>(); return true;
     default: return false;
   }
 }
 
-// The 16 columns' code of input i (0 .. 255) of one tiled chunk: codes[c] = code(c, i).
+// The 16 columns' code of input i (0 .. span - 1) of one tiled chunk: codes[c] = code(c, i).
 template <int TYPE>
 inline void tile_codes(const uint8_t* chunk, int i, uint8_t codes[16]) {
   const int quad = i / 4, b = i % 4, shift = 4 * (quad % 2);
   const uint8_t* group = chunk + tile_scale_bytes_of<TYPE>() + kTileGroupBytes * (quad / 4);  // Q6_K_T16
-  const uint8_t* pair = TYPE == Q4_K_T16 ? chunk + tile_scale_bytes_of<TYPE>() + 64 * (quad / 2)
-                                         : group + 64 * ((quad % 4) / 2);
+  const uint8_t* pair = TYPE == Q6_K_T16 ? group + 64 * ((quad % 4) / 2)
+                                         : chunk + tile_scale_bytes_of<TYPE>() + 64 * (quad / 2);
   for (int c = 0; c < 16; ++c) {
     uint8_t code = (pair[4 * c + b] >> shift) & 0x0F;
     if constexpr (TYPE == Q6_K_T16) code |= ((group[128 + 4 * c + b] >> (2 * (quad % 4))) & 3) << 4;
+    if constexpr (TYPE == Q5_0_T16) code |= ((chunk[kTileQ5HighBytes + 4 * c + b] >> quad) & 1) << 4;
     codes[c] = code;
   }
 }

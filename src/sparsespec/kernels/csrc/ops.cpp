@@ -16,7 +16,7 @@ namespace {
 struct Scratch {
   std::vector<float> x, out, dx, ds, dxl, d256;
   std::vector<int8_t> q, q256;
-  std::vector<int32_t> bsum;
+  std::vector<int32_t> bsum, xsum;
 };
 
 Scratch& scratch() {
@@ -46,8 +46,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     (is_k_quant((int)types[s]) ? any_k : any_32) = true;
     TORCH_CHECK(supported_type((int)types[s]), "gguf_linear: unsupported block type ", types[s]);
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
-    TORCH_CHECK(!is_tiled((int)types[s]) || k % kChunk == 0, "gguf_linear: a tiled weight needs k a multiple of ",
-                kChunk);
+    TORCH_CHECK(!is_tiled((int)types[s]) || k % tile_span((int)types[s]) == 0,
+                "gguf_linear: a tiled weight of type ", types[s], " needs k a multiple of ", tile_span((int)types[s]));
     TORCH_CHECK((std::size_t)weights[s].numel() == weight_bytes((int)types[s], (int)k, rows[s]),
                 "gguf_linear: segment ", s, " has ", weights[s].numel(), " bytes, not ",
                 weight_bytes((int)types[s], (int)k, rows[s]));
@@ -78,11 +78,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     sc.dx.resize((std::size_t)m * k_pad / kActBlock);
     sc.ds.resize((std::size_t)m * k_pad / 16);
     sc.dxl.resize((std::size_t)m * k_pad / 4);
-    quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data());
+    sc.xsum.resize((std::size_t)m * k_pad / kActBlock);
+    quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data(), sc.xsum.data());
     act.q = sc.q.data();
     act.dx = sc.dx.data();
     act.ds = sc.ds.data();
     act.dxl = sc.dxl.data();
+    act.xsum = sc.xsum.data();
   }
   if (any_k) {  // per-256 activations for the K-quants
     sc.q256.resize((std::size_t)m * k_pad);

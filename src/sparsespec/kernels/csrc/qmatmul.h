@@ -34,21 +34,26 @@
 //           Q4_K, Q5_K: o_g = mn of the group's sub-block, f = (-dmin) * D;  Q6_K: o_g = -32 sc_g, f = d * D
 //   y = hsum(acc) + hsum(off) (+ bias)
 //
-// Column tiles (Q4_K_T16, Q6_K_T16: the types a multi-row verification pass streams on the Qwen targets). The
-// weight's rows (output columns) in tiles of 16, the last one zero padded; a tile is ceil(K / 256) chunks, each
-// holding that chunk's data for the 16 columns side by side, so one 64-byte vector holds 4 inputs of 16 columns
-// (byte 4c + b: column c, input b) and a single integer dot serves 16 columns per activation row:
+// Column tiles (Q4_K_T16, Q6_K_T16, Q5_0_T16: the types a multi-row pass streams on the Qwen models). The
+// weight's rows (output columns) in tiles of 16, the last one zero padded; a tile is K / span chunks (span: 256
+// inputs for the K-quants, 32 for Q5_0), each holding that chunk's data for the 16 columns side by side, so one
+// 64-byte vector holds 4 inputs of 16 columns (byte 4c + b: column c, input b) and a single integer dot serves 16
+// columns per activation row:
 //   Q4_K_T16 chunk: d[16], dmin[16] fp16; sc[8][16], mn[8][16] u8 (sub-block j, column c at 16 j + c); then 32
 //     pairs of 64 bytes: pair j, byte 4c + b = code(c, 8j + b) | code(c, 8j + 4 + b) << 4.
 //   Q6_K_T16 chunk: d[16] fp16; sc[16][16] int8 (group g, column c); then per group g of 16 inputs 192 bytes:
 //     pairs 2g and 2g + 1 of the codes' low nibbles as above, then 64 bytes of high bits: byte 4c + b, bits 2i,
 //     2i + 1 = code(c, 16g + 4i + b) >> 4 (a chunk reads front to back, one stream for the prefetcher).
+//   Q5_0_T16 chunk (one GGUF block of 32 inputs): d[16] fp16; 4 pairs of 64 bytes as above (pair j: inputs 8j + b
+//     and 8j + 4 + b); then 64 bytes of high bits: byte 4c + b, bit v = bit 4 of code(c, 4v + b).
 // Canonical arithmetic, per column and activation row (the Q8_K activations above; dot_j: exact integer dot of
 // the column's codes of sub-block / group j and the row's q256; b_g: the row's group sums):
 //   Q4_K_T16, each chunk: isum = sum_j sc_j dot_j,  osum = sum_j mn_j (b_2j + b_2j+1)   (exact int32)
 //       acc = fma(float(isum), d * D, acc);  off = fma(float(osum), (-dmin) * D, off)
 //   Q6_K_T16, each chunk: isum = sum_g sc_g (dot_g - 32 b_g);  acc = fma(float(isum), d * D, acc);  off stays 0
 //   y = acc + off (+ bias)
+// Q5_0_T16 reads the 32-weight formats' activations (xq per block of 32 with its dx, s = the block's sum of xq):
+//   each chunk: isum = dot - 16 s (exact int32);  acc = fma(float(isum), d * dx, acc);  y = acc (+ bias)
 // The scale multiplies once per sub-block and column rather than once per 4 inputs, and the float steps run once
 // per chunk for 16 columns: a pass of several rows costs little more integer work per row than the dots.
 #pragma once
@@ -62,9 +67,9 @@ namespace sparsespec {
 enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 // The column-tile layouts of two of them (kernel type ids of this library, not GGML's).
 constexpr int kTiled = 100;
-enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled };
+enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled, Q5_0_T16 = Q5_0 + kTiled };
 constexpr int kTileColumns = 16;
-inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16; }
+inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16 || type == Q5_0_T16; }
 
 // Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs).
 enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
@@ -78,7 +83,8 @@ int code_bits(int type);         // 4, 5, 6 or 8
 int scale_bytes(int type);       // bytes of a chunk's scale section
 int quarter_bytes(int type);     // bytes of one quarter's codes
 std::size_t row_bytes(int type, int k);   // bytes of one repacked row of k inputs (k a multiple of 64)
-std::size_t tile_bytes(int type, int k);  // bytes of one 16-column tile of a tiled type (k a multiple of 256)
+int tile_span(int type);                   // inputs per chunk of a tiled type (256, or 32 for Q5_0_T16)
+std::size_t tile_bytes(int type, int k);  // bytes of one 16-column tile of a tiled type (k a multiple of its span)
 std::size_t weight_bytes(int type, int k, long rows);  // bytes of a repacked weight of `rows` rows, either layout
 
 // Per-row quantized activations of an [m, k] float matrix; k_pad = k rounded up to 256, rows zero padded.
@@ -88,17 +94,22 @@ struct Activations {
   const float* dx = nullptr;   // [m, k_pad / 32]
   const float* ds = nullptr;   // [m, k_pad / 16]
   const float* dxl = nullptr;  // [m, k_pad / 4]: dx of each lane of 4 inputs (what the vector paths load)
+  const int32_t* xsum = nullptr;  // [m, k_pad / 32]: sum of q over each block of 32
   // The K-quants' activations: quantized per 256 inputs.
   const int8_t* q256 = nullptr;     // [m, k_pad]
   const float* d256 = nullptr;      // [m, k_pad / 256]
   const int32_t* bsum = nullptr;    // [m, k_pad / 16]: sum of q256 over each group of 16
 };
 
-inline bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K || is_tiled(type); }
+inline bool is_k_quant(int type) {
+  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_T16 || type == Q6_K_T16;
+}
 
 int padded_k(int k);  // k rounded up to a multiple of 256
-// Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4] from x [m, k] (row stride ldx).
-void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl);
+// Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4], xsum [m, k_pad/32] from x [m, k]
+// (row stride ldx).
+void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
+                          int32_t* xsum);
 // Fill q [m, k_pad], d [m, k_pad/256], bsum [m, k_pad/16] (the K-quants' activations) from x [m, k].
 void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum);
 

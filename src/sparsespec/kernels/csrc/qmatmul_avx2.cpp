@@ -285,10 +285,60 @@ inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, 
   for (int i = 0; i < MT; ++i) y[i] = _mm256_add_ps(acc[i], off[i]);
 }
 
+// Q5_0_T16 (qmatmul.h): vector V of a half chunk's codes (inputs 4V .. 4V + 3 of 8 columns) from its pair of
+// nibbles and the half's high bits (bit V of each byte).
+template <int V>
+inline __m256i q5_codes(__m256i pair, __m256i high) {
+  const __m256i nibbles = V % 2 ? _mm256_srli_epi16(pair, 4) : pair;
+  __m256i bit = high;  // bit V of each byte moved to bit 4
+  if constexpr (V < 4) bit = _mm256_slli_epi16(high, 4 - V);
+  if constexpr (V > 4) bit = _mm256_srli_epi16(high, V - 4);
+  return _mm256_or_si256(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F)),
+                         _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
+// Q5_0_T16 tiles, one half (8 columns): per chunk (one block of 32 inputs) 8 vectors of codes; maddubs sums of
+// four stay exact in int16 (each <= 2 * 31 * 127) before madd widens them.
+template <int MT>
+inline void q5_0_tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, const Activations& act,
+                                __m256 y[MT]) {
+  const long per_row32 = act.k_pad / kActBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q5_0_T16>();
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 16 * half)));
+    const __m256i high = _mm256_loadu_si256((const __m256i*)(chunk + kTileQ5HighBytes + 32 * half));
+    const uint8_t* pairs = chunk + tile_scale_bytes_of<Q5_0_T16>() + 32 * half;
+    const __m256i p0 = _mm256_loadu_si256((const __m256i*)pairs);
+    const __m256i p1 = _mm256_loadu_si256((const __m256i*)(pairs + 64));
+    const __m256i p2 = _mm256_loadu_si256((const __m256i*)(pairs + 128));
+    const __m256i p3 = _mm256_loadu_si256((const __m256i*)(pairs + 192));
+    const __m256i z0 = q5_codes<0>(p0, high), z1 = q5_codes<1>(p0, high), z2 = q5_codes<2>(p1, high),
+                  z3 = q5_codes<3>(p1, high), z4 = q5_codes<4>(p2, high), z5 = q5_codes<5>(p2, high),
+                  z6 = q5_codes<6>(p3, high), z7 = q5_codes<7>(p3, high);
+    for (int i = 0; i < MT; ++i) {
+      const long at = (long)(r0 + i) * per_row32 + ch;
+      const int8_t* x = act.q + at * kActBlock;
+      const __m256i s0 = _mm256_add_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(z0, quad(x)), _mm256_maddubs_epi16(z1, quad(x + 4))),
+          _mm256_add_epi16(_mm256_maddubs_epi16(z2, quad(x + 8)), _mm256_maddubs_epi16(z3, quad(x + 12))));
+      const __m256i s1 = _mm256_add_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(z4, quad(x + 16)), _mm256_maddubs_epi16(z5, quad(x + 20))),
+          _mm256_add_epi16(_mm256_maddubs_epi16(z6, quad(x + 24)), _mm256_maddubs_epi16(z7, quad(x + 28))));
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+      const __m256i isum = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * act.xsum[at]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(act.dx[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) y[i] = _mm256_add_ps(acc[i], _mm256_setzero_ps());  // + off (zero), as the scalar path
+}
+
 template <int TYPE>
 void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                 float* out, long ldo) {
-  const int n_chunks = k / kChunk;
+  const int n_chunks = k / tile_span_of<TYPE>();
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
   for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
     const uint8_t* tile = w + (std::size_t)t * tb;
@@ -298,11 +348,15 @@ void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activatio
       for (int r = 0; r < act.m; r += 4) {
         const int rows = act.m - r < 4 ? act.m - r : 4;
         __m256 y[4];
+        auto pass = [&] <int MT>() {
+          if constexpr (TYPE == Q5_0_T16) q5_0_tile_half_pass<MT>(tile, n_chunks, half, r, act, y);
+          else tile_half_pass<TYPE, MT>(tile, n_chunks, half, r, act, y);
+        };
         switch (rows) {
-          case 1: tile_half_pass<TYPE, 1>(tile, n_chunks, half, r, act, y); break;
-          case 2: tile_half_pass<TYPE, 2>(tile, n_chunks, half, r, act, y); break;
-          case 3: tile_half_pass<TYPE, 3>(tile, n_chunks, half, r, act, y); break;
-          default: tile_half_pass<TYPE, 4>(tile, n_chunks, half, r, act, y); break;
+          case 1: pass.template operator()<1>(); break;
+          case 2: pass.template operator()<2>(); break;
+          case 3: pass.template operator()<3>(); break;
+          default: pass.template operator()<4>(); break;
         }
         for (int i = 0; i < rows; ++i) {
           alignas(32) float v[8];

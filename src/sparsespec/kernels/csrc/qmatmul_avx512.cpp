@@ -318,10 +318,60 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activatio
   for (int i = 0; i < MT; ++i) y[i] = _mm512_add_ps(acc[i], off[i]);
 }
 
+// Q5_0_T16 (qmatmul.h): vector V of a chunk's codes (inputs 4V .. 4V + 3 of 16 columns) from its pair of
+// nibbles and the chunk's high bits (bit V of each byte).
+template <int V>
+inline __m512i q5_codes(__m512i pair, __m512i high) {
+  const __m512i nibbles = V % 2 ? _mm512_srli_epi16(pair, 4) : pair;
+  __m512i bit = high;  // bit V of each byte moved to bit 4
+  if constexpr (V < 4) bit = _mm512_slli_epi16(high, 4 - V);
+  if constexpr (V > 4) bit = _mm512_srli_epi16(high, V - 4);
+  return _mm512_or_si512(_mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
+}
+
+// Q5_0_T16 tiles: per chunk (one block of 32 inputs) 8 vectors of codes, 8 vpdpbusd per activation row for 16
+// columns, then the block's float step. Results go to y[i] (16 columns of row r0 + i).
+template <int MT>
+inline void q5_0_tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activations& act, __m512 y[MT]) {
+  const long per_row32 = act.k_pad / kActBlock;
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q5_0_T16>();
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
+    const __m512i high = _mm512_loadu_si512(chunk + kTileQ5HighBytes);
+    const uint8_t* pairs = chunk + tile_scale_bytes_of<Q5_0_T16>();
+    const __m512i p0 = _mm512_loadu_si512(pairs), p1 = _mm512_loadu_si512(pairs + 64);
+    const __m512i p2 = _mm512_loadu_si512(pairs + 128), p3 = _mm512_loadu_si512(pairs + 192);
+    const __m512i z0 = q5_codes<0>(p0, high), z1 = q5_codes<1>(p0, high), z2 = q5_codes<2>(p1, high),
+                  z3 = q5_codes<3>(p1, high), z4 = q5_codes<4>(p2, high), z5 = q5_codes<5>(p2, high),
+                  z6 = q5_codes<6>(p3, high), z7 = q5_codes<7>(p3, high);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const long at = (long)(r0 + i) * per_row32 + ch;
+      const int8_t* x = act.q + at * kActBlock;
+      __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z0, quad(x));
+      __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z1, quad(x + 4));
+      dot0 = _mm512_dpbusd_epi32(dot0, z2, quad(x + 8));
+      dot1 = _mm512_dpbusd_epi32(dot1, z3, quad(x + 12));
+      dot0 = _mm512_dpbusd_epi32(dot0, z4, quad(x + 16));
+      dot1 = _mm512_dpbusd_epi32(dot1, z5, quad(x + 20));
+      dot0 = _mm512_dpbusd_epi32(dot0, z6, quad(x + 24));
+      dot1 = _mm512_dpbusd_epi32(dot1, z7, quad(x + 28));
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(dot0, dot1), _mm512_set1_epi32(16 * act.xsum[at]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(act.dx[at])), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) y[i] = _mm512_add_ps(acc[i], _mm512_setzero_ps());  // + off (zero), as the scalar path
+}
+
 template <int TYPE>
 void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                   float* out, long ldo) {
-  const int n_chunks = k / kChunk;
+  const int n_chunks = k / tile_span_of<TYPE>();
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
   for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
     const int n0 = t * kTileColumns;
@@ -332,15 +382,19 @@ void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activat
       const int rows = act.m - r < 8 ? act.m - r : 8;
       __m512 y[8];
       const uint8_t* tile = w + (std::size_t)t * tb;
+      auto pass = [&] <int MT>() {
+        if constexpr (TYPE == Q5_0_T16) q5_0_tile_pass<MT>(tile, n_chunks, r, act, y);
+        else tile_pass<TYPE, MT>(tile, n_chunks, r, act, y);
+      };
       switch (rows) {
-        case 1: tile_pass<TYPE, 1>(tile, n_chunks, r, act, y); break;
-        case 2: tile_pass<TYPE, 2>(tile, n_chunks, r, act, y); break;
-        case 3: tile_pass<TYPE, 3>(tile, n_chunks, r, act, y); break;
-        case 4: tile_pass<TYPE, 4>(tile, n_chunks, r, act, y); break;
-        case 5: tile_pass<TYPE, 5>(tile, n_chunks, r, act, y); break;
-        case 6: tile_pass<TYPE, 6>(tile, n_chunks, r, act, y); break;
-        case 7: tile_pass<TYPE, 7>(tile, n_chunks, r, act, y); break;
-        default: tile_pass<TYPE, 8>(tile, n_chunks, r, act, y); break;
+        case 1: pass.template operator()<1>(); break;
+        case 2: pass.template operator()<2>(); break;
+        case 3: pass.template operator()<3>(); break;
+        case 4: pass.template operator()<4>(); break;
+        case 5: pass.template operator()<5>(); break;
+        case 6: pass.template operator()<6>(); break;
+        case 7: pass.template operator()<7>(); break;
+        default: pass.template operator()<8>(); break;
       }
       for (int i = 0; i < rows; ++i) {
         const __m512 v = bias ? _mm512_add_ps(y[i], b) : y[i];

@@ -41,9 +41,15 @@ std::size_t row_bytes(int type, int k) {
   return out;
 }
 
+int tile_span(int type) {
+  int out = 0;
+  dispatch_tiled(type, [&] <int T>() { out = tile_span_of<T>(); });
+  return out;
+}
+
 std::size_t tile_bytes(int type, int k) {
   std::size_t out = 0;
-  dispatch_tiled(type, [&] <int T>() { out = (std::size_t)(k / kChunk) * tile_chunk_bytes_of<T>(); });
+  dispatch_tiled(type, [&] <int T>() { out = (std::size_t)(k / tile_span_of<T>()) * tile_chunk_bytes_of<T>(); });
   return out;
 }
 
@@ -70,7 +76,8 @@ inline float abs_max(const float* x, int n) {
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl) {
+void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
+                          int32_t* xsum) {
   const int k_pad = padded_k(k);
   for (int r = 0; r < m; ++r) {
     const float* xr = x + (long)r * ldx;
@@ -78,11 +85,13 @@ void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, flo
     float* dxr = dx + (long)r * (k_pad / kActBlock);
     float* dsr = ds + (long)r * (k_pad / 16);
     float* dxlr = dxl + (long)r * (k_pad / 4);
+    int32_t* xsumr = xsum + (long)r * (k_pad / kActBlock);
     for (int b = 0; b < k_pad / kActBlock; ++b) {
       const int begin = b * kActBlock;  // k is a multiple of 64: a block is wholly inside or wholly padding
       const float amax = begin < k ? abs_max(xr + begin, kActBlock) : 0.0f;
       const float d = amax / 127.0f;
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int block_sum = 0;
       for (int half = 0; half < 2; ++half) {
         int sum = 0;
         for (int i = begin + 16 * half; i < begin + 16 * half + 16; ++i) {
@@ -91,7 +100,9 @@ void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, flo
           sum += v;
         }
         dsr[2 * b + half] = d * (float)sum;
+        block_sum += sum;
       }
+      xsumr[b] = block_sum;
       dxr[b] = d;
       for (int lane = 0; lane < kActBlock / 4; ++lane) dxlr[b * (kActBlock / 4) + lane] = d;
     }
@@ -205,19 +216,19 @@ void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activati
   }
 }
 
-// The codes of one tiled chunk: codes[i][c] = code(c, i) for input i (0 .. 255) and column c.
+// The codes of one tiled chunk: codes[i][c] = code(c, i) for input i (0 .. span - 1) and column c.
 template <int TYPE>
 void decode_tile_chunk(const uint8_t* chunk, uint8_t codes[kChunk][kTileColumns]) {
-  for (int i = 0; i < kChunk; ++i) tile_codes<TYPE>(chunk, i, codes[i]);
+  for (int i = 0; i < tile_span_of<TYPE>(); ++i) tile_codes<TYPE>(chunk, i, codes[i]);
 }
 
 // Column tiles, the canonical arithmetic of qmatmul.h spelled out one column and row at a time.
 template <int TYPE>
 void tiles_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                   float* out, long ldo) {
-  const int n_chunks = k / kChunk;
+  const int n_chunks = k / tile_span_of<TYPE>();
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
-  const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
+  const long per_row16 = act.k_pad / 16, per_row32 = act.k_pad / kActBlock, per_row256 = act.k_pad / kChunk;
   std::vector<float> acc((std::size_t)act.m * kTileColumns), off(acc.size());
   static thread_local uint8_t codes[kChunk][kTileColumns];
   for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
@@ -228,9 +239,12 @@ void tiles_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activat
       const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
       decode_tile_chunk<TYPE>(chunk, codes);
       for (int r = 0; r < act.m; ++r) {
-        const int8_t* xq = act.q256 + (long)r * act.k_pad + ch * kChunk;
-        const int32_t* b = act.bsum + r * per_row16 + ch * 16;
-        const float D = act.d256[r * per_row256 + ch];
+        // The chunk's activations: the K-quants' per 256 inputs, Q5_0_T16's per block of 32 (D is then its dx).
+        constexpr bool block32 = TYPE == Q5_0_T16;
+        const int8_t* xq = block32 ? act.q + (long)r * act.k_pad + ch * kActBlock
+                                   : act.q256 + (long)r * act.k_pad + ch * kChunk;
+        const int32_t* b = block32 ? act.xsum + r * per_row32 + ch : act.bsum + r * per_row16 + ch * 16;
+        const float D = block32 ? act.dx[r * per_row32 + ch] : act.d256[r * per_row256 + ch];
         for (int c = 0; c < kTileColumns; ++c) {
           const float d = half_to_float(load_u16(chunk + 2 * c));
           int32_t isum = 0, osum = 0;
@@ -243,12 +257,16 @@ void tiles_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activat
             }
             const float dmin = half_to_float(load_u16(chunk + 32 + 2 * c));
             off[r * kTileColumns + c] = std::fma((float)osum, (-dmin) * D, off[r * kTileColumns + c]);
-          } else {
+          } else if constexpr (TYPE == Q6_K_T16) {
             for (int g = 0; g < 16; ++g) {
               int32_t dot = 0;
               for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (int32_t)codes[i][c] * (int32_t)xq[i];
               isum += (int32_t)(int8_t)chunk[32 + 16 * g + c] * (dot - 32 * b[g]);
             }
+          } else {  // Q5_0_T16: codes 0 .. 31 for w = d (q - 16)
+            int32_t dot = 0;
+            for (int i = 0; i < kActBlock; ++i) dot += (int32_t)codes[i][c] * (int32_t)xq[i];
+            isum = dot - 16 * b[0];
           }
           acc[r * kTileColumns + c] = std::fma((float)isum, d * D, acc[r * kTileColumns + c]);
         }
@@ -269,24 +287,28 @@ void tiles_scalar(const uint8_t* w, int k, int n_begin, int n_end, const Activat
 // Row `n` of a tiled weight as floats (the GGUF's own values: w = a q + c as decode_scales computes a and c).
 template <int TYPE>
 void dequantize_tiled_row(const uint8_t* w, int k, long n, float* o) {
-  const int n_chunks = k / kChunk;
+  constexpr int span = tile_span_of<TYPE>();
+  const int n_chunks = k / span;
   const uint8_t* tile = w + (std::size_t)(n / kTileColumns) * n_chunks * tile_chunk_bytes_of<TYPE>();
   const int c = (int)(n % kTileColumns);
   uint8_t codes[kTileColumns];
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
     const float d = half_to_float(load_u16(chunk + 2 * c));
-    for (int i = 0; i < kChunk; ++i) {
+    for (int i = 0; i < span; ++i) {
       tile_codes<TYPE>(chunk, i, codes);
       float a, offset;
-      if constexpr (TYPE == Q4_K_T16) {
+      if constexpr (TYPE == Q5_0_T16) {  // the row layout's a and c (decode_scales)
+        a = d;
+        offset = -16.0f * d;
+      } else if constexpr (TYPE == Q4_K_T16) {
         a = d * (float)chunk[64 + 16 * (i / 32) + c];
         offset = -(half_to_float(load_u16(chunk + 32 + 2 * c)) * (float)chunk[192 + 16 * (i / 32) + c]);
       } else {
         a = d * (float)(int8_t)chunk[32 + 16 * (i / 16) + c];
         offset = -32.0f * a;
       }
-      o[ch * kChunk + i] = a * (float)codes[c] + offset;
+      o[ch * span + i] = a * (float)codes[c] + offset;
     }
   }
 }
