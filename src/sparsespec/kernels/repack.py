@@ -201,8 +201,8 @@ def repack_tiles(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, i
 
     if name == "Q5_0":
         codes = by_tile(_nibbles(blocks[..., 6:22]) | (_bits(blocks[..., 2:6], 32) << 4))  # [t, nb, 16, 32]
-        high = (codes >> 4).reshape(tiles, nb, TILE, 8, 4)  # [.., column, v, b]: input 4v + b
-        bits = sum(high[..., v, :] << v for v in range(8)).astype(np.uint8).reshape(tiles, nb, -1)  # byte 4c + b
+        high = (codes >> 4).reshape(tiles, nb, TILE, 8, 4).swapaxes(-1, -2)  # [.., column, b, v]: input 4v + b
+        bits = np.packbits(high, axis=-1, bitorder="little").reshape(tiles, nb, -1)  # byte 4c + b, bit v
         parts = [by_tile(blocks[..., 0:2]).reshape(tiles, nb, -1), _pairs(codes & 0x0F), bits]
         return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(tiles, -1)), nb * size
 
