@@ -83,6 +83,7 @@ def load_model(
             root = tensor_cache_root(cache)
             folder = None if root is None else root / source_cache_key(source) / "tokenizer"
             tok = _cached_tokenizer(source, folder)
+        release_freed_memory()
         return LoadedModel(source.name, source, config, model, tok, fmt, False)
     root = tensor_cache_root(cache)
     cacheable = root is not None and fmt != NATIVE  # native weights are rebuilt from the source in seconds
@@ -100,6 +101,20 @@ def load_model(
     if tokenizer:
         tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer")
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Repacking a GGUF file's blocks frees tens of MB of numpy temporaries in pieces that glibc keeps in its heap,
+    so the process's resident memory would stay that much above what the model holds.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dtype = torch.bfloat16) -> str:
