@@ -1,9 +1,10 @@
-"""The arena's single-row decode attention: the native op against the torch path, and its effective bandwidth.
+"""The arena's decode attention (one row, or a verification block): the native op against the torch path, and its
+effective bandwidth.
 
 Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
 qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding ``n`` random entries stored in
-each of ``--kv-dtypes``, then times decode steps (``begin(1)``, ``attend`` in every layer, ``end``,
-``commit(1)``) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
+each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in every layer, ``end``,
+``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
 layers; microseconds per layer in the attention itself (``_attend_native``, or the torch path's ``_attend_block`` /
 ``_attend_row_by_row``: everything after the new row is written; the native op writes the row itself, so its time
 includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
@@ -13,6 +14,8 @@ entry, once) over the attention's own time.
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
     python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 16384 \
         --kv-dtypes bf16,int8,int4 --paths native
+    python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 8192 \
+        --rows 1,5 --paths native   # a γ = 4 verification block against one row
 """
 
 from __future__ import annotations
@@ -48,13 +51,13 @@ def make_config(shapes: dict) -> ModelConfig:
 
 
 def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int,
-                 kv_dtype: str) -> KVArena:
+                 kv_dtype: str, rows: int = 1) -> KVArena:
     """An arena as after ``entries`` tokens of text: random KV stored in ``kv_dtype``; the full cache keeps them all,
     a budgeted one its budget (4 sinks and the most recent tokens) with random scores."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
-    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, positions=positions,
-                    kv_dtype=kv_dtype)
+    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, max_block=rows,
+                    positions=positions, kv_dtype=kv_dtype)
     kept = entries if policy.is_full else min(policy.budget, entries)
     gen = torch.Generator().manual_seed(0)
     shape = (config.num_key_value_heads, kept, config.head_dim)
@@ -71,8 +74,8 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     return arena
 
 
-def time_steps(arena: KVArena, native: bool, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Seconds of each decode step (every layer's ``attend`` for one row), and of the attention inside it."""
+def time_steps(arena: KVArena, native: bool, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds of each decode step (every layer's ``attend`` for ``rows`` rows), and of the attention inside it."""
     config = arena.config
     arena.native_attention = native
     inside = [0.0]
@@ -88,18 +91,18 @@ def time_steps(arena: KVArena, native: bool, steps: int, warmup: int) -> tuple[l
         setattr(arena, name, timed)
     gen = torch.Generator().manual_seed(1)
     n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    q = torch.randn(n_heads, 1, hd, generator=gen).bfloat16()
-    k = torch.randn(n_kv, 1, hd, generator=gen).bfloat16()
-    v = torch.randn(n_kv, 1, hd, generator=gen).bfloat16()
+    q = torch.randn(n_heads, rows, hd, generator=gen).bfloat16()
+    k = torch.randn(n_kv, rows, hd, generator=gen).bfloat16()
+    v = torch.randn(n_kv, rows, hd, generator=gen).bfloat16()
     times, attention = [], []
     for step in range(warmup + steps):
         inside[0] = 0.0
         t0 = time.perf_counter()
-        arena.begin(1)
+        arena.begin(rows)
         for layer in range(config.num_hidden_layers):
             arena.attend(layer, q, k, v)
         arena.end()
-        arena.commit(1)
+        arena.commit(rows)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             attention.append(inside[0])
@@ -115,6 +118,7 @@ def main() -> None:
                         choices=["full", "hybrid", "hybrid-age", "streaming", "h2o", "window"])
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
     parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
+    parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -126,10 +130,12 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable_reason()}")
     config = make_config(SHAPES[args.shapes])
     facts = machine()
-    for entries, kv_dtype, path in itertools.product((int(e) for e in args.entries.split(",")),
-                                                 args.kv_dtypes.split(","), paths):
-        arena = filled_arena(config, args.policy, args.budget, entries, args.steps + args.warmup, kv_dtype)
-        times, attention = time_steps(arena, path == "native", args.steps, args.warmup)
+    for entries, kv_dtype, rows, path in itertools.product((int(e) for e in args.entries.split(",")),
+                                                       args.kv_dtypes.split(","),
+                                                       (int(r) for r in args.rows.split(",")), paths):
+        steps = args.steps + args.warmup
+        arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows)
+        times, attention = time_steps(arena, path == "native", rows, args.steps, args.warmup)
         step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
         visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
         kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * visible
@@ -137,7 +143,7 @@ def main() -> None:
         emit({
             "bench": "attention", "model_shapes": args.shapes, "kv_dtype": kv_dtype,
             "policy": arena.policy.describe(),
-            "positions": arena.positions_mode, "entries": entries, "visible": visible, "path": path,
+            "positions": arena.positions_mode, "entries": entries, "visible": visible, "rows": rows, "path": path,
             "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
             "ms_per_step": round(step * 1e3, 3),
             "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),

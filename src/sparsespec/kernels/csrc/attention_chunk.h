@@ -82,14 +82,35 @@ inline void chunk_max(const AttnChunk& a, int s0, int s1, float* max_out) {
 }
 
 #ifdef ATTN_VEC
-// head_dim = NV registers: slots four at a time, one dot per query head of the group and slot, the four sums
-// reduced together (Vec::hsum4: each slot's lanes in the same fixed order, whatever its neighbours).
+// Logits of four slots (rows[i]: their key rows, float or bf16) for the query heads [g0, g0 + nb), nb <= GB: each
+// key register is widened once and serves every head of the pass (GB * 4 sums, 4 keys and a query in registers);
+// per head and slot the dot is q[0] * k[0], then fma over the head_dim's registers in order, reduced by hsum4 (each
+// slot's lanes in the same fixed order, whatever its neighbours or the heads beside it).
+template <int NV, int GB, class P>
+inline void quad_logits(const AttnChunk& a, const P* const* rows, int g0, int nb, float (*sums)[4]) {
+  using T = typename Vec::T;
+  T acc[GB][4];
+  for (int v = 0; v < NV; ++v) {
+    T k[4];
+    for (int i = 0; i < 4; ++i) k[i] = Vec::load(rows[i] + v * Vec::W);
+    for (int b = 0; b < GB; ++b) {
+      if (b >= nb) break;
+      const T qv = Vec::load(a.q + (g0 + b) * a.ldq + v * Vec::W);
+      for (int i = 0; i < 4; ++i) acc[b][i] = v == 0 ? Vec::mul(qv, k[i]) : Vec::fma(qv, k[i], acc[b][i]);
+    }
+  }
+  for (int b = 0; b < nb; ++b) Vec::hsum4(acc[b], sums[b]);
+}
+
+// head_dim = NV registers: slots four at a time (keys rotated by rank first in the in-cache mode), GB query heads
+// per pass over their key registers.
 template <class K, int NV>
 void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
-  using T = typename Vec::T;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int GB = std::clamp((Vec::R - 5) / 4, 1, 8);
   alignas(64) float rotated[4][kAttnMaxHeadDim];
   alignas(64) float dequantized[4][kAttnMaxHeadDim];
+  float sums[GB][4];
   for (int s = s0; s < s1; s += 4) {
     const int n = std::min(4, s1 - s);
     bool seen[4];
@@ -105,65 +126,78 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
         else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
       }
     }
-    for (int g = 0; g < a.group; ++g) {
-      const float* q = a.q + g * a.ldq;
-      T acc[4];
-      for (int i = 0; i < 4; ++i) {
-        if (a.ranks) {
-          acc[i] = Vec::mul(Vec::load(q), Vec::load(rot[i]));
-          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(rot[i] + v * Vec::W), acc[i]);
-        } else {
-          acc[i] = Vec::mul(Vec::load(q), Vec::load(raw[i]));
-          for (int v = 1; v < NV; ++v) acc[i] = Vec::fma(Vec::load(q + v * Vec::W), Vec::load(raw[i] + v * Vec::W), acc[i]);
-        }
-      }
-      float sums[4];
-      Vec::hsum4(acc, sums);
-      for (int i = 0; i < n; ++i) a.logits[g * a.lds + s + i] = seen[i] ? sums[i] * a.scale : kNegInf;
+    if constexpr (!std::is_same_v<K, Codes>) {  // the keys of the quad after next
+      const int ahead = std::min(s + 8, s1 - 1);
+      const char* from = reinterpret_cast<const char*>(static_cast<const K*>(a.keys) + (long)ahead * a.hd);
+      const char* to = reinterpret_cast<const char*>(static_cast<const K*>(a.keys) + (long)std::min(ahead + 4, s1) * a.hd);
+      for (; from < to; from += 64) __builtin_prefetch(from);
+    }
+    for (int g0 = 0; g0 < a.group; g0 += GB) {
+      const int nb = std::min(GB, a.group - g0);
+      if (a.ranks) quad_logits<NV, GB>(a, rot, g0, nb, sums);
+      else quad_logits<NV, GB>(a, raw, g0, nb, sums);
+      for (int b = 0; b < nb; ++b)
+        for (int i = 0; i < n; ++i) a.logits[(g0 + b) * a.lds + s + i] = seen[i] ? sums[b][i] * a.scale : kNegInf;
     }
   }
   chunk_max(a, s0, s1, max_out);
 }
 
-// head_dim = NV registers: each value row widened once into registers, then added into the sums of up to GB query
-// heads at a time, kept in registers (GB * NV + NV of the Vec::R vector registers). Quantized values are
-// dequantized once per slot, a span of kSpan slots at a time into a buffer that every block of GB heads then
-// reads; the sums go through `out` between spans, which changes no value (the same additions in slot order).
+// head_dim = NV registers: the value sums in tiles of VB registers of head_dim for GB query heads, kept in registers
+// (GB * VB sums and VB values), slots in order: each value register is widened once per tile and added into every
+// head's sum of the tile (fma(p, value, sum)). Quantized values are dequantized once per slot, a span of kSpan slots
+// at a time into a buffer the tiles then read; the sums go through `out` between spans, which changes no value (the
+// same additions in slot order).
 template <class K, int NV>
 void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float* sum_out, float* out) {
   using T = typename Vec::T;
-  constexpr int GB = std::clamp((Vec::R - NV - 2) / NV, 1, 4);
+  constexpr int VB = std::min(NV, Vec::R / 8);
+  constexpr int GB = std::clamp((Vec::R - 2 - VB) / VB, 1, 16);
   constexpr bool kCodes = std::is_same_v<K, Codes>;
   constexpr int kSpan = kCodes ? 32 : kAttnChunk;
+  constexpr int kAhead = 4;  // slots between a value row's prefetch and its use
   alignas(64) float dequantized[kCodes ? kSpan * NV * Vec::W : 1];
+  int seen[kSpan + kAhead];
   for (int g = 0; g < a.group; ++g) sum_out[g] = exp_sum(a.logits + g * a.lds + s0, s1 - s0, m[g]);
   for (int t0 = s0; t0 < s1; t0 += kSpan) {
     const int t1 = std::min(s1, t0 + kSpan);
+    int n_seen = 0;
+    for (int s = t0; s < t1; ++s)
+      if (sees(a, s)) seen[n_seen++] = s;
+    if (n_seen == 0 && t0 != s0) continue;
+    for (int j = n_seen; j < n_seen + kAhead; ++j) seen[j] = n_seen ? seen[n_seen - 1] : t0;
     if constexpr (kCodes)
-      for (int s = t0; s < t1; ++s)
-        if (sees(a, s)) entry_row<K>(a, false, s, dequantized + (s - t0) * a.hd);
-    for (int g0 = 0; g0 < a.group; g0 += GB) {
-      const int nb = std::min(GB, a.group - g0);
-      T acc[GB][NV];
-      for (int b = 0; b < GB; ++b)
-        for (int v = 0; v < NV; ++v)
-          acc[b][v] = t0 == s0 || b >= nb ? Vec::set1(0.0f) : Vec::load(out + (g0 + b) * a.hd + v * Vec::W);
-      for (int s = t0; s < t1; ++s) {
-        if (!sees(a, s)) continue;
-        const Row<K>* value;
-        if constexpr (kCodes) value = dequantized + (s - t0) * a.hd;
-        else value = static_cast<const K*>(a.values) + (long)s * a.hd;
-        T x[NV];
-        for (int v = 0; v < NV; ++v) x[v] = Vec::load(value + v * Vec::W);
-        for (int b = 0; b < GB; ++b) {
-          if (b >= nb) break;
-          const T p = Vec::set1(a.logits[(g0 + b) * a.lds + s]);
-          for (int v = 0; v < NV; ++v) acc[b][v] = Vec::fma(p, x[v], acc[b][v]);
+      for (int j = 0; j < n_seen; ++j) entry_row<K>(a, false, seen[j], dequantized + (seen[j] - t0) * a.hd);
+    for (int v0 = 0; v0 < NV; v0 += VB)
+      for (int g0 = 0; g0 < a.group; g0 += GB) {
+        const int nb = std::min(GB, a.group - g0);
+        const float* p = a.logits + g0 * a.lds;
+        float* o = out + g0 * a.hd + v0 * Vec::W;
+        T acc[GB][VB];
+        for (int b = 0; b < nb; ++b)
+          for (int v = 0; v < VB; ++v) acc[b][v] = t0 == s0 ? Vec::set1(0.0f) : Vec::load(o + b * a.hd + v * Vec::W);
+        for (int j = 0; j < n_seen; ++j) {
+          const int s = seen[j];
+          const Row<K>* row;
+          if constexpr (kCodes) {
+            row = dequantized + (s - t0) * a.hd;
+          } else {
+            row = static_cast<const K*>(a.values) + (long)s * a.hd;
+            const char* ahead = reinterpret_cast<const char*>(static_cast<const K*>(a.values) +
+                                                              (long)seen[j + kAhead] * a.hd + v0 * Vec::W);
+            for (int byte = 0; byte < VB * Vec::W * (int)sizeof(K); byte += 64) __builtin_prefetch(ahead + byte);
+          }
+          T x[VB];
+          for (int v = 0; v < VB; ++v) x[v] = Vec::load(row + (v0 + v) * Vec::W);
+          for (int b = 0; b < GB; ++b) {
+            if (b >= nb) break;
+            const T pb = Vec::set1(p[b * a.lds + s]);
+            for (int v = 0; v < VB; ++v) acc[b][v] = Vec::fma(pb, x[v], acc[b][v]);
+          }
         }
+        for (int b = 0; b < nb; ++b)
+          for (int v = 0; v < VB; ++v) Vec::store(o + b * a.hd + v * Vec::W, acc[b][v]);
       }
-      for (int b = 0; b < nb; ++b)
-        for (int v = 0; v < NV; ++v) Vec::store(out + (g0 + b) * a.hd + v * Vec::W, acc[b][v]);
-    }
   }
 }
 
