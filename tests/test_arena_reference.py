@@ -41,7 +41,7 @@ PROMPT_LEN = 40
 CHUNK = 8
 DECODE_STEPS = 300
 BUDGET = 20
-POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age")
+POLICY_NAMES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age", "hybrid-decay")
 MODES = ("original", "in-cache")
 REL_TOL = 1e-4  # logits: atol = REL_TOL * max |logit| of the step
 
@@ -51,7 +51,7 @@ class NaiveDecoder:
     """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
 
     def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None,
-                 age=False):
+                 age=False, decay=1.0):
         """``stored_rows(layer, n) -> (k, v, bits)``, if given, returns the next ``n`` rows the arena stored in
         ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
         self.cfg = config
@@ -61,6 +61,7 @@ class NaiveDecoder:
         self.state = {name: t.float() for name, t in state.items()}
         self.sinks, self.heavy, self.window, self.budget = sinks, heavy, window, budget
         self.age = age  # rank heavy hitters by score / (rows that saw the token) (hybrid-age)
+        self.decay = decay  # each row: scores *= decay, then += attention (hybrid-decay)
         self.mode = mode
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # keys as stored (see rotated_keys), by position
@@ -156,6 +157,7 @@ class NaiveDecoder:
                 queries = self._rope(q[i, heads], q_pos.expand(group))
                 probs = torch.softmax((queries @ keys.T) / math.sqrt(hd), dim=-1)  # [group, visible]
                 out[i, heads] = probs @ values
+                self.scores[layer, head] *= self.decay
                 self.scores[layer, head, seen] += probs.sum(dim=0)
                 if not per_block:
                     self._evict(layer, head, newest=p)
@@ -283,7 +285,7 @@ def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total
     ref = NaiveDecoder(
         config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
         mode=mode, max_tokens=total + 8, stored_rows=None if kv_dtype == "auto" else RecordedRows(arena),
-        age=policy.age_normalised,
+        age=policy.age_normalised, decay=policy.score_decay,
     )
     return config, model, arena, ref
 

@@ -37,6 +37,7 @@ POLICIES = {
     "h2o": dict(heavy=3, window=2),
     "hybrid": dict(sinks=1, heavy=3, window=2),
     "hybrid-age": dict(sinks=1, heavy=3, window=2),
+    "hybrid-decay": dict(sinks=1, heavy=3, window=2),
 }
 ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
 
@@ -183,7 +184,7 @@ def test_positions_past_the_rope_tables_equal_torch_path(dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8", "int4"])
-@pytest.mark.parametrize("name", ["hybrid", "hybrid-age"])
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-age", "hybrid-decay"])
 def test_arenas_attend_through_the_native_op_for_every_kv_dtype_and_ranking(monkeypatch, kv_dtype, name):
     """With the kernels built, an arena of any KV dtype and either heavy-hitter ranking calls the op once per layer
     and block (the lockstep tests above prove what it computes)."""

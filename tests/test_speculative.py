@@ -34,6 +34,7 @@ POLICY_SPECS = {
     "streaming": dict(budget=10, sinks=2),
     "h2o": dict(budget=12, heavy=6),
     "hybrid": dict(budget=12, sinks=2, heavy=4),
+    "hybrid-decay": dict(budget=12, sinks=2, heavy=4),
 }
 
 

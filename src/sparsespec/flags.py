@@ -35,7 +35,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
     """Cache flags; ``prefix="draft-"`` gives the draft's copies (``--draft-policy`` …)."""
     p = f"--{prefix}"
     parser.add_argument(f"{p}policy", default=None,
-                        help="full | window | streaming | h2o | hybrid | hybrid-age (default: "
+                        help="full | window | streaming | h2o | hybrid | hybrid-age | hybrid-decay (default: "
                         + (f"hybrid, budget {DEFAULT_DRAFT_BUDGET})" if prefix else "full, or hybrid when a budget or size is given)"))
     parser.add_argument(f"{p}budget", type=int, default=None, help="KV entries kept per layer and head")
     parser.add_argument(f"{p}sinks", type=int, default=None, help="attention sinks (first tokens) kept")

@@ -318,7 +318,7 @@ class KVArena:
             table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
             visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
             budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
-            age_normalised=policy.age_normalised, scale=self.scale, key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
+            age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale, key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -375,11 +375,18 @@ class KVArena:
             out = out.view(n_heads, n_rows, hd)
             received = probs.sum(dim=1)  # [n_kv, T, S]: attention each slot received from each row
             scores = self.scores[layer][:, :stop]
-            if not per_block:
+            snapshots = 0 if per_block else min(n_rows, self.max_inflight - 1 - first)
+            decay = self.policy.score_decay
+            if decay == 1.0:
                 cumulative = received.cumsum(dim=1)
-                for i in range(min(n_rows, self.max_inflight - 1 - first)):
+                for i in range(snapshots):
                     self.row_scores[first + i, layer][:, :stop] = scores + cumulative[:, i]
-            scores += received.sum(dim=1)
+                scores += received.sum(dim=1)
+            else:  # row by row: score = decay * score + attention received
+                for i in range(n_rows):
+                    scores.mul_(decay).add_(received[:, i])
+                    if i < snapshots:
+                        self.row_scores[first + i, layer][:, :stop] = scores
 
         budget = self.policy.budget
         if budget is not None and visible_before + n_rows > budget:
@@ -423,6 +430,8 @@ class KVArena:
             row_probs = torch.softmax(logits, dim=-1)  # [n_kv, group, S]
             probs[:, :, i] = row_probs
             if scores is not None:
+                if self.policy.score_decay != 1.0:
+                    scores.mul_(self.policy.score_decay)
                 scores += row_probs.sum(dim=1)
             evict = choose_evictions(
                 scores, positions, row_visible, int(new_positions[i]), self.policy, n_visible=n_visible

@@ -7,7 +7,8 @@ A policy keeps three kinds of tokens (any part may be zero):
 - **window**: the ``window`` most recent tokens.
 
 The budget is their sum. ``full`` keeps everything. ``hybrid-age`` is ``hybrid`` with heavy hitters ranked by
-attention per row that saw them (``hybrid_age.py``). When the visible tokens outnumber the budget, the protected
+attention per row that saw them (``hybrid_age.py``), ``hybrid-decay`` with heavy hitters ranked by attention that
+fades row by row (``hybrid_decay.py``). When the visible tokens outnumber the budget, the protected
 tokens (sinks and window) stay and the rest are ranked by score; the lowest-scoring go first, ties broken towards
 the oldest position so that the choice never depends on where a token sits in memory.
 """
@@ -20,8 +21,9 @@ import torch
 
 from ..errors import UserError
 from .hybrid_age import age_normalised
+from .hybrid_decay import SCORE_DECAY
 
-POLICIES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age")
+POLICIES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age", "hybrid-decay")
 DEFAULT_SINKS = 4
 
 
@@ -47,6 +49,11 @@ class CachePolicy:
     def age_normalised(self) -> bool:
         """Whether heavy hitters are ranked by attention per row that saw them (``hybrid-age``)."""
         return self.name == "hybrid-age"
+
+    @property
+    def score_decay(self) -> float:
+        """The factor every row multiplies the scores by before adding its attention (``hybrid-decay``), else 1."""
+        return SCORE_DECAY if self.name == "hybrid-decay" else 1.0
 
     @property
     def needs_scores(self) -> bool:
@@ -90,6 +97,7 @@ def make_policy(
         "h2o": (False, True),
         "hybrid": (True, True),
         "hybrid-age": (True, True),
+        "hybrid-decay": (True, True),
     }[name]
     has_sinks, has_heavy = uses
     if not has_sinks and sinks:

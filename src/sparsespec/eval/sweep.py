@@ -149,7 +149,8 @@ def build_grid(
     from ..cache.policy import make_policy
 
     if not policies:
-        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid, hybrid-age.")
+        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid, hybrid-age, "
+                        "hybrid-decay.")
     for mode in positions:
         if mode not in POSITION_MODES:
             raise UserError(f"Unknown position mode {mode!r}; choose original and/or in-cache.")

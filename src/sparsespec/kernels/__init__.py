@@ -162,7 +162,8 @@ def arena_attention(
     positions: torch.Tensor, evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, *, table_offset: int, in_cache: bool, layer: int, start: int, first: int,
     visible_before: int, first_position: int, snapshots: int, per_row: bool, budget: int | None, sinks: int,
-    heavy: int, window: int, scale: float, age_normalised: bool = False, key_params: torch.Tensor | None = None,
+    heavy: int, window: int, scale: float, age_normalised: bool = False, score_decay: float = 1.0,
+    key_params: torch.Tensor | None = None,
     value_params: torch.Tensor | None = None, code_bits: int = 0, isa: int = ISA_AUTO,
 ) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
@@ -187,6 +188,7 @@ def arena_attention(
         cos, sin: ``[P, head_dim]`` float32 RoPE tables; row ``p - table_offset`` serves position or rank ``p``.
         first_position: true position of the block's first row; ``budget``: None for the full cache.
         age_normalised: rank heavy hitters by score per row that saw them (``hybrid-age``), else by score.
+        score_decay: every row multiplies the scores by it before adding its attention (``hybrid-decay``).
 
     Returns:
         ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
@@ -195,7 +197,7 @@ def arena_attention(
     return torch.ops.sparsespec.arena_attention(
         q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
         start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
-        heavy, window, age_normalised, scale, key_params, value_params, code_bits, isa,
+        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, isa,
     )
 
 

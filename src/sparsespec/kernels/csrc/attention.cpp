@@ -261,6 +261,7 @@ void attend_block(int isa, const AttnBlock& b) {
         float* score = b.scores + h * b.cap;
         const float* e = logits.data() + h * G * lds;
         for (int s = 0; s <= last; ++s) {
+          if (b.score_decay != 1.0f) score[s] *= b.score_decay;  // every slot, as the torch path's scores.mul_
           if (!alive(b, (int)h, s)) continue;
           float received = e[s] / total[0];
           for (int g = 1; g < G; ++g) received += e[g * lds + s] / total[g];

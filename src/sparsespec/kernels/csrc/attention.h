@@ -114,6 +114,7 @@ struct AttnBlock {
   bool per_row = false;  // evict after every row (else, if over budget, once after the block)
   int budget = -1, sinks = 0, heavy = 0, window = 0;  // budget -1: the full cache
   bool age_normalised = false;  // heavy hitters ranked by score / age (hybrid-age), else by score
+  float score_decay = 1.0f;     // each row: score = score * score_decay + attention received (hybrid-decay)
   float scale = 1.0f;
   float* out = nullptr;  // [T, n_kv * group * hd]
 };

@@ -175,7 +175,8 @@ bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat |
 // (heavy-hitter policies, else None); row_scores [R, L, n_kv, cap] float32 (row i's scores copied to
 // row_scores[first + i] for i < snapshots, else None). cos, sin [P, hd] float32 RoPE tables, row p - table_offset
 // for position (original mode) or rank (in-cache mode, table_offset 0). age_normalised: heavy hitters ranked by
-// score / age (hybrid-age). per_row: the policy evicts after every row (else once after the block, if
+// score / age (hybrid-age). score_decay: every row multiplies the scores by it before adding its attention
+// (hybrid-decay; 1 elsewhere). per_row: the policy evicts after every row (else once after the block, if
 // visible_before + T exceeds the budget); budget -1: the full cache. Returns [T, n_heads * hd] in q's dtype.
 at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor keys,
                            at::Tensor values, at::Tensor positions, at::Tensor evicted_at,
@@ -183,7 +184,7 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& cos, const at::Tensor& sin, int64_t table_offset, bool in_cache,
                            int64_t layer, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
                            int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
-                           int64_t window, bool age_normalised, double scale,
+                           int64_t window, bool age_normalised, double score_decay, double scale,
                            const c10::optional<at::Tensor>& key_params,
                            const c10::optional<at::Tensor>& value_params, int64_t code_bits, int64_t isa) {
   const bool quantized = code_bits != 0;
@@ -284,6 +285,7 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   b.heavy = (int)heavy;
   b.window = (int)window;
   b.age_normalised = age_normalised;
+  b.score_decay = (float)score_decay;
   b.scale = (float)scale;
   if (in_cache) {
     b.cos = cos.data_ptr<float>();
@@ -379,7 +381,8 @@ TORCH_LIBRARY(sparsespec, m) {
       "arena_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
       "Tensor(d!) evicted_at, Tensor(e!)? scores, Tensor(f!)? row_scores, Tensor cos, Tensor sin, int table_offset, "
       "bool in_cache, int layer, int start, int first, int visible_before, int first_position, int snapshots, "
-      "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float scale, "
+      "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float score_decay, "
+      "float scale, "
       "Tensor(g!)? key_params, "
       "Tensor(h!)? value_params, int code_bits, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
