@@ -4,10 +4,10 @@ effective bandwidth.
 Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
 qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding ``n`` random entries stored in
 each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in every layer, ``end``,
-``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one JSON line per (policy, entries, path): milliseconds per step for all
-layers; microseconds per layer in the attention itself (``_attend_native``, or the torch path's ``_attend_block`` /
-``_attend_row_by_row``: everything after the new row is written; the native op writes the row itself, so its time
-includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
+``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one
+JSON line per (entries, KV dtype, rows, path): milliseconds per step for all layers; microseconds per layer in the
+attention itself (``_attend_native``, or the torch path's ``_attend_block`` / ``_attend_row_by_row``: everything
+after the new rows are written; the native op writes the rows itself, so its time includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
 entry, once) over the attention's own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
@@ -31,7 +31,7 @@ from common import RESULTS_DIR, emit, machine
 
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
-from sparsespec.cache.policy import make_policy
+from sparsespec.cache.policy import POLICIES, make_policy
 from sparsespec.cache.quant import bytes_per_vector
 from sparsespec.config import ModelConfig
 
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--shapes", choices=tuple(SHAPES), default="smollm2-135m")
     parser.add_argument("--kv-dtypes", default="bf16", help="comma-separated: bf16, int8, int4 (default: bf16)")
     parser.add_argument("--policy", default="full",
-                        choices=["full", "hybrid", "hybrid-age", "streaming", "h2o", "window"])
+                        choices=POLICIES)
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
     parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
     parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
