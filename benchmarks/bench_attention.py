@@ -7,8 +7,9 @@ each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in
 ``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one
 JSON line per (entries, KV dtype, rows, path): milliseconds per step for all layers; microseconds per layer in the
 attention itself (``_attend_native``, or the torch path's ``_attend_block`` / ``_attend_row_by_row``: everything
-after the new rows are written; the native op writes the rows itself, so its time includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
-entry, once) over the attention's own time.
+after the new rows are written; the native op writes the rows itself, so its time includes that store); and the
+effective GB/s of the KV bytes a step must read (keys and values of every visible entry, once) over the attention's
+own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
