@@ -38,29 +38,33 @@ from sparsespec.config import ModelConfig
 
 SHAPES = {
     "smollm2-135m": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         hidden_size=576),
+                         hidden_size=576, attention_bias=False),
     "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-                               hidden_size=1536),
+                               hidden_size=1536, attention_bias=True),
 }
 
 
 def make_config(shapes: dict) -> ModelConfig:
     return ModelConfig(
         architecture="llama", vocab_size=49152, intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=1 << 20, tie_word_embeddings=True, attention_bias=False, **shapes,
+        max_position_embeddings=1 << 20, tie_word_embeddings=True, **shapes,
     )
 
 
 def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int,
                  kv_dtype: str, rows: int = 1) -> KVArena:
     """An arena as after ``entries`` tokens of text: random KV stored in ``kv_dtype``; the full cache keeps them all,
-    a budgeted one its budget (4 sinks and the most recent tokens) with random scores."""
+    a budgeted one its budget (4 sinks and the most recent tokens) with random scores. Shapes with key biases (the
+    Qwen2 models) get a random key bias, which quantized keys are stored without in the in-cache mode."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
-    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, max_block=rows,
-                    positions=positions, kv_dtype=kv_dtype)
-    kept = entries if policy.is_full else min(policy.budget, entries)
     gen = torch.Generator().manual_seed(0)
+    key_bias = None
+    if config.attention_bias:
+        key_bias = torch.randn(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, generator=gen)
+    arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, max_block=rows,
+                    positions=positions, kv_dtype=kv_dtype, key_offset=key_bias)
+    kept = entries if policy.is_full else min(policy.budget, entries)
     shape = (config.num_key_value_heads, kept, config.head_dim)
     for layer in range(config.num_hidden_layers):
         arena._write_rows(layer, 0, kept, torch.randn(shape, generator=gen).bfloat16(),

@@ -19,8 +19,9 @@ Semantics implemented by the reference:
 
 Quantized caches (``kv_dtype`` int8 / int4): the reference takes the entries the arena stored for each new row
 (codes and group parameters, recorded as they are written) and dequantizes them with its own plain loop; it checks
-that they are its own keys (rotated by position in the original mode) and values within half a quantization step,
-and then runs the same naive attention and eviction over them.
+that they are its own keys (rotated by position in the original mode; minus the layer's key bias in the in-cache
+mode, where keys are stored before RoPE) and values within half a quantization step, and then runs the same naive
+attention and eviction over them.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class NaiveDecoder:
         ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
         self.cfg = config
         self.stored_rows = stored_rows
-        # The arena quantizes keys as stored: rotated by position in the original mode.
+        # The arena quantizes keys as stored: rotated by position in the original mode, else minus the key bias.
         self.rotated_keys = stored_rows is not None and mode == "original"
+        self.bias_out = stored_rows is not None and mode == "in-cache" and config.attention_bias
         self.state = {name: t.float() for name, t in state.items()}
         self.sinks, self.heavy, self.window, self.budget = sinks, heavy, window, budget
         self.age = age  # rank heavy hitters by score / (rows that saw the token) (hybrid-age)
@@ -132,7 +134,10 @@ class NaiveDecoder:
             if self.rotated_keys:
                 k = torch.stack([self._rope(k[h], torch.arange(p0, p0 + n_rows)) for h in range(n_kv)])
             (k_codes, k_params), (v_codes, v_params), bits = self.stored_rows(layer, n_rows)
-            k = _checked_dequantize(k_codes, k_params, bits, k, "keys")
+            bias = 0.0
+            if self.bias_out:
+                bias = self._weight(f"model.layers.{layer}.self_attn.k_proj.bias").view(n_kv, 1, hd)
+            k = _checked_dequantize(k_codes, k_params, bits, k - bias, "keys") + bias
             v = _checked_dequantize(v_codes, v_params, bits, v, "values")
         self.k[layer, :, p0 : p0 + n_rows] = k
         self.v[layer, :, p0 : p0 + n_rows] = v
@@ -273,14 +278,20 @@ def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
 
 
 def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8,
-           kv_dtype="auto"):
+           kv_dtype="auto", key_bias_outliers=0.0):
+    """``key_bias_outliers``: if set, channels 0 and 5 of every KV head's key bias get this value (Qwen2's layer-0
+    keys carry biases of ±354 in a few channels), so keys quantized with the bias in would miss their bound."""
     config = tiny_config(architecture, num_hidden_layers=n_layers)
     state = random_state(config, seed=1)
+    if key_bias_outliers:
+        for layer in range(n_layers):
+            bias = state[f"model.layers.{layer}.self_attn.k_proj.bias"].view(config.num_key_value_heads, -1)
+            bias[:, [0, 5]] = key_bias_outliers
     model = Transformer(config, state, torch.float32)
     policy = make_policy(policy_name, None if policy_name == "full" else BUDGET)
     arena = KVArena(
         config, policy, dtype=torch.float32, max_tokens=total, max_block=CHUNK, max_inflight=max_inflight,
-        positions=mode, kv_dtype=kv_dtype,
+        positions=mode, kv_dtype=kv_dtype, key_offset=model.key_biases(),
     )
     ref = NaiveDecoder(
         config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
@@ -349,6 +360,24 @@ def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode):
         want = ref.forward([token])[-1]
         _assert_logits_close(got, want, f"qwen2 {policy_name}/{mode} decode step {step}")
     _assert_same_cache(arena, ref, f"qwen2 {policy_name}/{mode} at the end")
+
+
+@pytest.mark.parametrize(("policy_name", "kv_dtype"), [("hybrid", "int4"), ("h2o", "int8"), ("hybrid-decay", "int4")])
+def test_qwen2_quantized_keys_without_the_key_bias_match_naive_reference(policy_name, kv_dtype):
+    """In the in-cache mode quantized keys are stored minus the layer's key bias (and read plus it): the reference
+    checks each stored key against its own key minus the bias, within half a step of that range."""
+    config, model, arena, ref = _setup("qwen2", policy_name, "in-cache", n_layers=1, kv_dtype=kv_dtype,
+                                       key_bias_outliers=40.0)
+    assert arena._keys.offset is not None and float(arena._keys.offset.abs().max()) == 40.0
+    stream = _token_stream(PROMPT_LEN + 120, config.vocab_size, seed=13)
+    _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
+    for step, token in enumerate(stream[PROMPT_LEN:]):
+        got = model.forward(torch.tensor([token]), arena)[-1]
+        arena.commit(1)
+        want = ref.forward([token])[-1]
+        _assert_logits_close(got, want, f"qwen2 {policy_name}/{kv_dtype} decode step {step}")
+    _assert_same_cache(arena, ref, f"qwen2 {policy_name}/{kv_dtype} at the end")
+    assert arena.evicted_tokens == PROMPT_LEN + 120 - BUDGET
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -42,10 +42,10 @@ POLICIES = {
 ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
 
 
-def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", **sizes):
+def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", key_offset=None, **sizes):
     policy = make_policy(name, **(sizes or POLICIES[name]))
     arena = KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
-                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype)
+                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype, key_offset=key_offset)
     arena.native_attention = native
     return arena
 
@@ -92,13 +92,13 @@ def _block(native: KVArena, ref: KVArena, rows, per_block: bool, what: str) -> i
     return int((native.evicted_at != torch.iinfo(torch.int32).max).sum()) - evicted_before
 
 
-def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto"):
+def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto", key_offset=None):
     """A random run in lockstep; returns (evictions between rows of one block, other evictions)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     total = n_ops * MAX_INFLIGHT + MAX_BLOCK
-    native = _arena(config, name, mode, dtype, total, True, kv_dtype)
-    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype)
+    native = _arena(config, name, mode, dtype, total, True, kv_dtype, key_offset)
+    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype, key_offset)
     evictions = {"within": 0, "other": 0}
     for step in range(n_ops):
         if step == 0 or rng.random() < 0.3:  # a per-block prefill chunk, committed or rolled back
@@ -151,6 +151,20 @@ def test_native_attention_reads_quantized_entries_as_the_torch_path(name, mode, 
                      kv_dtype=kv_dtype)
     if name != "full":
         assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-decay"])
+def test_native_attention_takes_the_key_offset_out_as_the_torch_path(name, kv_dtype):
+    """A key offset (the model's key bias) with large channels, in-cache mode: the op stores the codes of
+    ``key - offset`` exactly as the torch path does, and reads keys back plus the offset as it does."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    gen = torch.Generator().manual_seed(17)
+    offset = torch.randn(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, generator=gen)
+    offset[..., 3] = 300.0
+    evictions = _run(config, name, "in-cache", torch.float32, seed=zlib.crc32(f"offset {name} {kv_dtype}".encode()),
+                     kv_dtype=kv_dtype, key_offset=offset)
+    assert evictions["within"] > 0 and evictions["other"] > 0
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])

@@ -118,6 +118,52 @@ def test_stored_entries_are_the_written_rows_quantized_and_move_with_their_slot(
             assert torch.equal(keys[head, slot], want_k) and torch.equal(values[head, slot], want_v)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_store_with_an_offset_quantizes_what_is_left_and_adds_it_back(bits):
+    """Keys with a large per-channel offset (as Qwen2's key bias): the store keeps the codes of ``x - offset`` and
+    reads them back plus the offset, so the error is bounded by the range of ``x - offset``, not of ``x``."""
+    from sparsespec.cache.quant import KVStore
+
+    g = torch.Generator().manual_seed(bits)
+    offset = torch.randn(2, 2, 64, generator=g)
+    offset[:, :, 7] = 350.0
+    x = torch.randn(2, 5, 64, generator=g) + offset[1][:, None]  # layer 1's rows: [n_kv, tokens, hd]
+    kv_dtype = f"int{bits}"
+    shifted, plain = (KVStore((2, 2, 8, 64), kv_dtype, torch.float32, offset=o) for o in (offset, None))
+    for store in (shifted, plain):
+        store.write(1, 2, 7, x)
+    codes, params = quantize(x - offset[1][:, None], bits)
+    assert torch.equal(shifted.data[1, :, 2:7], codes) and torch.equal(shifted.params[1, :, 2:7], params)
+    back = shifted.read(1, 7)[:, 2:7]
+    torch.testing.assert_close(back, dequantize(codes, params, bits, torch.float32) + offset[1][:, None])
+    group = {8: 32, 4: 16}[bits]
+    assert bool(((back - x).abs() <= _bound(x - offset[1][:, None], bits, group) * 1.001 + 1e-4).all())
+    plain_error = float((plain.read(1, 7)[:, 2:7] - x).abs().max())
+    assert float((back - x).abs().max()) < plain_error / 10  # the offset is what made the difference
+    with pytest.raises(ValueError, match="offset"):
+        KVStore((2, 2, 8, 64), kv_dtype, torch.float32, offset=offset[:1])
+
+
+def test_the_key_offset_is_the_models_key_bias_and_only_in_the_in_cache_mode():
+    from conftest import random_state
+    from sparsespec.model import Transformer
+
+    config = tiny_config("qwen2", num_hidden_layers=2)
+    state = random_state(config, seed=3)
+    model = Transformer(config, state, torch.float32)
+    bias = model.key_biases()
+    hd, n_kv = config.head_dim, config.num_key_value_heads
+    for layer in range(2):
+        want = state[f"model.layers.{layer}.self_attn.k_proj.bias"].float().view(n_kv, hd)
+        assert torch.equal(bias[layer], want)
+    assert Transformer(tiny_config(), random_state(tiny_config(), seed=3), torch.float32).key_biases() is None
+    arenas = {mode: KVArena(config, make_policy("hybrid", 24), dtype=torch.float32, max_block=8, positions=mode,
+                            kv_dtype="int8", key_offset=bias) for mode in ("original", "in-cache")}
+    assert arenas["original"]._keys.offset is None  # keys stored rotated: the bias rotates with them
+    assert torch.equal(arenas["in-cache"]._keys.offset, bias)
+    assert arenas["in-cache"]._values.offset is None
+
+
 # --------------------------------------------------------------------------------------------- SmolLM2
 SMOLLM2_TOKENS = 256
 # The stated tolerance of an int8 cache against a bf16 cache, both full, float32 compute: the mean KL divergence of

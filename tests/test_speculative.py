@@ -45,7 +45,8 @@ def policy(name):
 
 def arena(model, pol, positions, max_inflight, max_tokens=1024, chunk=8, kv_dtype="auto"):
     return KVArena(model.config, pol, dtype=model.dtype, max_tokens=max_tokens, max_block=chunk,
-                   max_inflight=max_inflight, positions=positions, kv_dtype=kv_dtype)
+                   max_inflight=max_inflight, positions=positions, kv_dtype=kv_dtype,
+                   key_offset=model.key_biases())
 
 
 # Untied head and unit-scale weights: a tiny random model whose greedy text does not collapse into one token.
@@ -153,6 +154,27 @@ def test_qwen2_target_with_random_draft():
     expected = ar_tokens(target, pol, "original", ids, 256)
     got, _, _ = spec_tokens(target, draft, pol, policy("full"), "original", ids, 256, gamma=3)
     assert got == expected
+
+
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_qwen2_quantized_keys_stored_without_their_bias_speculate_exactly(monkeypatch, attention):
+    """In-cache positions with int4 / int8 keys on a model with key biases: keys are stored minus the bias (one
+    more part of the cache's definition), and speculation reproduces autoregressive decoding."""
+    if attention == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("native kernels unavailable")
+    target = tiny_model("qwen2", seed=2)
+    pol = policy("hybrid")
+    ids = prompt(16, target.config.vocab_size, seed=6)
+    expected = ar_tokens(target, pol, "in-cache", ids, 160, kv_dtype="int4")
+    stats = SpeculativeStats()
+    got, t_cache, d_cache = spec_tokens(target, target, pol, make_policy("streaming", 6, sinks=1), "in-cache", ids,
+                                        160, gamma=4, stats=stats, kv_dtype="int4", draft_kv_dtype="int8")
+    assert got == expected
+    assert 10 < stats.accepted < stats.drafted - 10
+    assert t_cache._keys.offset is not None and d_cache._keys.offset is not None
+    assert t_cache.evicted_tokens > 0
 
 
 def sorted_state(cache: KVArena):

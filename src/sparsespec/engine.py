@@ -130,6 +130,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
         max_inflight=max_inflight,
         positions=cache.positions,
         kv_dtype=cache.kv_dtype,
+        key_offset=loaded.model.key_biases(),
     )
 
 

@@ -135,6 +135,18 @@ class Transformer:
         items.append(("lm_head", self.lm_head))
         return items
 
+    def key_biases(self) -> torch.Tensor | None:
+        """``[n_layers, n_kv_heads, head_dim]`` float32: each layer's key bias (Qwen2), or None (no biases).
+
+        The KV arena stores quantized keys minus it (``cache/quant.py``): it is the same for every token, and a few
+        of its channels are large enough to set the quantization step of every key."""
+        cfg = self.config
+        if not cfg.attention_bias:
+            return None
+        q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shape = (cfg.num_key_value_heads, cfg.head_dim)
+        return torch.stack([layer.qkv.bias[q_size : q_size + kv_size].float().view(shape) for layer in self.layers])
+
     @property
     def weight_nbytes(self) -> int:
         """Bytes of all weights as stored for computation."""

@@ -29,7 +29,9 @@ is cheaper but not identical to token-by-token decoding (chunk size 1 is).
 
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
-ever reaches ``budget + staging``.
+ever reaches ``budget + staging``. Quantized keys in the ``in-cache`` mode are stored minus the model's key bias
+(``key_offset``; ``quant.py`` says why), which is a fixed vector there; in the ``original`` mode it has been rotated
+with the key and stays in.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
 also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
@@ -73,6 +75,7 @@ class KVArena:
         max_inflight: int = 1,
         positions: str = "original",
         kv_dtype: str = "auto",
+        key_offset: torch.Tensor | None = None,
     ) -> None:
         """
         Args:
@@ -87,6 +90,9 @@ class KVArena:
             kv_dtype: how keys and values are stored: ``auto`` (in ``dtype``), ``bf16``, ``int8`` or ``int4``
                 (see ``quant.py``). Quantization happens once, when a row is written; every reader sees the
                 same stored entries, so commit / rollback / compaction and the row-by-row semantics are unchanged.
+            key_offset: ``[n_layers, n_kv_heads, head_dim]``, the model's key bias (None without one): quantized
+                keys are stored minus it (``quant.py``) where keys are stored before RoPE, the in-cache mode. In
+                the original mode the stored keys are rotated, the bias with them, so it is not taken out there.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -108,7 +114,9 @@ class KVArena:
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         shape = (n_layers, n_kv, self.capacity)
         self.kv_dtype = kv_dtype
-        self._keys = KVStore((*shape, hd), kv_dtype, dtype)
+        # Keys are stored before RoPE only in the in-cache mode: only there is the bias a fixed offset per channel.
+        self._keys = KVStore((*shape, hd), kv_dtype, dtype,
+                             offset=key_offset if self.positions_mode == "in-cache" else None)
         self._values = KVStore((*shape, hd), kv_dtype, dtype)
         self.keys, self.values = self._keys.data, self._values.data  # the stored tensors (codes when quantized)
         self.positions = torch.zeros(shape, dtype=torch.int64)
@@ -318,7 +326,9 @@ class KVArena:
             table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
             visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
             budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
-            age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale, key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
+            age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale,
+            key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
+            key_offset=self._keys.offset,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -164,7 +164,8 @@ def arena_attention(
     visible_before: int, first_position: int, snapshots: int, per_row: bool, budget: int | None, sinks: int,
     heavy: int, window: int, scale: float, age_normalised: bool = False, score_decay: float = 1.0,
     key_params: torch.Tensor | None = None,
-    value_params: torch.Tensor | None = None, code_bits: int = 0, isa: int = ISA_AUTO,
+    value_params: torch.Tensor | None = None, code_bits: int = 0, key_offset: torch.Tensor | None = None,
+    isa: int = ISA_AUTO,
 ) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
@@ -181,6 +182,8 @@ def arena_attention(
             float16 ``key_params`` / ``value_params`` ``[n_layers, n_kv, capacity, head_dim / group, 2]`` as
             ``cache/quant.py`` stores them (the op quantizes the new rows as ``quant.quantize`` does and reads an
             entry as ``fma(code, scale, zero)`` in float32).
+        key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
+            it and read as ``fma(code, scale, zero) + offset`` in float32 (``quant.KVStore``'s offset).
         positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape; both updated.
         scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
         row_scores: ``[r, n_layers, n_kv, capacity]`` float32: row ``i``'s scores go to ``row_scores[first + i]``
@@ -197,7 +200,7 @@ def arena_attention(
     return torch.ops.sparsespec.arena_attention(
         q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
         start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
-        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, isa,
+        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset, isa,
     )
 
 

@@ -100,9 +100,16 @@ void store(const float* x, int hd, bool bf16, void* dst) {
   }
 }
 
-// One head vector x [hd] into slot `slot` of the keys (or values) and their params, in the block's format.
-void store_entry(const AttnBlock& b, const float* x, void* entries, uint16_t* params, long slot) {
+// One head vector x [hd] into slot `slot` of the keys (or values) and their params, in the block's format; offset
+// [hd] (quantized keys, or null) is subtracted before quantizing.
+void store_entry(const AttnBlock& b, const float* x, const float* offset, void* entries, uint16_t* params,
+                 long slot) {
   if (b.code_bits) {
+    float shifted[kAttnMaxHeadDim];
+    if (offset) {
+      for (int c = 0; c < b.hd; ++c) shifted[c] = x[c] - offset[c];
+      x = shifted;
+    }
     quantize_row(x, b.hd, b.code_bits, b.code_group,
                  static_cast<uint8_t*>(entries) + slot * code_bytes(b.hd, b.code_bits),
                  params + slot * param_halves(b.hd, b.code_group));
@@ -159,8 +166,8 @@ void stage_rows(const StageRows& st, const AttnBlock& b) {
         rope(key, table_row(st.cos, position), table_row(st.sin, position), hd, st.bf16_keys, rotated);
         key = rotated;
       }
-      store_entry(b, key, b.keys, b.key_params, slot);
-      store_entry(b, st.v + at, b.values, b.value_params, slot);
+      store_entry(b, key, b.key_offset ? b.key_offset + (long)h * hd : nullptr, b.keys, b.key_params, slot);
+      store_entry(b, st.v + at, nullptr, b.values, b.value_params, slot);
       b.positions[slot] = position;
       b.evicted_at[slot] = kNever;
       if (b.scores) b.scores[slot] = 0.0f;
@@ -199,6 +206,7 @@ void attend_block(int isa, const AttnBlock& b) {
     if (b.code_bits) {
       a.key_params = b.key_params + h * head_params;
       a.value_params = b.value_params + h * head_params;
+      a.key_offset = b.key_offset ? b.key_offset + (long)h * hd : nullptr;
     }
     a.evicted_at = b.evicted_at + (long)h * b.cap;
     a.last_slot = b.start + row;

@@ -8,7 +8,9 @@
 // uint8 plus params [hd / code_group, 2] float16 (scale, zero) per group of code_group consecutive channels; int8:
 // one code per byte; int4: channel c in the low nibble of byte c, channel c + hd/2 in the high nibble. Written as
 // quant.py writes them (quantize_row: the same float32 steps, so the same codes and params); read as
-// fma(code, scale, zero) in float32 (dequantize_row), then used as a float32 entry.
+// fma(code, scale, zero) in float32 (dequantize_row), then used as a float32 entry. Keys may carry a key_offset
+// [hd] per head (the model's key bias, quant.py's KVStore offset): stored as the codes of x - offset, read as
+// fma(code, scale, zero) + offset, both in float32.
 // The block's rows occupy slots [start, start + T); row i sees the slots s <= start + i that are alive.
 //
 // The float steps of a row (they never depend on how many rows share the block, nor on the thread count):
@@ -68,6 +70,7 @@ struct AttnChunk {
   int code_bits = 0, code_group = 0;      // 8 or 4: keys and values are codes (see the top), 0: float entries
   const uint16_t* key_params = nullptr;   // [cap, hd / code_group, 2] float16 (quantized entries only)
   const uint16_t* value_params = nullptr;
+  const float* key_offset = nullptr;      // [hd] added to every dequantized key, or null
   const int32_t* evicted_at = nullptr;  // [cap]
   int last_slot = 0;                    // slots s <= last_slot are in the row's causal range
   const int32_t* ranks = nullptr;       // [cap] rank of each alive slot (in-cache mode), else null
@@ -101,6 +104,7 @@ struct AttnBlock {
   int code_bits = 0, code_group = 0;  // quantized entries: 8 or 4 bits, channels per group; 0: float entries
   uint16_t* key_params = nullptr;     // [n_kv, cap, hd / code_group, 2] float16
   uint16_t* value_params = nullptr;
+  const float* key_offset = nullptr;  // [n_kv, hd] subtracted from keys before quantizing, added back after, or null
   int64_t* positions = nullptr;        // [n_kv, cap]
   int32_t* evicted_at = nullptr;       // [n_kv, cap]
   float* scores = nullptr;             // [n_kv, cap] or null

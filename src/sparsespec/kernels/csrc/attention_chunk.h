@@ -45,6 +45,8 @@ inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf)
     const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + s * code_bytes(a.hd, a.code_bits);
     const uint16_t* params = (keys ? a.key_params : a.value_params) + s * param_halves(a.hd, a.code_group);
     dequantize_row(codes, params, a.hd, a.code_bits, a.code_group, buf);
+    if (keys && a.key_offset)
+      for (int c = 0; c < a.hd; ++c) buf[c] += a.key_offset[c];
     return buf;
   } else {
     return static_cast<const K*>(keys ? a.keys : a.values) + (long)s * a.hd;

@@ -170,7 +170,8 @@ bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat |
 // sparsespec/cache/arena.py). q [n_heads, T, hd], k, v [n_kv, T, hd]: the block's queries, keys and values before
 // RoPE (float32 or bfloat16, any strides). Arena tensors, whole (all layers): keys, values [L, n_kv, cap, hd]
 // float32 or bfloat16, or (code_bits 8 or 4) uint8 codes [L, n_kv, cap, hd * code_bits / 8] with key_params,
-// value_params [L, n_kv, cap, hd / group, 2] float16 (attention.h); positions [L, n_kv, cap] int64; evicted_at
+// value_params [L, n_kv, cap, hd / group, 2] float16 (attention.h), key_offset [L, n_kv, hd] float32 or None
+// (quantized keys are stored minus it and read plus it); positions [L, n_kv, cap] int64; evicted_at
 // [L, n_kv, cap] int32 (evictions marked with row `first + i` for row i); scores [L, n_kv, cap] float32
 // (heavy-hitter policies, else None); row_scores [R, L, n_kv, cap] float32 (row i's scores copied to
 // row_scores[first + i] for i < snapshots, else None). cos, sin [P, hd] float32 RoPE tables, row p - table_offset
@@ -186,7 +187,8 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
                            int64_t window, bool age_normalised, double score_decay, double scale,
                            const c10::optional<at::Tensor>& key_params,
-                           const c10::optional<at::Tensor>& value_params, int64_t code_bits, int64_t isa) {
+                           const c10::optional<at::Tensor>& value_params, int64_t code_bits,
+                           const c10::optional<at::Tensor>& key_offset, int64_t isa) {
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
                   values.scalar_type() == keys.scalar_type() &&
@@ -253,6 +255,12 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     b.code_group = (int)code_group;
     b.key_params = reinterpret_cast<uint16_t*>(key_params->data_ptr<at::Half>()) + layer * layer_params;
     b.value_params = reinterpret_cast<uint16_t*>(value_params->data_ptr<at::Half>()) + layer * layer_params;
+    if (key_offset.has_value() && key_offset->defined()) {
+      TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
+                      key_offset->sizes() == at::IntArrayRef({n_layers, n_kv, hd}),
+                  "arena_attention: key_offset must be contiguous float32 [L, n_kv, hd]");
+      b.key_offset = key_offset->data_ptr<float>() + layer * n_kv * hd;
+    }
   }
   b.positions = positions.data_ptr<int64_t>() + layer * layer_slots;
   b.evicted_at = evicted_at.data_ptr<int32_t>() + layer * layer_slots;
@@ -384,7 +392,7 @@ TORCH_LIBRARY(sparsespec, m) {
       "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float score_decay, "
       "float scale, "
       "Tensor(g!)? key_params, "
-      "Tensor(h!)? value_params, int code_bits, int isa) -> Tensor");
+      "Tensor(h!)? value_params, int code_bits, Tensor? key_offset, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
