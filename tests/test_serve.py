@@ -92,10 +92,11 @@ def chat(c: OpenAI, messages: list[dict], max_tokens: int, **kw):
 
 
 def generate_text(capsys, question: str, max_new_tokens: int, *flags: str) -> str:
-    """What ``sparsespec generate --chat`` prints for ``question`` (greedy, float32)."""
+    """What ``sparsespec generate --chat`` prints for ``question`` (greedy, float32, dense weights: the format of
+    the ``smollm2_f32`` model the server runs; native weights round activations to 8 bits and can flip a near-tie)."""
     capsys.readouterr()
-    assert main(["generate", "--dtype", "float32", "--chat", "--json", "-p", question, "-n", str(max_new_tokens),
-                 *flags]) == 0
+    assert main(["generate", "--dtype", "float32", "--weights", "dense", "--chat", "--json", "-p", question, "-n",
+                 str(max_new_tokens), *flags]) == 0
     return json.loads(capsys.readouterr().out)["text"]
 
 
