@@ -326,17 +326,24 @@ def test_quantized_decode_matches_naive_reference(policy_name, mode, kv_dtype):
     _check_decode(policy_name, mode, kv_dtype)
 
 
+def _decode_both(model, arena, ref, tokens, what, check_every=None):
+    """Decode ``tokens`` one at a time on both sides: logits equal at every step; the caches equal every
+    ``check_every`` steps (if given) and at the end."""
+    for step, token in enumerate(tokens):
+        got = model.forward(torch.tensor([token]), arena)[-1]
+        arena.commit(1)
+        want = ref.forward([token])[-1]
+        _assert_logits_close(got, want, f"{what} decode step {step}")
+        if check_every and step % check_every == 0:
+            _assert_same_cache(arena, ref, f"{what} after decode step {step}")
+    _assert_same_cache(arena, ref, f"{what} at the end")
+
+
 def _check_decode(policy_name, mode, kv_dtype):
     config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype)
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=7)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
-    for step, token in enumerate(stream[PROMPT_LEN:]):
-        got = model.forward(torch.tensor([token]), arena)[-1]
-        arena.commit(1)
-        want = ref.forward([token])[-1]
-        _assert_logits_close(got, want, f"{policy_name}/{mode}/{kv_dtype} decode step {step}")
-        if step % 25 == 0 or step == DECODE_STEPS - 1:
-            _assert_same_cache(arena, ref, f"{policy_name}/{mode} after decode step {step}")
+    _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"{policy_name}/{mode}/{kv_dtype}", check_every=25)
     budget = arena.policy.budget
     if budget is not None:
         assert arena.n_committed == budget
@@ -354,12 +361,7 @@ def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode):
     assert config.attention_bias and not config.tie_word_embeddings
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=11)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
-    for step, token in enumerate(stream[PROMPT_LEN:]):
-        got = model.forward(torch.tensor([token]), arena)[-1]
-        arena.commit(1)
-        want = ref.forward([token])[-1]
-        _assert_logits_close(got, want, f"qwen2 {policy_name}/{mode} decode step {step}")
-    _assert_same_cache(arena, ref, f"qwen2 {policy_name}/{mode} at the end")
+    _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"qwen2 {policy_name}/{mode}")
 
 
 @pytest.mark.parametrize(("policy_name", "kv_dtype"), [("hybrid", "int4"), ("h2o", "int8"), ("hybrid-decay", "int4")])
@@ -371,12 +373,7 @@ def test_qwen2_quantized_keys_without_the_key_bias_match_naive_reference(policy_
     assert arena._keys.offset is not None and float(arena._keys.offset.abs().max()) == 40.0
     stream = _token_stream(PROMPT_LEN + 120, config.vocab_size, seed=13)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
-    for step, token in enumerate(stream[PROMPT_LEN:]):
-        got = model.forward(torch.tensor([token]), arena)[-1]
-        arena.commit(1)
-        want = ref.forward([token])[-1]
-        _assert_logits_close(got, want, f"qwen2 {policy_name}/{kv_dtype} decode step {step}")
-    _assert_same_cache(arena, ref, f"qwen2 {policy_name}/{kv_dtype} at the end")
+    _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"qwen2 {policy_name}/{kv_dtype}")
     assert arena.evicted_tokens == PROMPT_LEN + 120 - BUDGET
 
 

@@ -23,11 +23,12 @@ over 32 tokens (KIVI's keys) int4 would be 3.7% | 7.4%. Hence int8 groups of 32 
 
 Keys can be stored minus a fixed offset per layer, head and channel (``KVStore``'s ``offset``; the arena passes the
 model's key bias there): ``x - offset`` is quantized and the offset added back when the entry is read. Qwen2's key
-bias reaches ±354 in a few channels of layer 0 (±111 in layer 1, at most ±13 in layers 2, 10 and 27), and every key carries it, so a group holding
-one such channel has a step of ``r / 255`` ≈ 2.8 for all its channels; without the bias the keys' ranges are those
-of the tokens themselves. Measured on qwen2.5-coder-1.5b over 2,048 tokens of Paradise Lost (keys before RoPE,
-values in bfloat16): perplexity over the bfloat16 cache +0.83% with int8 keys, −0.4% with the bias taken out; int4 keys with the bias
-taken out +1.5%, where without it the model fails (perplexity over 1,000).
+bias reaches ±354 in a few channels of layer 0 (±111 in layer 1, at most ±13 in layers 2, 10 and 27), and every key
+carries it, so a group holding one such channel has a step of ``r / 255`` ≈ 2.8 for all its channels; without the
+bias the keys' ranges are those of the tokens themselves. Measured on qwen2.5-coder-1.5b over 2,048 tokens of
+Paradise Lost, nothing evicted, against the bfloat16 cache (benchmarks/RESULTS.md, "Quantized keys stored without
+the key bias"): int8 keys alone +0.8% with the bias in, −0.4% with it out; int8 keys and values with the bias out
+−0.6%, int4 +0.8%, where with the bias in int4 fails (perplexity over 1,000 over 16k tokens).
 
 Round-trip bound (tested): for a group with minimum ``m`` and range ``r``,
 ``|x - dequantize(quantize(x))| ≤ s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the
