@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.errors import UserError
@@ -25,6 +26,8 @@ from sparsespec.eval.perplexity import (
 from sparsespec.eval.prompts import KINDS, load_prompts, parse_kinds
 from sparsespec.eval.sweep import (
     RECORD_FIELDS,
+    SweepEvaluator,
+    SweepOptions,
     SweepPoint,
     _hybrid_gap_along_text,
     aggregate_stats,
@@ -143,6 +146,15 @@ def test_grid_collapses_axes_that_do_not_apply():
         build_grid(["hybrid"], [3], ["original"])  # too small for 4 sinks plus a window
     with pytest.raises(UserError):
         build_grid(["hybrid"], [32], ["sideways"])
+
+
+def test_sweep_refuses_int4_keys_that_would_keep_the_key_bias_in_before_measuring():
+    evaluator = SweepEvaluator(SimpleNamespace(config=tiny_config("qwen2"), name="tiny qwen2"),
+                               SweepOptions(quality=False, speed=False))
+    evaluator.check(SweepPoint("hybrid", 32, "in-cache", kv_dtype="int4"))
+    evaluator.check(SweepPoint("full", None, "original", kv_dtype="int4"))
+    with pytest.raises(UserError, match="int4 keys in the original position mode"):
+        evaluator.check(SweepPoint("hybrid", 32, "original", kv_dtype="int4"))
 
 
 def fake_result(point: SweepPoint) -> dict:

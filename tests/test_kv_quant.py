@@ -144,7 +144,7 @@ def test_a_store_with_an_offset_quantizes_what_is_left_and_adds_it_back(bits):
         KVStore((2, 2, 8, 64), kv_dtype, torch.float32, offset=offset[:1])
 
 
-def test_the_key_offset_is_the_models_key_bias_and_only_in_the_in_cache_mode():
+def test_the_key_offset_is_the_models_key_bias_and_only_where_keys_are_stored_before_rope():
     from conftest import random_state
     from sparsespec.model import Transformer
 
@@ -162,6 +162,30 @@ def test_the_key_offset_is_the_models_key_bias_and_only_in_the_in_cache_mode():
     assert arenas["original"]._keys.offset is None  # keys stored rotated: the bias rotates with them
     assert torch.equal(arenas["in-cache"]._keys.offset, bias)
     assert arenas["in-cache"]._values.offset is None
+    # The full cache, where the modes coincide, stores int4 keys before RoPE so the bias can be left out; other
+    # keys rotated, once, as they are written.
+    full = {kv_dtype: KVArena(config, make_policy("full"), dtype=torch.float32, max_tokens=64, positions="original",
+                              kv_dtype=kv_dtype, key_offset=bias) for kv_dtype in ("int4", "int8", "bf16")}
+    assert full["int4"].positions_mode == "in-cache" and torch.equal(full["int4"]._keys.offset, bias)
+    for kv_dtype in ("int8", "bf16"):
+        assert full[kv_dtype].positions_mode == "original" and full[kv_dtype]._keys.offset is None
+
+
+def test_int4_keys_that_would_keep_the_key_bias_in_are_refused():
+    """A budgeted cache in the original mode stores keys rotated, the bias with them: int4 keys there are an error
+    on a model with a key bias, and fine without one, in the in-cache mode, or as int8."""
+    config = tiny_config("qwen2", num_hidden_layers=2)
+    bias = torch.ones(2, config.num_key_value_heads, config.head_dim)
+
+    def arena(kv_dtype, positions, key_offset):
+        return KVArena(config, make_policy("hybrid", 24), dtype=torch.float32, max_block=8, positions=positions,
+                       kv_dtype=kv_dtype, key_offset=key_offset)
+
+    with pytest.raises(UserError, match="--positions in-cache or int8 keys"):
+        arena("int4", "original", bias)
+    assert arena("int4", "in-cache", bias)._keys.offset is not None
+    assert arena("int8", "original", bias)._keys.offset is None
+    assert arena("int4", "original", None).positions_mode == "original"
 
 
 # --------------------------------------------------------------------------------------------- SmolLM2

@@ -31,7 +31,8 @@ Position modes: ``original`` rotates keys by their true positions when they are 
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
 ever reaches ``budget + staging``. Quantized keys in the ``in-cache`` mode are stored minus the model's key bias
 (``key_offset``; ``quant.py`` says why), which is a fixed vector there; in the ``original`` mode it has been rotated
-with the key and stays in.
+with the key and stays in. The full cache, where the two modes coincide, stores keys rotated (``original``) except
+int4 keys of a model with a key bias (``in-cache``).
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
 also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
@@ -59,6 +60,15 @@ from .quant import KVStore, bytes_per_vector
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
 MAX_POSITION = torch.iinfo(torch.int64).max
+
+
+def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bias: bool) -> None:
+    """Raise :class:`UserError` for int4 keys that would keep the model's key bias in: a budgeted cache in the
+    original mode stores keys rotated, the bias with them, and the bias's large channels widen every group past
+    what 4 bits resolve (``quant.py``)."""
+    if key_bias and kv_dtype == "int4" and positions == "original" and not policy.is_full:
+        raise UserError("int4 keys in the original position mode keep this model's key bias in, which breaks it "
+                        "(perplexity over 1,000 on qwen2.5-coder-1.5b); use --positions in-cache or int8 keys.")
 
 
 class KVArena:
@@ -91,16 +101,24 @@ class KVArena:
                 (see ``quant.py``). Quantization happens once, when a row is written; every reader sees the
                 same stored entries, so commit / rollback / compaction and the row-by-row semantics are unchanged.
             key_offset: ``[n_layers, n_kv_heads, head_dim]``, the model's key bias (None without one): quantized
-                keys are stored minus it (``quant.py``) where keys are stored before RoPE, the in-cache mode. In
-                the original mode the stored keys are rotated, the bias with them, so it is not taken out there.
+                keys are stored minus it (``quant.py``) where keys are stored before RoPE, the in-cache mode (which
+                the full cache takes for int4 keys). In the original mode the stored keys are rotated, the bias
+                with them, so it is not taken out there.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
         self.config = config
         self.policy = policy
         self.dtype = dtype
-        # With nothing ever evicted, ranks inside the cache equal true positions: the modes coincide.
-        self.positions_mode = "original" if policy.is_full else positions
+        # With nothing ever evicted, ranks inside the cache equal true positions: the modes coincide, and the full
+        # cache rotates each key once, when it is written (original), unless its keys are int4 and the model has a
+        # key bias: only keys stored before RoPE can be stored without the bias, and int4 keys with it in fail
+        # (quant.py), so those take the in-cache mode, which rotates every key at every step (1.3x the attention's
+        # time at 8k entries; int8 keys keep the bias, at +0.4% perplexity).
+        if policy.is_full:
+            positions = "in-cache" if key_offset is not None and kv_dtype == "int4" else "original"
+        check_key_storage(policy, positions, kv_dtype, key_offset is not None)
+        self.positions_mode = positions
         self.max_block = max_block
         self.max_inflight = max_inflight
         self.staging = max(max_block, max_inflight)

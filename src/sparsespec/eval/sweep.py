@@ -418,12 +418,14 @@ class SweepEvaluator:
         return DraftOptions(self._drafts[ref], cache, point.gamma)
 
     def check(self, point: SweepPoint) -> None:
-        """Raise :class:`UserError` now for a point that could not run (context too long for its positions, or
-        in-cache ranks past the trained context)."""
+        """Raise :class:`UserError` now for a point that could not run (context too long for its positions,
+        in-cache ranks past the trained context, or int4 keys that would keep a key bias in)."""
+        from ..cache.arena import check_key_storage
         from ..engine import check_fits_context, check_in_cache_ranks
         from ..speculative import GAMMA_MAX, draft_inflight_rows, target_inflight_rows
 
         cache, o = self.cache_options(point), self.options
+        check_key_storage(cache.policy, cache.positions, cache.kv_dtype, self.target.config.attention_bias)
         if self.quality and self.text_ids is not None:
             check_fits_context(self.target, cache, len(self.text_ids), "The quality text (--max-tokens)")
             chunk = o.chunk if o.chunk is not None else (o.prefill_chunk if cache.policy.is_full else 1)
@@ -436,6 +438,8 @@ class SweepEvaluator:
             staging = min(o.prefill_chunk, longest)
             check_in_cache_ranks(self.target, cache, max(staging, target_inflight_rows(gamma_cap) if draft else 1))
             if draft is not None:
+                check_key_storage(draft.cache.policy, draft.cache.positions, draft.cache.kv_dtype,
+                                  draft.model.config.attention_bias)
                 check_fits_context(draft.model, draft.cache, longest,
                                    "The longest prompt plus context and --new-tokens (for the draft)")
                 check_in_cache_ranks(draft.model, draft.cache, max(staging, draft_inflight_rows(gamma_cap)))
