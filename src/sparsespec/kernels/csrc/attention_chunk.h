@@ -5,9 +5,9 @@
 //   float exp_sum(float* x, int n, float m): x = exp(x - m) in place (0 where x = -inf), returns their sum
 //   void dequantize_row(const uint8_t* codes, const uint16_t* params, int hd, int bits, int code_group, float* out):
 //     attention.h's dequantize_row_scalar, bit for bit
-// and, for the vector paths, a struct Vec (register type T, W lanes, R registers; load from float or bf16, set1, mul, fma, max,
-// hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or value row is widened
-// once into registers, and the value sums stay in registers.
+// and, for the vector paths, a struct Vec (register type T, W lanes, R registers; load from float or bf16, set1, add,
+// sub, mul, fma, max, hsum4, store) for the fixed-head_dim kernels (head_dim = 2, 4, 8 or 16 registers): a key or
+// value row is widened once into registers, and the value sums stay in registers.
 #pragma once
 
 #include <algorithm>
@@ -38,14 +38,14 @@ template <class K>
 using Row = std::conditional_t<std::is_same_v<K, Codes>, float, K>;
 
 // Slot s's key (keys = true) or value row: a pointer into the arena, or for quantized entries `buf` holding the
-// row dequantized.
+// row dequantized, plus the key offset unless `key_offset` is false (the caller adds it).
 template <class K>
-inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf) {
+inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf, bool key_offset = true) {
   if constexpr (std::is_same_v<K, Codes>) {
     const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + s * code_bytes(a.hd, a.code_bits);
     const uint16_t* params = (keys ? a.key_params : a.value_params) + s * param_halves(a.hd, a.code_group);
     dequantize_row(codes, params, a.hd, a.code_bits, a.code_group, buf);
-    if (keys && a.key_offset)
+    if (keys && key_offset && a.key_offset)
       for (int c = 0; c < a.hd; ++c) buf[c] += a.key_offset[c];
     return buf;
   } else {
@@ -104,8 +104,32 @@ inline void quad_logits(const AttnChunk& a, const P* const* rows, int g0, int nb
   for (int b = 0; b < nb; ++b) Vec::hsum4(acc[b], sums[b]);
 }
 
-// head_dim = NV registers: slots four at a time (keys rotated by rank first in the in-cache mode), GB query heads
-// per pass over their key registers.
+// rotate_key for head_dim = NV registers, with the key offset (quantized keys' offset, or null) added first as
+// entry_row adds it: the same float operations lane by lane (x * c - x' * s is x * c + (-x') * s), in registers.
+template <int NV, class P>
+inline void rotate_key_fixed(const AttnChunk& a, const P* k, const float* offset, int rank, float* out) {
+  using T = typename Vec::T;
+  constexpr int H = NV / 2;
+  const float* c = a.cos + (long)rank * a.hd;
+  const float* s = a.sin + (long)rank * a.hd;
+  T lo[H], hi[H];
+  for (int v = 0; v < H; ++v) {
+    lo[v] = Vec::load(k + v * Vec::W);
+    hi[v] = Vec::load(k + (v + H) * Vec::W);
+    if (offset) {
+      lo[v] = Vec::add(lo[v], Vec::load(offset + v * Vec::W));
+      hi[v] = Vec::add(hi[v], Vec::load(offset + (v + H) * Vec::W));
+    }
+  }
+  for (int v = 0; v < H; ++v) {
+    const int j = v * Vec::W, jh = (v + H) * Vec::W;
+    Vec::store(out + j, Vec::sub(Vec::mul(lo[v], Vec::load(c + j)), Vec::mul(hi[v], Vec::load(s + j))));
+    Vec::store(out + jh, Vec::add(Vec::mul(hi[v], Vec::load(c + jh)), Vec::mul(lo[v], Vec::load(s + jh))));
+  }
+}
+
+// head_dim = NV registers: slots four at a time (keys rotated by rank first in the in-cache mode, the key offset
+// added in the same pass), GB query heads per pass over their key registers.
 template <class K, int NV>
 void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -121,10 +145,11 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
     for (int i = 0; i < 4; ++i) {
       const int slot = s + std::min(i, n - 1);  // past the chunk's end: repeat its last slot (result unused)
       seen[i] = i < n && sees(a, slot);
-      raw[i] = entry_row<K>(a, true, slot, dequantized[i]);
+      raw[i] = entry_row<K>(a, true, slot, dequantized[i], !a.ranks);
       rot[i] = rotated[i];
       if (a.ranks) {
-        if (seen[i]) rotate_key(a, raw[i], a.ranks[slot], rotated[i]);
+        const float* offset = std::is_same_v<K, Codes> ? a.key_offset : nullptr;
+        if (seen[i]) rotate_key_fixed<NV>(a, raw[i], offset, a.ranks[slot], rotated[i]);
         else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
       }
     }
