@@ -148,7 +148,7 @@ def kv_bytes(sweep: str, span: tuple[int, int] | None = None) -> str:
     cells = {(r["kv_dtype"], r["policy"], r["kv_bytes"]): r for r in records}
     body = []
     for kv_dtype in ("bf16", "int8", "int4"):
-        for policy in ("hybrid", "hybrid-age"):
+        for policy in dict.fromkeys(r["policy"] for r in records if r["policy"] != "full"):
             found = [cells.get((kv_dtype, policy, size)) for size in sizes]
             if any(found):
                 body.append([kv_dtype, policy, *(

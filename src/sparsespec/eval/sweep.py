@@ -553,9 +553,9 @@ def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: 
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.minorticks_off()
     elif log_x and xs and xs[0] > 0:
-        ax.set_xscale("log")
+        _log_axis_in_plain_numbers(ax.xaxis, ax.set_xscale)
     if log_y:
-        ax.set_yscale("log")
+        _log_axis_in_plain_numbers(ax.yaxis, ax.set_yscale)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -566,6 +566,16 @@ def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _log_axis_in_plain_numbers(axis, set_scale: Callable[[str], None]) -> None:
+    """A log scale whose ticks read 68, 70, 72 rather than 6.8×10¹ (a narrow range shows only minor ticks)."""
+    from matplotlib.ticker import FuncFormatter
+
+    set_scale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axis.set_major_formatter(plain)
+    axis.set_minor_formatter(plain)
 
 
 def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
