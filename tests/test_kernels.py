@@ -124,7 +124,7 @@ def test_matmul_within_activation_rounding_bound(ggml_type, tiles):
 
 @pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
 def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type, tiles):
-    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_NEON) if kernels.isa_available(i)]
+    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_AMX, kernels.ISA_NEON) if kernels.isa_available(i)]
     if not isas:
         pytest.skip("no SIMD path runs on this CPU")
     g = torch.Generator().manual_seed(1)
@@ -263,3 +263,19 @@ def test_without_a_compiler_one_warning_and_the_torch_kernels(tmp_path):
     warnings = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(warnings) == 1 and warnings[0].startswith("sparsespec: warning: native kernels unavailable")
     assert "kernels: torch" in out.stdout
+
+
+def test_kernels_named_by_instruction_set():
+    """``SPARSESPEC_KERNELS=<instruction set>`` runs that path (``sparsespec info`` says so); a name that is no
+    instruction set, or one this CPU lacks, is one error sentence, not a traceback."""
+    def info(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sparsespec.cli", "info"], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, SPARSESPEC_KERNELS=value))
+
+    out = info("scalar")
+    assert out.returncode == 0 and "kernels: native (scalar)" in out.stdout, out.stderr
+    missing = next(name for name, isa in kernels.ISA_NAMES.items() if not kernels.isa_available(isa))
+    for value, says in (("avx9", "names no kernels"), (missing, "this CPU does not run that instruction set")):
+        out = info(value)
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert out.stderr.strip().startswith("sparsespec: error:") and says in out.stderr, out.stderr

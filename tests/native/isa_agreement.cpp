@@ -58,7 +58,7 @@ int main() {
   std::mt19937 rng(1234);
   const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_T16, Q6_K_T16, Q5_0_T16};
   std::vector<int> isas;
-  for (int isa : {kAvx2, kAvx512, kNeon})
+  for (int isa : {kAvx2, kAvx512, kAmx, kNeon})
     if (isa_available(isa)) isas.push_back(isa);
   if (isas.empty()) {
     std::printf("no SIMD path runs here\n0 passed, 1 failed\n");
@@ -71,7 +71,7 @@ int main() {
       const int n = 37;
       std::vector<uint8_t> w;
       fill_weights(type, n, k, w, rng);
-      for (int m : {1, 2, 3, 5, 8, 13, 16}) {
+      for (int m : {1, 2, 3, 5, 8, 13, 16, 17}) {
         std::normal_distribution<float> normal(0.0f, 1.0f);
         std::vector<float> x((std::size_t)m * k);
         for (auto& v : x) v = normal(rng);

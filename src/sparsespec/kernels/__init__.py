@@ -6,7 +6,9 @@ library at once. The instruction set is chosen at run time from what the CPU off
 dot product, else portable scalar code); every path computes the same canonical sums, bit for bit (``csrc/qmatmul.h``).
 
 Without a compiler (or with ``SPARSESPEC_KERNELS=torch``) :func:`available` is False, one warning line says why,
-and the engine keeps to its torch weight formats.
+and the engine keeps to its torch weight formats. ``SPARSESPEC_KERNELS`` set to an instruction set's name
+(``scalar``, ``avx2``, ``avx512-vnni``, ``avx512-vnni+amx``, ``neon-dotprod``) runs the native kernels on that one
+instead of the best (A/B runs; the results are the same bit for bit).
 
 Ops (registered under ``torch.ops.sparsespec``):
 
@@ -37,10 +39,10 @@ import torch
 KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_neon.cpp",
+    "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
 )
-ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON = -1, 0, 1, 2, 3
+ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON, ISA_AMX = -1, 0, 1, 2, 3, 4
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -76,10 +78,30 @@ def wait_for_other_build(folder: Path, stale_after: float = STALE_LOCK_SECONDS) 
         time.sleep(1.0)
 
 
+ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512-vnni": ISA_AVX512, "avx512-vnni+amx": ISA_AMX,
+             "neon-dotprod": ISA_NEON}
+
+
+def _chosen_isa() -> int | None:
+    """The instruction set ``SPARSESPEC_KERNELS`` names (ISA_AUTO when unset or ``native``; None for ``torch``)."""
+    from ..errors import UserError
+
+    value = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if value == "torch":
+        return None
+    if value in ("", "native"):
+        return ISA_AUTO
+    if value not in ISA_NAMES:
+        raise UserError(f"{KERNELS_ENV}={value} names no kernels; use torch, native or one of "
+                        f"{', '.join(ISA_NAMES)}.")
+    return ISA_NAMES[value]
+
+
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
+    isa = _chosen_isa()
+    if isa is None:
         return f"disabled by {KERNELS_ENV}=torch"
     try:
         from torch.utils import cpp_extension
@@ -102,6 +124,11 @@ def _load():
         print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
               file=sys.stderr)
         return reason
+    if not module.set_isa(isa):
+        from ..errors import UserError
+
+        raise UserError(f"{KERNELS_ENV}={os.environ[KERNELS_ENV].strip()}: this CPU does not run that instruction "
+                        f"set (the best here is {module.isa_name(module.best_isa())}).")
     return module
 
 
@@ -127,7 +154,7 @@ def isa_name(isa: int = ISA_AUTO) -> str:
 def tiles_preferred() -> bool:
     """Whether Q4_K / Q6_K / Q5_0 weights load as 16-column tiles (``repack.pack``): where an x86 vector path runs them
     (their ARM path is the scalar one, so ARM keeps the row layout and its NEON kernels)."""
-    return available() and _load().best_isa() in (ISA_AVX2, ISA_AVX512)
+    return available() and _load().best_isa() in (ISA_AVX2, ISA_AVX512, ISA_AMX)
 
 
 def weight_bytes(kernel_type: int, k: int, rows: int) -> int:

@@ -18,6 +18,7 @@ namespace sparsespec {
 const AttnKernels& attention_kernels(int isa) {
   if (isa == kAuto) isa = best_isa();
   switch (isa) {
+    case kAmx:  // the attention op has no tile multiply: AMX hosts run its AVX-512 path
     case kAvx512: return attention_kernels_avx512();
     case kAvx2: return attention_kernels_avx2();
     default: return attention_kernels_scalar();

@@ -71,8 +71,9 @@ enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled, Q5_0_
 constexpr int kTileColumns = 16;
 inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16 || type == Q5_0_T16; }
 
-// Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs).
-enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
+// Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs). kAmx is AVX-512 VNNI plus the
+// AMX tile multiply for the column tiles' multi-row passes (everything else runs the AVX-512 path).
+enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kAmx = 4 };
 
 constexpr int kChunk = 256;
 constexpr int kQuarter = 64;
@@ -128,9 +129,14 @@ void qmatmul_tiles_avx2(int type, const uint8_t* w, int k, int n_begin, int n_en
                         const float* bias, float* out, long ldo);
 void qmatmul_tiles_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                           const float* bias, float* out, long ldo);
+void qmatmul_tiles_amx(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
+                       const float* bias, float* out, long ldo);
+// Whether the CPU has AMX-INT8 and the kernel granted this process the tile registers (asked once).
+bool amx_usable();
 
-// Instruction sets compiled in and runnable here, best first.
+// Instruction sets compiled in and runnable here; best_isa: the one kAuto runs (the best, unless set_isa chose one).
 int best_isa();
+bool set_isa(int isa);  // what kAuto runs from now on (kAuto: the best again); false if isa cannot run here
 bool isa_available(int isa);
 const char* isa_name(int isa);
 

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "scales_x86.h"
+#include "tiles_avx512.h"
 
 namespace sparsespec {
 namespace {
@@ -266,14 +267,11 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activatio
           isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dot0, dot1), sc));
         }
       }
-      for (int j = 0; j < 8; ++j) {  // the mins' terms, apart so that the loop above keeps its registers
-        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(chunk + 192 + 16 * j)));
+      __m512i mn_pairs[4];  // the mins' terms, apart so that the loop above keeps its registers
+      q4_k_tile_min_pairs(chunk, mn_pairs);
 #pragma GCC unroll 8
-        for (int i = 0; i < MT; ++i) {
-          const int32_t* b = act.bsum + (long)(r0 + i) * per_row16 + ch * 16 + 2 * j;
-          osum[i] = _mm512_add_epi32(osum[i], _mm512_mullo_epi32(mn, _mm512_set1_epi32(b[0] + b[1])));
-        }
-      }
+      for (int i = 0; i < MT; ++i)
+        osum[i] = q4_k_tile_min_sum(mn_pairs, act.bsum + (long)(r0 + i) * per_row16 + ch * 16);
     } else {  // Q6_K_T16
       const __m512i two = _mm512_set1_epi8(0x30);
       for (int g = 0; g < 16; ++g) {

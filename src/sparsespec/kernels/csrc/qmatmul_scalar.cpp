@@ -363,6 +363,8 @@ void qmatmul_rows_avx2(int, const uint8_t*, int, int, int, const Activations&, c
 void qmatmul_rows_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_tiles_avx2(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_tiles_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+void qmatmul_tiles_amx(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+bool amx_usable() { return false; }
 #endif
 #if !defined(__aarch64__)
 void qmatmul_rows_neon(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
@@ -378,6 +380,8 @@ bool isa_available(int isa) {
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case kAmx:
+      return isa_available(kAvx512) && amx_usable();
 #endif
 #if defined(__aarch64__)
     case kNeon:
@@ -388,10 +392,21 @@ bool isa_available(int isa) {
   }
 }
 
+namespace {
+int chosen_isa = kAuto;  // set_isa's choice, or kAuto: the best available
+}
+
 int best_isa() {
-  for (int isa : {kAvx512, kAvx2, kNeon})
+  if (chosen_isa != kAuto) return chosen_isa;
+  for (int isa : {kAmx, kAvx512, kAvx2, kNeon})
     if (isa_available(isa)) return isa;
   return kScalar;
+}
+
+bool set_isa(int isa) {
+  if (isa != kAuto && !isa_available(isa)) return false;
+  chosen_isa = isa;
+  return true;
 }
 
 const char* isa_name(int isa) {
@@ -400,6 +415,7 @@ const char* isa_name(int isa) {
     case kAvx2: return "avx2";
     case kAvx512: return "avx512-vnni";
     case kNeon: return "neon-dotprod";
+    case kAmx: return "avx512-vnni+amx";
     default: return "unknown";
   }
 }
@@ -409,6 +425,7 @@ void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n
   if (isa == kAuto) isa = best_isa();
   if (is_tiled(type)) {  // the column tiles have x86 paths; elsewhere the scalar one (ARM loads row layouts)
     switch (isa) {
+      case kAmx: qmatmul_tiles_amx(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
       case kAvx512: qmatmul_tiles_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
       case kAvx2: qmatmul_tiles_avx2(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
       default: qmatmul_tiles_scalar(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
@@ -416,6 +433,7 @@ void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n
     return;
   }
   switch (isa) {
+    case kAmx:
     case kAvx512: qmatmul_rows_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
     case kAvx2: qmatmul_rows_avx2(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
     case kNeon: qmatmul_rows_neon(type, w, k, n_begin, n_end, act, bias, out, ldo); break;
