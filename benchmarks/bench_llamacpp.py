@@ -15,9 +15,11 @@ For each model:
   :func:`sparsespec.eval.perplexity.streaming_nll`, llama.cpp through ``logits_all=True``; plus the KL divergence
   of each format's next-token distributions from sparsespec bf16 and from llama.cpp (nats per token).
 
-And for each ``--spec`` pair ``DRAFT:TARGET``: sparsespec speculative decoding (``--gamma``) with the draft in
-``--draft-weights`` and the target in each ``--spec-target-weights`` format, next to the target's autoregressive
-speed in the same format (llama-cpp-python has no draft-model speculative decoding to compare with).
+And for each ``--spec`` pair ``DRAFT:TARGET``: sparsespec speculative decoding (each ``--gamma``, the draft in
+``--draft-weights``, its head cut to ``--draft-vocab`` ids if given) with the target in each
+``--spec-target-weights`` format, alternated round by round with the target's autoregressive decoding in sparsespec
+and in llama.cpp (llama-cpp-python has no draft-model speculative decoding to compare with). ``--models ''`` runs
+only this part.
 
 Every prompt is tokenized once by sparsespec's tokenizer and the same ids are fed to both engines. Each result is
 one JSON line (stdout and ``--out``); the last line per model is a ``summary``.
@@ -48,7 +50,7 @@ import torch
 
 from common import RESULTS_DIR, emit, fixture_path, machine, median
 
-from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
+from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
@@ -131,6 +133,40 @@ def llama_greedy(llm, prompt: list[int], new_tokens: int) -> tuple[float, float,
         token = int(llama_last_logits(llm).argmax())
         tokens.append(token)
     return first - started, time.perf_counter() - first, tokens
+
+
+class LlamaProcess:
+    """llama.cpp in a child process that decodes on request, for runs that alternate it with sparsespec: each engine
+    keeps its own process, threads and heap, and a crash of one (llama.cpp's AMX path segfaults on some hosts,
+    ``requirements-bench.txt``) does not take the other's results with it."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--llama-worker", f"{path}:{n_ctx}",
+               "--threads", str(threads)]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the llama.cpp worker did not start")
+
+    def decode_tok_s(self, prompt: list[int], new_tokens: int) -> float:
+        """Greedy decoding of ``new_tokens`` after ``prompt`` (fresh cache): tokens after the first per second."""
+        self._proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+        self._proc.stdin.flush()
+        return float(self._proc.stdout.readline())
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+
+
+def llama_worker(spec: str, threads: int) -> None:
+    path, n_ctx = spec.rsplit(":", 1)
+    llm = open_llama(Path(path), threads, int(n_ctx))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        _, seconds, _ = llama_greedy(llm, request["prompt"], request["new_tokens"])
+        print((request["new_tokens"] - 1) / seconds, flush=True)
+    llm.close()
 
 
 def llama_logits(path: Path, ids: list[int], threads: int) -> tuple[np.ndarray, float]:
@@ -376,38 +412,58 @@ def bench_model(name: str, args, out: Path | None, have_llama: bool) -> None:
     emit({**summary, **machine()}, out)
 
 
-def bench_speculative(pair: str, args, out: Path | None) -> None:
+def bench_speculative(pair: str, args, out: Path | None, have_llama: bool) -> None:
+    """Speculative decoding against both engines' autoregressive decoding of the target, alternated round by round
+    (``--runs`` rounds per prompt: llama.cpp, sparsespec alone, then sparsespec with the draft for each ``--gamma``
+    value), so that every ratio comes from the same minutes of this shared host."""
     draft_name, target_name = pair.split(":")
     draft = load_model(draft_name, torch.bfloat16, weights_arg(args.draft_weights), role="draft")
+    if args.draft_vocab:
+        draft.model.limit_vocabulary(args.draft_vocab)
     prompts = bench_prompts(draft.tokenizer, args.prompts)
+    gammas = [parse_gamma(g) for g in str(args.gamma).split(",")]
+    llm = None
+    if have_llama:
+        llm = LlamaProcess(fixture_path(target_name), args.threads,
+                           max(len(p) for _, p in prompts) + args.new_tokens + 16)
     for label in args.spec_target_weights.split(","):
         target = load_model(target_name, torch.bfloat16, weights_arg(label), role="target")
-        options = DraftOptions(draft, CacheOptions(), args.gamma)
-        ar_speeds, spec_speeds = [], []
+        options = {g: DraftOptions(draft, CacheOptions(), g) for g in gammas}
         for pid, prompt in prompts:
             ours_greedy(target, prompt, 8)  # warm-up
-            ours_greedy(target, prompt, 8, options)
-            ar = [ours_greedy(target, prompt, args.new_tokens) for _ in range(args.runs)]
-            spec = [ours_greedy(target, prompt, args.new_tokens, options) for _ in range(args.runs)]
-            s = spec[0][0].speculative
-            rec = {"bench": "speculative", "engine": "sparsespec", "model": target_name, "draft": draft_name,
-                   "weights": label, "draft_weights": args.draft_weights, "gamma": args.gamma, "prompt": pid,
-                   "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-                   "ar_tok_s": rnd(median([r[0].tokens_per_s for r in ar])),
-                   "spec_tok_s": rnd(median([r[0].tokens_per_s for r in spec])),
-                   "spec_runs": [rnd(r[0].tokens_per_s, 2) for r in spec],
-                   "acceptance_rate": rnd(s.acceptance_rate, 4),
-                   "tokens_per_target_pass": rnd(s.tokens_per_target_pass, 3),
-                   "same_tokens_as_ar": common_prefix(spec[0][1], ar[0][1])}
-            rec["speedup_vs_ar"] = rnd(rec["spec_tok_s"] / rec["ar_tok_s"]) if rec["ar_tok_s"] else None
-            ar_speeds.append(rec["ar_tok_s"])
-            spec_speeds.append(rec["spec_tok_s"])
-            emit(rec, out)
-        emit({"bench": "speculative_summary", "model": target_name, "draft": draft_name, "weights": label,
-              "draft_weights": args.draft_weights, "gamma": args.gamma, "ar_tok_s": rnd(median(ar_speeds)),
-              "spec_tok_s": rnd(median(spec_speeds)), **machine()}, out)
+            for o in options.values():
+                ours_greedy(target, prompt, 8, o)
+            if llm is not None:
+                llm.decode_tok_s(prompt, 8)
+            llama, ar, spec = [], [], {g: [] for g in gammas}
+            for _ in range(args.runs):
+                if llm is not None:
+                    llama.append(llm.decode_tok_s(prompt, args.new_tokens))
+                ar.append(ours_greedy(target, prompt, args.new_tokens))
+                for g, o in options.items():
+                    spec[g].append(ours_greedy(target, prompt, args.new_tokens, o))
+            llama_tok_s = rnd(median(llama)) if llama else None
+            ar_tok_s = rnd(median([r[0].tokens_per_s for r in ar]))
+            for g in gammas:
+                s = spec[g][0][0].speculative
+                rec = {"bench": "speculative", "engine": "sparsespec", "model": target_name, "draft": draft_name,
+                       "weights": label, "draft_weights": args.draft_weights, "draft_vocab": args.draft_vocab,
+                       "gamma": g, "prompt": pid, "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
+                       "llama_cpp_tok_s": llama_tok_s, "ar_tok_s": ar_tok_s,
+                       "spec_tok_s": rnd(median([r[0].tokens_per_s for r in spec[g]])),
+                       "spec_runs": [rnd(r[0].tokens_per_s, 2) for r in spec[g]],
+                       "llama_cpp_runs": [rnd(x, 2) for x in llama],
+                       "acceptance_rate": rnd(s.acceptance_rate, 4),
+                       "tokens_per_target_pass": rnd(s.tokens_per_target_pass, 3),
+                       "draft_target_cost_ratio": rnd(s.draft_target_cost_ratio, 3),
+                       "same_tokens_as_ar": common_prefix(spec[g][0][1], ar[0][1])}
+                rec["speedup_vs_ar"] = rnd(rec["spec_tok_s"] / ar_tok_s) if ar_tok_s else None
+                rec["spec_vs_llama_cpp"] = rnd(rec["spec_tok_s"] / llama_tok_s) if llama_tok_s else None
+                emit({**rec, **machine()}, out)
         del target
         gc.collect()
+    if llm is not None:
+        llm.close()
 
 
 def main() -> None:
@@ -426,7 +482,9 @@ def main() -> None:
                         help="DRAFT:TARGET pairs, comma-separated ('' for none)")
     parser.add_argument("--draft-weights", default="native")
     parser.add_argument("--spec-target-weights", default="native")
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", default="4", help="γ of the speculative runs: integers or 'auto', comma-separated")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="the draft's head over the first N token ids (0: its whole vocabulary)")
     parser.add_argument("--no-rss", dest="rss", action="store_false", help="skip the fresh-process RSS probes")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--quick", action="store_true",
@@ -434,11 +492,15 @@ def main() -> None:
                              "SmolLM2 int4 -> bf16 self-pair for the speculative path")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llamacpp.jsonl")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     if args.probe:
         print(json.dumps(probe_rss(args.probe, args.threads)), flush=True)
+        return
+    if args.llama_worker:
+        llama_worker(args.llama_worker, args.threads)
         return
     if args.quick:
         args.models, args.prompts, args.new_tokens, args.runs = "smollm2-135m", "prose-lighthouse", 16, 3
@@ -452,10 +514,10 @@ def main() -> None:
     if not args.skip_llamacpp and not have_llama:
         emit({"bench": "note", "message": "llama-cpp-python is not installed; "
               "pip install -r benchmarks/requirements-bench.txt for the llama.cpp side"}, args.out)
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         bench_model(name, args, args.out, have_llama)
     for pair in filter(None, args.spec.split(",")):
-        bench_speculative(pair, args, args.out)
+        bench_speculative(pair, args, args.out, have_llama)
 
 
 def _llama_version() -> str:

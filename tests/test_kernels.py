@@ -138,6 +138,20 @@ def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type, tiles):
                 assert torch.equal(run(blob, kind, rows, k, k_padded, x, isa), scalar), kernels.isa_name(isa)
 
 
+@pytest.mark.skipif(not kernels.isa_available(kernels.ISA_AMX), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("ggml_type", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_amx_runs_the_tiles_of_passes_of_four_rows_or_more(ggml_type):
+    """The AMX kernels multiply Q4_K / Q6_K tiles only in passes of 4+ rows (counted), and equal the scalar path."""
+    rows, k = 37, 768
+    blob, k_padded, kind = packed(random_blocks(ggml_type, rows, k, seed=8), ggml_type, k, tiles=True)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(6))
+    for m, runs_amx in ((1, False), (3, False), (4, True), (16, True), (17, True)):
+        before = kernels.amx_tile_passes()
+        y = run(blob, kind, rows, k, k_padded, x[:m], kernels.ISA_AMX)
+        assert (kernels.amx_tile_passes() > before) == runs_amx, m
+        assert torch.equal(y, run(blob, kind, rows, k, k_padded, x[:m], kernels.ISA_SCALAR))
+
+
 @pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
 def test_a_row_does_not_depend_on_the_rows_beside_it(ggml_type, tiles):
     rows, k = shapes_for(ggml_type)[0]

@@ -157,6 +157,11 @@ def tiles_preferred() -> bool:
     return available() and _load().best_isa() in (ISA_AVX2, ISA_AVX512, ISA_AMX)
 
 
+def amx_tile_passes() -> int:
+    """How many column ranges the AMX kernels have multiplied in this process (0 where AMX does not run)."""
+    return int(_load().amx_tile_passes())
+
+
 def weight_bytes(kernel_type: int, k: int, rows: int) -> int:
     """Bytes of a repacked weight of ``rows`` rows of ``k`` inputs (either layout)."""
     return int(_load().weight_bytes(kernel_type, k, rows))

@@ -408,6 +408,7 @@ TORCH_LIBRARY_IMPL(sparsespec, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("best_isa", &sparsespec::best_isa);
   module.def("set_isa", &sparsespec::set_isa);
+  module.def("amx_tile_passes", &sparsespec::amx_tile_passes);
   module.def("isa_available", &sparsespec::isa_available);
   module.def("isa_name", &sparsespec::isa_name);
   module.def("row_bytes", &sparsespec::row_bytes);

@@ -133,6 +133,7 @@ void qmatmul_tiles_amx(int type, const uint8_t* w, int k, int n_begin, int n_end
                        const float* bias, float* out, long ldo);
 // Whether the CPU has AMX-INT8 and the kernel granted this process the tile registers (asked once).
 bool amx_usable();
+long amx_tile_passes();  // how many column ranges the AMX kernels have multiplied so far (the tests read it)
 
 // Instruction sets compiled in and runnable here; best_isa: the one kAuto runs (the best, unless set_isa chose one).
 int best_isa();

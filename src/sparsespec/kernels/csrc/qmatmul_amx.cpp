@@ -15,6 +15,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
+
 #include "scales_x86.h"
 #include "tiles_avx512.h"
 
@@ -63,6 +65,7 @@ struct Buffers {
   alignas(64) int32_t dots[16 * 16 * 16];
 };
 thread_local Buffers buffers;
+std::atomic<long> tile_passes{0};  // calls of tiles_amx (amx_tile_passes)
 
 // Fewer rows than this run the AVX-512 tiles (a tile round trip per sub-block costs more than their dots).
 constexpr int kAmxRows = 4;
@@ -163,6 +166,7 @@ void tiles_amx(const uint8_t* w, int k, int n_begin, int n_end, const Activation
                float* out, long ldo) {
   const int n_chunks = k / tile_span_of<TYPE>();
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
+  tile_passes.fetch_add(1, std::memory_order_relaxed);
   for (int r = 0; r < act.m; r += 16) {
     const int rows = act.m - r < 16 ? act.m - r : 16;
     configure(rows, TYPE == Q6_K_T16 ? 16 : 32);
@@ -184,6 +188,8 @@ void tiles_amx(const uint8_t* w, int k, int n_begin, int n_end, const Activation
 }
 
 }  // namespace
+
+long amx_tile_passes() { return tile_passes.load(); }
 
 bool amx_usable() {
   static const bool usable = [] {

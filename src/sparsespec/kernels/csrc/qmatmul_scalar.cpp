@@ -365,6 +365,7 @@ void qmatmul_tiles_avx2(int, const uint8_t*, int, int, int, const Activations&, 
 void qmatmul_tiles_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_tiles_amx(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 bool amx_usable() { return false; }
+long amx_tile_passes() { return 0; }
 #endif
 #if !defined(__aarch64__)
 void qmatmul_rows_neon(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
