@@ -124,7 +124,8 @@ def test_matmul_within_activation_rounding_bound(ggml_type, tiles):
 
 @pytest.mark.parametrize("ggml_type,tiles", LAYOUTS, ids=LAYOUT_IDS)
 def test_every_instruction_set_equals_scalar_bit_for_bit(ggml_type, tiles):
-    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_AMX, kernels.ISA_NEON) if kernels.isa_available(i)]
+    simd = (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_AMX, kernels.ISA_NEON)
+    isas = [i for i in simd if kernels.isa_available(i)]
     if not isas:
         pytest.skip("no SIMD path runs on this CPU")
     g = torch.Generator().manual_seed(1)

@@ -70,7 +70,7 @@ std::atomic<long> tile_passes{0};  // calls of tiles_amx (amx_tile_passes)
 // Fewer rows than this run the AVX-512 tiles (a tile round trip per sub-block costs more than their dots).
 constexpr int kAmxRows = 4;
 // Each chunk asks for the bytes this far ahead: a multi-row pass computes long enough per chunk that the hardware
-// prefetcher alone leaves the memory idle part of the time (a 5-row 1.5B pass: 107 -> 100 ms, benchmarks/RESULTS.md).
+// prefetcher alone leaves the memory idle part of the time (a 5-row 1.5B pass: 107 -> 100 ms, RESULTS.md).
 constexpr int kPrefetchBytes = 4096;
 
 template <int TYPE>
@@ -172,16 +172,10 @@ void tiles_amx(const uint8_t* w, int k, int n_begin, int n_end, const Activation
     configure(rows, TYPE == Q6_K_T16 ? 16 : 32);
     for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
       const int n0 = t * kTileColumns;
-      const int lo = n_begin > n0 ? n_begin - n0 : 0, hi = n_end - n0 < kTileColumns ? n_end - n0 : kTileColumns;
-      const __mmask16 mask = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
       __m512 y[16];
       if constexpr (TYPE == Q4_K_T16) q4_k_pass(w + (std::size_t)t * tb, n_chunks, r, rows, act, y);
       else q6_k_pass(w + (std::size_t)t * tb, n_chunks, r, rows, act, y);
-      for (int i = 0; i < rows; ++i) {
-        const __m512 v = bias ? _mm512_add_ps(y[i], b) : y[i];
-        _mm512_mask_storeu_ps(out + (long)(r + i) * ldo + n0, mask, v);
-      }
+      store_tile_rows(y, rows, r, n0, tile_column_mask(n0, n_begin, n_end), bias, out, ldo);
     }
     _tile_release();
   }
@@ -205,7 +199,8 @@ bool amx_usable() {
 
 void qmatmul_tiles_amx(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
                        const float* bias, float* out, long ldo) {
-  if (act.m < kAmxRows || type == Q5_0_T16) return qmatmul_tiles_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo);
+  if (act.m < kAmxRows || type == Q5_0_T16)
+    return qmatmul_tiles_avx512(type, w, k, n_begin, n_end, act, bias, out, ldo);
   if (type == Q4_K_T16) tiles_amx<Q4_K_T16>(w, k, n_begin, n_end, act, bias, out, ldo);
   else tiles_amx<Q6_K_T16>(w, k, n_begin, n_end, act, bias, out, ldo);
 }

@@ -373,9 +373,7 @@ void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activat
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
   for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
     const int n0 = t * kTileColumns;
-    const int lo = n_begin > n0 ? n_begin - n0 : 0, hi = n_end - n0 < kTileColumns ? n_end - n0 : kTileColumns;
-    const __mmask16 mask = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __mmask16 mask = tile_column_mask(n0, n_begin, n_end);
     for (int r = 0; r < act.m; r += 8) {
       const int rows = act.m - r < 8 ? act.m - r : 8;
       __m512 y[8];
@@ -394,10 +392,7 @@ void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activat
         case 7: pass.template operator()<7>(); break;
         default: pass.template operator()<8>(); break;
       }
-      for (int i = 0; i < rows; ++i) {
-        const __m512 v = bias ? _mm512_add_ps(y[i], b) : y[i];
-        _mm512_mask_storeu_ps(out + (long)(r + i) * ldo + n0, mask, v);
-      }
+      store_tile_rows(y, rows, r, n0, mask, bias, out, ldo);
     }
   }
 }
