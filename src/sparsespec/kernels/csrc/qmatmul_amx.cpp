@@ -17,7 +17,7 @@
 
 #include <atomic>
 
-#include "scales_x86.h"
+#include "formats.h"
 #include "tiles_avx512.h"
 
 namespace sparsespec {
