@@ -69,16 +69,6 @@ std::atomic<long> tile_passes{0};  // calls of tiles_amx (amx_tile_passes)
 
 // Fewer rows than this run the AVX-512 tiles (a tile round trip per sub-block costs more than their dots).
 constexpr int kAmxRows = 4;
-// Each chunk asks for the bytes this far ahead: a multi-row pass computes long enough per chunk that the hardware
-// prefetcher alone leaves the memory idle part of the time (a 5-row 1.5B pass: 107 -> 100 ms, RESULTS.md).
-constexpr int kPrefetchBytes = 4096;
-
-template <int TYPE>
-inline void prefetch_ahead(const uint8_t* chunk) {
-  for (int at = 0; at < tile_chunk_bytes_of<TYPE>(); at += 64)
-    _mm_prefetch((const char*)chunk + kPrefetchBytes + at, _MM_HINT_T0);
-}
-
 // Q4_K_T16 (qmatmul.h): per chunk, isum = sum_j sc_j dot_j and osum = sum_j mn_j (b_2j + b_2j+1) per column and
 // row, then the float steps. Results go to y[i] (16 columns of row r0 + i), i < m.
 inline void q4_k_pass(const uint8_t* tile, int n_chunks, int r0, int m, const Activations& act, __m512* y) {
@@ -90,7 +80,7 @@ inline void q4_k_pass(const uint8_t* tile, int n_chunks, int r0, int m, const Ac
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q4_K_T16>();
     const uint8_t* pairs = chunk + tile_scale_bytes_of<Q4_K_T16>();
-    prefetch_ahead<Q4_K_T16>(chunk);
+    prefetch_ahead(chunk, tile_chunk_bytes_of<Q4_K_T16>());
     for (int p = 0; p < 32; ++p) {  // pair p: inputs 8p + b (low nibbles) and 8p + 4 + b (high)
       const __m512i packed = _mm512_loadu_si512(pairs + 64 * p);
       _mm512_store_si512(buf.codes + 128 * p, _mm512_and_si512(packed, low4));
@@ -130,7 +120,7 @@ inline void q6_k_pass(const uint8_t* tile, int n_chunks, int r0, int m, const Ac
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q6_K_T16>();
     const uint8_t* pairs = chunk + tile_scale_bytes_of<Q6_K_T16>();
-    prefetch_ahead<Q6_K_T16>(chunk);
+    prefetch_ahead(chunk, tile_chunk_bytes_of<Q6_K_T16>());
     for (int g = 0; g < 16; ++g) {
       const uint8_t* group = pairs + kTileGroupBytes * g;
       const __m512i p0 = _mm512_loadu_si512(group), p1 = _mm512_loadu_si512(group + 64);

@@ -69,6 +69,7 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   ChunkScales sc;
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    prefetch_ahead(chunk, chunk_bytes_of<TYPE>());
     decode_scales_x86<TYPE>(chunk, sc);
     const int nq = quarters_in(k, c);
     for (int p = 0; p < nq; ++p) {
@@ -127,6 +128,7 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
   KScales ks;
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    prefetch_ahead(chunk, chunk_bytes_of<TYPE>());
     decode_k_scales<TYPE>(chunk, ks);
     __m256i sum_lo[MT], sum_hi[MT];
     for (int i = 0; i < MT; ++i) sum_lo[i] = sum_hi[i] = _mm256_setzero_si256();
@@ -220,6 +222,7 @@ inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, 
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
     const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>() + h32;
+    prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
     __m256i isum[MT], osum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = osum[i] = _mm256_setzero_si256();
@@ -308,6 +311,7 @@ inline void q5_0_tile_half_pass(const uint8_t* tile, int n_chunks, int half, int
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q5_0_T16>();
+    prefetch_ahead(chunk, tile_chunk_bytes_of<Q5_0_T16>());
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 16 * half)));
     const __m256i high = _mm256_loadu_si256((const __m256i*)(chunk + kTileQ5HighBytes + 32 * half));
     const uint8_t* pairs = chunk + tile_scale_bytes_of<Q5_0_T16>() + 32 * half;

@@ -83,6 +83,7 @@ inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, 
   for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    prefetch_ahead(chunk, chunk_bytes_of<TYPE>());
     __m512 a16, c16;
     chunk_scales<TYPE>(chunk, a16, c16);
     const int nq = quarters_in(k, c);
@@ -137,6 +138,7 @@ inline void row_tile_k(const uint8_t* row, int k, int r0, const Activations& act
   for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm512_setzero_ps();
   for (int c = 0; c < n_chunks; ++c) {
     const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    prefetch_ahead(chunk, chunk_bytes_of<TYPE>());
     __m512i s16, o16;  // per-group integer scales, and the offset multipliers (mins, or Q6_K's -32 s)
     float d, dmin = 0.0f;
     if constexpr (TYPE == Q6_K) {
@@ -239,6 +241,7 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activatio
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
     const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>();
+    prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
     __m512i isum[MT], osum[MT];
 #pragma GCC unroll 8
@@ -338,6 +341,7 @@ inline void q5_0_tile_pass(const uint8_t* tile, int n_chunks, int r0, const Acti
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q5_0_T16>();
+    prefetch_ahead(chunk, tile_chunk_bytes_of<Q5_0_T16>());
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
     const __m512i high = _mm512_loadu_si512(chunk + kTileQ5HighBytes);
     const uint8_t* pairs = chunk + tile_scale_bytes_of<Q5_0_T16>();
