@@ -4,9 +4,15 @@ budgeted caches, on the same GGUF file, the same prompt ids (the first N tokens 
 For each context length: the prompt is read (prefill, timed), then ``--new-tokens`` tokens are decoded greedily
 (EOS ignored); decode tok/s counts the tokens after the first over the time after the first. sparsespec runs with
 native weights; each ``--caches`` entry is ``full`` or ``POLICY:BUDGET`` (in-cache positions for budgeted caches).
-Optionally with a draft (``--draft``). One JSON line per (engine, cache, context), stdout and ``--out``.
+Optionally with a draft (``--draft``, its cache ``--draft-cache``, its head cut to ``--draft-vocab`` ids). With
+``--prompts``, each prompt of the prompt set is read after the N tokens of text (the text, a blank line, the
+prompt: ``eval.prompts.prompt_ids``), so an instruction about a long document is what gets decoded; without it the
+prompt is the text alone and decoding continues it. One JSON line per (engine, cache, context, prompt), stdout and
+``--out``.
 
     python benchmarks/bench_context.py --model smollm2-135m --contexts 1024,8192 --caches full,hybrid:1024
+    python benchmarks/bench_context.py --model qwen2.5-coder-1.5b --contexts 8192 --caches hybrid:1024 \
+        --prompts py-lru-class,prose-lighthouse --draft qwen2.5-coder-0.5b --draft-cache hybrid:256 --gamma 4
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from pathlib import Path
 
 import torch
 
+from bench_llamacpp import common_prefix, llama_greedy, open_llama
 from common import RESULTS_DIR, emit, fixture_path, machine
 
 from sparsespec.cache.policy import make_policy
-from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
+from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
+from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.eval.texts import text_token_ids
 from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
@@ -41,7 +49,12 @@ def main() -> None:
     parser.add_argument("--text", default="corpus:paradise_lost")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--draft", default=None, help="a draft model (native weights, hybrid 1024 in-cache cache)")
+    parser.add_argument("--prompts", default=None,
+                        help="prompt ids of the prompt set, each read after the context text (default: none)")
+    parser.add_argument("--draft", default=None, help="a draft model (native weights)")
+    parser.add_argument("--draft-cache", default="hybrid:1024", help="the draft's cache, POLICY:BUDGET (in-cache)")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="the draft's head over the first N token ids (0: its whole vocabulary)")
     parser.add_argument("--gamma", default="auto")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "context.jsonl")
@@ -50,36 +63,51 @@ def main() -> None:
     loaded = load_model(args.model, torch.bfloat16, "native")
     contexts = [int(c) for c in args.contexts.split(",")]
     ids = text_token_ids(loaded.tokenizer, args.text, max_tokens=max(contexts))
+    wanted = args.prompts.split(",") if args.prompts else []
+    prompts = {p.id: p for p in load_prompts()}
+    missing = [name for name in wanted if name not in prompts]
+    if missing:
+        parser.error(f"unknown prompt id {missing[0]!r}")
     draft = None
     if args.draft:
-        gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
-        draft = DraftOptions(load_model(args.draft, torch.bfloat16, "native", role="draft"),
-                             cache_options("hybrid:1024"), gamma)
-    for context in contexts:
-        prompt = ids[:context]
+        draft_model = load_model(args.draft, torch.bfloat16, "native", role="draft")
+        if args.draft_vocab:
+            draft_model.model.limit_vocabulary(args.draft_vocab)
+        draft = DraftOptions(draft_model, cache_options(args.draft_cache), parse_gamma(args.gamma))
+    runs = [(context, name) for context in contexts for name in (wanted or [None])]
+    for context, name in runs:
+        if name is None:
+            prompt = ids[:context]
+        else:
+            prompt = prompt_ids(loaded.tokenizer, prompts[name], loaded.tokenizer.decode(ids[:context]))
         if not args.skip_llamacpp:
-            from bench_llamacpp import llama_greedy, open_llama
-
-            llm = open_llama(fixture_path(args.model), args.threads, n_ctx=context + args.new_tokens + 16)
+            llm = open_llama(fixture_path(args.model), args.threads, n_ctx=len(prompt) + args.new_tokens + 16)
             prefill_s, decode_s, _ = llama_greedy(llm, prompt, args.new_tokens)
             emit({"bench": "context", "engine": "llama.cpp", "model": args.model, "cache": "full",
-                  "context": context, "new_tokens": args.new_tokens, "prefill_s": round(prefill_s, 2),
-                  "decode_tok_s": round((args.new_tokens - 1) / decode_s, 3), **machine()}, args.out)
+                  "context": context, "prompt": name, "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
+                  "prefill_s": round(prefill_s, 2), "decode_tok_s": round((args.new_tokens - 1) / decode_s, 3),
+                  **machine()}, args.out)
             llm.close()
             del llm
         for spec in args.caches.split(","):
-            stats = RunStats()
-            started = time.perf_counter()
-            list(run_generation(loaded, prompt, max_new_tokens=args.new_tokens, sampling=SamplingParams(),
-                                cache=cache_options(spec), draft=draft, stats=stats))
-            record = {"bench": "context", "engine": "sparsespec", "model": args.model, "cache": spec,
-                      "draft": args.draft, "context": context, "new_tokens": stats.new_tokens,
-                      "prefill_s": round(stats.prefill_seconds, 2), "decode_tok_s": round(stats.tokens_per_s, 3),
-                      "kv_cache_bytes": stats.kv_cache_bytes, "wall_s": round(time.perf_counter() - started, 2)}
-            if stats.speculative is not None:
-                record.update(acceptance_rate=round(stats.speculative.acceptance_rate, 3),
-                              final_gamma=stats.final_gamma)
-            emit({**record, **machine()}, args.out)
+            alone = None  # with a draft, each cache runs alone first, then with the draft
+            for with_draft in ([False, True] if draft else [False]):
+                stats = RunStats()
+                started = time.perf_counter()
+                tokens = list(run_generation(
+                    loaded, prompt, max_new_tokens=args.new_tokens, sampling=SamplingParams(),
+                    cache=cache_options(spec), draft=draft if with_draft else None, stats=stats))
+                record = {"bench": "context", "engine": "sparsespec", "model": args.model, "cache": spec,
+                          "draft": args.draft if with_draft else None, "context": context, "prompt": name,
+                          "prompt_tokens": len(prompt), "new_tokens": stats.new_tokens,
+                          "prefill_s": round(stats.prefill_seconds, 2), "decode_tok_s": round(stats.tokens_per_s, 3),
+                          "kv_cache_bytes": stats.kv_cache_bytes, "wall_s": round(time.perf_counter() - started, 2)}
+                if with_draft:
+                    record.update(acceptance_rate=round(stats.speculative.acceptance_rate, 3),
+                                  final_gamma=stats.final_gamma, draft_cache=args.draft_cache,
+                                  draft_vocab=args.draft_vocab, tokens_equal_to_alone=common_prefix(tokens, alone))
+                alone = tokens
+                emit({**record, **machine()}, args.out)
 
 
 if __name__ == "__main__":
