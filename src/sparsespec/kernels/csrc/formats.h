@@ -198,8 +198,9 @@ constexpr int tile_chunk_bytes_of() {
   return TYPE == Q4_K_T16 ? 320 + 2048 : TYPE == Q6_K_T16 ? 288 + 16 * 192 : 32 + 4 * 64 + 64;
 }
 // Multi-row passes compute long enough per chunk that the hardware prefetcher alone leaves the memory idle part of
-// the time, so each chunk asks for the bytes this far ahead of it (the whole 1.5B, 5 rows: 72 -> 43 ms, 8 rows
-// 109 -> 57 ms; 2 to 16 KiB ahead measured alike; a one-row pass, bound by the bytes, unchanged; RESULTS.md).
+// the time, so each chunk asks for the bytes this far ahead of it (the whole 1.5B on AVX-512, 5 rows: 60 -> 42 ms,
+// 8 rows: 95 -> 47 ms; 2 to 16 KiB ahead measured alike; a one-row pass, bound by the bytes, unchanged; RESULTS.md,
+// sixth pass).
 constexpr int kPrefetchBytes = 4096;
 
 // Asks for the `bytes` bytes that start kPrefetchBytes past `at`, one request per cache line.
