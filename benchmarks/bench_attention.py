@@ -52,10 +52,12 @@ def make_config(shapes: dict) -> ModelConfig:
 
 
 def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int,
-                 kv_dtype: str, rows: int = 1) -> KVArena:
+                 kv_dtype: str, rows: int = 1, recent_window: int | None = None) -> KVArena:
     """An arena as after ``entries`` tokens of text: random KV stored in ``kv_dtype``; the full cache keeps them all,
     a budgeted one its budget (4 sinks and the most recent tokens) with random scores. Shapes with key biases (the
-    Qwen2 models) get a random key bias, which quantized keys are stored without in the in-cache mode."""
+    Qwen2 models) get a random key bias, which quantized keys are stored without in the in-cache mode. Quantized
+    entries keep ``recent_window`` (None: the dtype's default) positions in full precision, the ring filled with the
+    newest rows."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
     gen = torch.Generator().manual_seed(0)
@@ -63,12 +65,15 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     if config.attention_bias:
         key_bias = torch.randn(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, generator=gen)
     arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, max_block=rows,
-                    positions=positions, kv_dtype=kv_dtype, key_offset=key_bias)
+                    positions=positions, kv_dtype=kv_dtype, key_offset=key_bias, recent_window=recent_window)
     kept = entries if policy.is_full else min(policy.budget, entries)
     shape = (config.num_key_value_heads, kept, config.head_dim)
+    newest = min(arena.recent_slots, kept - min(4, kept))  # rows of the window, the last slots
     for layer in range(config.num_hidden_layers):
-        arena._write_rows(layer, 0, kept, torch.randn(shape, generator=gen).bfloat16(),
-                          torch.randn(shape, generator=gen).bfloat16())
+        k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+        arena._write_rows(layer, 0, kept, k, v)
+        if newest:
+            arena._remember_recent(layer, entries - newest, k[:, kept - newest :], v[:, kept - newest :])
     recent = torch.arange(entries - (kept - min(4, kept)), entries)
     arena.positions[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
     if policy.needs_scores:
@@ -122,6 +127,8 @@ def main() -> None:
     parser.add_argument("--policy", default="full",
                         choices=POLICIES)
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
+    parser.add_argument("--kv-recent", type=int, default=None,
+                        help="int8 / int4: positions kept in full precision (default: the dtype's, 32 for int4)")
     parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
     parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
     parser.add_argument("--steps", type=int, default=10)
@@ -139,14 +146,17 @@ def main() -> None:
                                                        args.kv_dtypes.split(","),
                                                        (int(r) for r in args.rows.split(",")), paths):
         steps = args.steps + args.warmup
-        arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows)
+        recent = args.kv_recent if kv_dtype in ("int8", "int4") else None
+        arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent)
         times, attention = time_steps(arena, path == "native", rows, args.steps, args.warmup)
         step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
         visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
-        kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * visible
-                    * bytes_per_vector(kv_dtype, config.head_dim, torch.bfloat16))
+        full = min(arena.recent_window, visible)  # entries read from the full-precision ring instead
+        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+            (visible - full) * bytes_per_vector(kv_dtype, config.head_dim, torch.bfloat16)
+            + full * bytes_per_vector("bf16", config.head_dim, torch.bfloat16))
         emit({
-            "bench": "attention", "model_shapes": args.shapes, "kv_dtype": kv_dtype,
+            "bench": "attention", "model_shapes": args.shapes, "kv_dtype": kv_dtype, "kv_recent": arena.recent_window,
             "policy": arena.policy.describe(),
             "positions": arena.positions_mode, "entries": entries, "visible": visible, "rows": rows, "path": path,
             "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,

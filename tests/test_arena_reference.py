@@ -21,7 +21,8 @@ Quantized caches (``kv_dtype`` int8 / int4): the reference takes the entries the
 (codes and group parameters, recorded as they are written) and dequantizes them with its own plain loop; it checks
 that they are its own keys (rotated by position in the original mode; minus the layer's key bias in the in-cache
 mode, where keys are stored before RoPE) and values within half a quantization step, and then runs the same naive
-attention and eviction over them.
+attention and eviction over them. With a full-precision window of W positions (int4's default, or one given), the
+row at position p reads the entries of positions above p - W as its own float32 keys and values instead.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class NaiveDecoder:
     """Reference decoder: full-length cache, explicit masks, plain eviction rule."""
 
     def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None,
-                 age=False, decay=1.0):
+                 age=False, decay=1.0, recent_window=0):
         """``stored_rows(layer, n) -> (k, v, bits)``, if given, returns the next ``n`` rows the arena stored in
         ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
         self.cfg = config
@@ -65,9 +66,12 @@ class NaiveDecoder:
         self.age = age  # rank heavy hitters by score / (rows that saw the token) (hybrid-age)
         self.decay = decay  # each row: scores *= decay, then += attention (hybrid-decay)
         self.mode = mode
+        self.recent_window = recent_window  # positions above (row's position - this) are read as own_k / own_v
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # keys as stored (see rotated_keys), by position
         self.v = torch.zeros(n_layers, n_kv, max_tokens, hd)
+        self.own_k = torch.zeros(n_layers, n_kv, max_tokens, hd)  # the same before quantization
+        self.own_v = torch.zeros(n_layers, n_kv, max_tokens, hd)
         self.kept = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.bool)
         self.scores = torch.zeros(n_layers, n_kv, max_tokens, dtype=torch.float32)
         self.length = 0  # tokens seen so far (= next position)
@@ -80,10 +84,10 @@ class NaiveDecoder:
 
     # -- state snapshots (for blocks whose later rows get rolled back)
     def snapshot(self):
-        return copy.deepcopy((self.k, self.v, self.kept, self.scores, self.length))
+        return copy.deepcopy((self.k, self.v, self.own_k, self.own_v, self.kept, self.scores, self.length))
 
     def restore(self, snap):
-        self.k, self.v, self.kept, self.scores, self.length = copy.deepcopy(snap)
+        self.k, self.v, self.own_k, self.own_v, self.kept, self.scores, self.length = copy.deepcopy(snap)
 
     # -- pieces
     def _weight(self, name):
@@ -133,6 +137,8 @@ class NaiveDecoder:
         if self.stored_rows is not None:
             if self.rotated_keys:
                 k = torch.stack([self._rope(k[h], torch.arange(p0, p0 + n_rows)) for h in range(n_kv)])
+            self.own_k[layer, :, p0 : p0 + n_rows] = k
+            self.own_v[layer, :, p0 : p0 + n_rows] = v
             (k_codes, k_params), (v_codes, v_params), bits = self.stored_rows(layer, n_rows)
             bias = 0.0
             if self.bias_out:
@@ -155,9 +161,13 @@ class NaiveDecoder:
                 else:
                     key_pos, q_pos = torch.arange(len(seen)), torch.tensor([len(seen) - 1])
                 keys = self.k[layer, head, seen]
+                values = self.v[layer, head, seen]
+                if self.recent_window:
+                    recent = (seen > p - self.recent_window)[:, None]
+                    keys = torch.where(recent, self.own_k[layer, head, seen], keys)
+                    values = torch.where(recent, self.own_v[layer, head, seen], values)
                 if not self.rotated_keys:
                     keys = self._rope(keys, key_pos)
-                values = self.v[layer, head, seen]
                 heads = slice(head * group, (head + 1) * group)  # the query heads of this KV head
                 queries = self._rope(q[i, heads], q_pos.expand(group))
                 probs = torch.softmax((queries @ keys.T) / math.sqrt(hd), dim=-1)  # [group, visible]
@@ -278,9 +288,10 @@ def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
 
 
 def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8,
-           kv_dtype="auto", key_bias_outliers=0.0):
+           kv_dtype="auto", key_bias_outliers=0.0, recent_window=None):
     """``key_bias_outliers``: if set, channels 0 and 5 of every KV head's key bias get this value (Qwen2's layer-0
-    keys carry biases of ±354 in a few channels), so keys quantized with the bias in would miss their bound."""
+    keys carry biases of ±354 in a few channels), so keys quantized with the bias in would miss their bound.
+    ``recent_window``: the arena's full-precision window (None: its default for ``kv_dtype``)."""
     config = tiny_config(architecture, num_hidden_layers=n_layers)
     state = random_state(config, seed=1)
     if key_bias_outliers:
@@ -291,12 +302,12 @@ def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total
     policy = make_policy(policy_name, None if policy_name == "full" else BUDGET)
     arena = KVArena(
         config, policy, dtype=torch.float32, max_tokens=total, max_block=CHUNK, max_inflight=max_inflight,
-        positions=mode, kv_dtype=kv_dtype, key_offset=model.key_biases(),
+        positions=mode, kv_dtype=kv_dtype, key_offset=model.key_biases(), recent_window=recent_window,
     )
     ref = NaiveDecoder(
         config, state, sinks=policy.sinks, heavy=policy.heavy, window=policy.window, budget=policy.budget,
         mode=mode, max_tokens=total + 8, stored_rows=None if kv_dtype == "auto" else RecordedRows(arena),
-        age=policy.age_normalised, decay=policy.score_decay,
+        age=policy.age_normalised, decay=policy.score_decay, recent_window=arena.recent_window,
     )
     return config, model, arena, ref
 
@@ -326,6 +337,16 @@ def test_quantized_decode_matches_naive_reference(policy_name, mode, kv_dtype):
     _check_decode(policy_name, mode, kv_dtype)
 
 
+@pytest.mark.parametrize(("policy_name", "mode", "kv_dtype", "recent_window"), [
+    ("hybrid", "in-cache", "int4", 5), ("hybrid-decay", "original", "int4", 0), ("h2o", "in-cache", "int8", 7),
+    ("full", "original", "int4", 3),
+])
+@pytest.mark.parametrize("native", [True, False], ids=["native-op", "torch-path"])
+def test_full_precision_window_decode_matches_naive_reference(policy_name, mode, kv_dtype, recent_window, native):
+    """The row at position p reads positions above p - W in full precision, every other entry from its codes."""
+    _check_decode(policy_name, mode, kv_dtype, recent_window, native)
+
+
 def _decode_both(model, arena, ref, tokens, what, check_every=None):
     """Decode ``tokens`` one at a time on both sides: logits equal at every step; the caches equal every
     ``check_every`` steps (if given) and at the end."""
@@ -339,8 +360,9 @@ def _decode_both(model, arena, ref, tokens, what, check_every=None):
     _assert_same_cache(arena, ref, f"{what} at the end")
 
 
-def _check_decode(policy_name, mode, kv_dtype):
-    config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype)
+def _check_decode(policy_name, mode, kv_dtype, recent_window=None, native=True):
+    config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype, recent_window=recent_window)
+    arena.native_attention &= native
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=7)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"{policy_name}/{mode}/{kv_dtype}", check_every=25)
@@ -398,10 +420,18 @@ def test_quantized_multi_row_blocks_with_partial_commits_match_naive_reference(p
     _check_blocks(policy_name, mode, kv_dtype)
 
 
-def _check_blocks(policy_name, mode, kv_dtype):
+@pytest.mark.parametrize(("policy_name", "mode"), [("hybrid", "in-cache"), ("h2o", "original")])
+@pytest.mark.parametrize("native", [True, False], ids=["native-op", "torch-path"])
+def test_full_precision_window_survives_partial_commits(policy_name, mode, native):
+    """Rolled-back rows wrote the ring too: the rows kept still read their window as autoregressive steps do."""
+    _check_blocks(policy_name, mode, "int4", recent_window=4, native=native)
+
+
+def _check_blocks(policy_name, mode, kv_dtype, recent_window=None, native=True):
     max_rows = 5
     config, model, arena, ref = _setup("llama", policy_name, mode, max_inflight=max_rows, n_layers=1,
-                                       kv_dtype=kv_dtype)
+                                       kv_dtype=kv_dtype, recent_window=recent_window)
+    arena.native_attention &= native
     stream = _token_stream(PROMPT_LEN + 400, config.vocab_size, seed=3)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     plan = torch.Generator().manual_seed(5)

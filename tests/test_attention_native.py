@@ -42,10 +42,14 @@ POLICIES = {
 ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
 
 
-def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", key_offset=None, **sizes):
+def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", key_offset=None, recent_window=0,
+           **sizes):
+    """``recent_window`` 0: quantized entries read from their codes alone (int4's default window of 32 would
+    cover most of these short runs)."""
     policy = make_policy(name, **(sizes or POLICIES[name]))
     arena = KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
-                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype, key_offset=key_offset)
+                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype, key_offset=key_offset,
+                    recent_window=recent_window)
     arena.native_attention = native
     return arena
 
@@ -92,13 +96,13 @@ def _block(native: KVArena, ref: KVArena, rows, per_block: bool, what: str) -> i
     return int((native.evicted_at != torch.iinfo(torch.int32).max).sum()) - evicted_before
 
 
-def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto", key_offset=None):
+def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto", key_offset=None, recent_window=0):
     """A random run in lockstep; returns (evictions between rows of one block, other evictions)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     total = n_ops * MAX_INFLIGHT + MAX_BLOCK
-    native = _arena(config, name, mode, dtype, total, True, kv_dtype, key_offset)
-    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype, key_offset)
+    native = _arena(config, name, mode, dtype, total, True, kv_dtype, key_offset, recent_window)
+    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype, key_offset, recent_window)
     evictions = {"within": 0, "other": 0}
     for step in range(n_ops):
         if step == 0 or rng.random() < 0.3:  # a per-block prefill chunk, committed or rolled back
@@ -170,14 +174,55 @@ def test_native_attention_takes_the_key_offset_out_as_the_torch_path(name, kv_dt
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize(("kv_dtype", "recent_window"), [("int8", 0), ("int4", 0), ("int4", 3)])
 @pytest.mark.parametrize("head_dim", [64, 8])
-def test_every_instruction_set_reads_quantized_entries_as_the_torch_path(monkeypatch, isa, kv_dtype, head_dim):
+def test_every_instruction_set_reads_quantized_entries_as_the_torch_path(monkeypatch, isa, kv_dtype, recent_window,
+                                                                          head_dim):
     """head_dim 64: the vector dequantization (whole groups of 16 or 32 channels); 8: groups smaller than a vector,
-    dequantized by the scalar loop inside every instruction set's path."""
+    dequantized by the scalar loop inside every instruction set's path; with a full-precision window of 3."""
     monkeypatch.setattr(kernels, "arena_attention", functools.partial(kernels.arena_attention, isa=isa))
     config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
-    _run(config, "hybrid", "in-cache", torch.float32, seed=13, n_ops=8, kv_dtype=kv_dtype)
+    _run(config, "hybrid", "in-cache", torch.float32, seed=13, n_ops=8, kv_dtype=kv_dtype,
+         recent_window=recent_window)
+
+
+@pytest.mark.parametrize(("name", "mode", "kv_dtype", "recent_window"), [
+    ("hybrid", "in-cache", "int4", 3), ("hybrid", "original", "int4", 2), ("streaming", "in-cache", "int4", 4),
+    ("full", "original", "int4", 3), ("h2o", "in-cache", "int8", 2),
+])
+def test_native_attention_reads_the_full_precision_window_as_the_torch_path(name, mode, kv_dtype, recent_window):
+    """A window of a few positions: each row reads the newest entries from the ring or from its own block and
+    the rest from their codes, on both paths alike, through prefill chunks, verification blocks and rollbacks."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    evictions = _run(config, name, mode, torch.float32, seed=zlib.crc32(f"window {name} {mode}".encode()),
+                     kv_dtype=kv_dtype, recent_window=recent_window)
+    if name != "full":
+        assert evictions["within"] > 0 and evictions["other"] > 0
+
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+@pytest.mark.parametrize("name", ["hybrid", "streaming"])
+def test_a_window_over_every_position_reads_as_the_unquantized_arena_bitwise(name, mode):
+    """With every position in the window the op reads nothing from the codes: its outputs, scores and evictions
+    are the float arena's, bit for bit; with no window they are not (the int4 codes are read)."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    gen = torch.Generator().manual_seed(23)
+    blocks = [_rows(config, n, gen, torch.float32) for n in (5, 5, 3, 1, 1, 4)]
+    arenas = [_arena(config, name, mode, torch.float32, 64, True, kv, recent_window=w)
+              for kv, w in (("auto", 0), ("int4", 64), ("int4", 0))]
+    outs = [[], [], []]
+    for rows in blocks:
+        for arena, out in zip(arenas, outs):
+            arena.begin(rows[0][0].shape[1], per_block=True)
+            out.extend(arena.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(rows))
+            arena.end()
+            arena.commit(arena.n_inflight)
+    (plain, out_plain), (windowed, out_windowed), (_, out_codes) = zip(arenas, outs)
+    assert all(torch.equal(a, b) for a, b in zip(out_plain, out_windowed))
+    assert not all(torch.equal(a, b) for a, b in zip(out_plain, out_codes))
+    assert torch.equal(plain.evicted_at, windowed.evicted_at) and plain.evicted_tokens > 0
+    if plain.policy.needs_scores:
+        assert torch.equal(plain.scores, windowed.scores)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -235,15 +280,18 @@ def test_every_instruction_set_equals_torch_path(monkeypatch, isa, name, mode):
 
 
 @pytest.mark.parametrize("mode", ["original", "in-cache"])
-@pytest.mark.parametrize(("name", "kv_dtype"), [(name, "auto") for name in POLICIES] + [("hybrid", "int8"),
-                                                                                        ("hybrid", "int4")])
-def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode, kv_dtype):
-    """Row independence: a verification block's rows compute exactly what single-row blocks would."""
+@pytest.mark.parametrize(("name", "kv_dtype", "recent_window"),
+                         [(name, "auto", 0) for name in POLICIES] + [("hybrid", "int8", 0), ("hybrid", "int4", 0),
+                                                                    ("hybrid", "int4", 3)])
+def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode, kv_dtype, recent_window):
+    """Row independence: a verification block's rows compute exactly what single-row blocks would (with a
+    full-precision window: a block row reads its block's rows where single rows read the ring)."""
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     gen = torch.Generator().manual_seed(3)
     prompt = _rows(config, MAX_BLOCK, gen, torch.bfloat16)
     block = _rows(config, MAX_INFLIGHT, gen, torch.bfloat16)
-    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True, kv_dtype) for _ in range(2)]
+    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True, kv_dtype, recent_window=recent_window)
+              for _ in range(2)]
     for arena in arenas:
         for _ in range(3):
             arena.begin(MAX_BLOCK, per_block=True)

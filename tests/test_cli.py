@@ -327,6 +327,10 @@ INVALID_FLAGS = [
     (["--gamma", "2"], ["--gamma", "nothing without --draft"]),
     (["--draft-budget", "16", "--draft-weights", "int4"], ["--draft-weights, --draft-budget", "without --draft"]),
     (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype", "nothing without --draft"]),
+    (["--draft-kv-recent", "8"], ["--draft-kv-recent", "nothing without --draft"]),
+    (["--kv-recent", "8"], ["--kv-recent", "--kv-dtype auto", "drop it"]),
+    (["--kv-dtype", "bf16", "--kv-recent", "0"], ["--kv-recent", "--kv-dtype bf16", "drop it"]),
+    (["--kv-dtype", "int4", "--kv-recent", "-1"], ["--kv-recent", "0 or more"]),
     (["--draft", "self", "--draft-weights", "int4"], ["--draft self", "--draft-weights"]),
     (["--top-k", "5"], ["--top-k", "nothing without sampling", "temperature"]),
     (["--top-p", "0.9", "--seed", "3"], ["--top-p, --seed", "temperature 0"]),
@@ -525,17 +529,41 @@ def test_generate_kv_bytes_mistakes(capsys, flags, words):
 
 def test_ppl_kv_bytes_reports_the_arena_it_ran(capsys, cached_smollm2):
     code, out, err = run_cli(capsys, "ppl", "--text", "corpus:hamlet", "--max-tokens", "48", "--dtype", "float32",
-                             "--kv-dtype", "int4", "--kv-bytes", "256KiB", "--policy", "streaming", "--json",
+                             "--kv-dtype", "int4", "--kv-bytes", "1600KiB", "--policy", "streaming", "--json",
                              "--quiet")
     assert code == 0, err
     result = parse_json_output(out)
     cfg = cached_smollm2.config
-    slot = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (cfg.head_dim // 2 + cfg.head_dim // 16 * 4)
+    heads = cfg.num_hidden_layers * cfg.num_key_value_heads
+    slot = heads * 2 * (cfg.head_dim // 2 + cfg.head_dim // 16 * 4)
+    ring = heads * 32 * 2 * cfg.head_dim * 4  # int4's 32 most recent entries in float32 as well
     assert result["kv_dtype"] == "int4" and result["chunk"] == 1
-    assert result["kv_cache_bytes"] == (result["budget"] + 1) * slot  # one staging slot at chunk 1
-    assert 256 * 2**10 - slot < result["kv_cache_bytes"] <= 256 * 2**10
+    assert result["kv_cache_bytes"] == (result["budget"] + 1) * slot + ring  # one staging slot at chunk 1
+    assert 1600 * 2**10 - slot < result["kv_cache_bytes"] <= 1600 * 2**10
     assert result["cache"] == f"streaming(sinks=4, heavy=0, window={result['budget'] - 4})"
     assert result["evicted_tokens"] == 47 - result["budget"] > 0
+
+
+def test_ppl_kv_recent_sets_the_full_precision_window_and_its_bytes(capsys, cached_smollm2):
+    """--kv-recent 0: int4 codes alone, every byte buys entries; --kv-recent 8: a ring of 8 float32 entries takes
+    its bytes from the budget and changes what attention reads."""
+    results = {}
+    for recent in ("0", "8"):
+        code, out, err = run_cli(capsys, "ppl", "--text", "corpus:hamlet", "--max-tokens", "160", "--dtype",
+                                 "float32", "--kv-dtype", "int4", "--kv-recent", recent, "--kv-bytes", "700KiB", "--policy",
+                                 "streaming", "--json", "--quiet")
+        assert code == 0, err
+        results[recent] = parse_json_output(out)
+    cfg = cached_smollm2.config
+    heads = cfg.num_hidden_layers * cfg.num_key_value_heads
+    slot = heads * 2 * (cfg.head_dim // 2 + cfg.head_dim // 16 * 4)
+    plain, windowed = results["0"], results["8"]
+    assert plain["kv_recent"] == 0 and plain["kv_cache_bytes"] == (plain["budget"] + 1) * slot
+    assert windowed["kv_recent"] == 8
+    assert windowed["kv_cache_bytes"] == (windowed["budget"] + 1) * slot + heads * 8 * 2 * cfg.head_dim * 4
+    assert 700 * 2**10 - slot < windowed["kv_cache_bytes"] <= 700 * 2**10
+    assert windowed["budget"] < plain["budget"] and windowed["evicted_tokens"] > plain["evicted_tokens"] > 0
+    assert windowed["ppl"] != plain["ppl"]
 
 
 def test_simulate_kv_bytes_gives_the_budget(capsys, smollm2_path):

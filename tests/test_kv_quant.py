@@ -64,13 +64,33 @@ def test_int4_codes_pack_channel_c_and_c_plus_half():
 ])
 @pytest.mark.parametrize("policy", [("hybrid", 24), ("full", None)])
 def test_arena_bytes_equal_the_formula(kv_dtype, per_vector, policy):
+    """Bytes of every slot's key and value, plus (int4) a ring of 32 + 3 - 1 full-precision float32 entries."""
     config = tiny_config(num_hidden_layers=3, num_key_value_heads=2, head_dim=64)
     arena = KVArena(config, make_policy(*policy), dtype=torch.float32, max_tokens=100, max_block=8,
                     max_inflight=3, kv_dtype=kv_dtype)
     capacity = (24 if policy[1] else 100) + 8
-    assert arena.capacity == capacity
-    assert arena.nbytes == 3 * 2 * capacity * 2 * per_vector(64)
+    ring = 34 if kv_dtype == "int4" else 0
+    assert arena.capacity == capacity and arena.recent_slots == ring
+    assert arena.nbytes == 3 * 2 * (capacity * 2 * per_vector(64) + ring * 2 * 64 * 4)
     assert KVArena.bytes_per_slot(config, kv_dtype, torch.float32) == 2 * per_vector(64)
+
+
+def test_a_window_refuses_to_drop_more_rows_than_its_ring_spares():
+    """The ring holds recent_window + max_inflight - 1 entries: rolling back a larger block would have let its rows
+    overwrite entries the next row reads, so it is refused; committing it whole is not."""
+    config = tiny_config(num_hidden_layers=1)
+    n_kv, hd = config.num_key_value_heads, config.head_dim
+    arena = KVArena(config, make_policy("hybrid", 24), dtype=torch.float32, max_block=8, max_inflight=2,
+                    kv_dtype="int4", recent_window=3)
+    assert arena.recent_slots == 4
+    rows = torch.randn(config.num_attention_heads, 8, hd), torch.randn(n_kv, 8, hd), torch.randn(n_kv, 8, hd)
+    arena.begin(8, per_block=True)
+    arena.attend(0, *rows)
+    arena.end()
+    with pytest.raises(ValueError, match="full-precision window"):
+        arena.commit(0)
+    arena.commit(8)
+    assert arena.n_committed == 8
 
 
 def test_unknown_kv_dtype_is_a_user_error():
@@ -228,12 +248,13 @@ def test_sized_policy_fills_the_bytes():
 
     config = tiny_config(num_hidden_layers=3, num_key_value_heads=2, head_dim=64)
     slot = 3 * 2 * KVArena.bytes_per_slot(config, "int4", torch.float32)
-    policy = sized_policy("hybrid", None, config, torch.float32, "int4", 100 * slot + slot - 1, staging=8)
+    ring = 3 * 2 * 32 * KVArena.bytes_per_slot(config, "auto", torch.float32)  # int4's full-precision window
+    policy = sized_policy("hybrid", None, config, torch.float32, "int4", 100 * slot + ring + slot - 1, staging=8)
     assert policy.budget == 92 and policy.sinks == 4
     arena = KVArena(config, policy, dtype=torch.float32, max_block=8, kv_dtype="int4")
-    assert arena.nbytes == 100 * slot
+    assert arena.nbytes == 100 * slot + ring
     with pytest.raises(UserError, match="no room"):
-        sized_policy("window", None, config, torch.float32, "int4", 8 * slot, staging=8)
+        sized_policy("window", None, config, torch.float32, "int4", 8 * slot + ring, staging=8)
 
 
 def test_sweep_grid_in_bytes_has_a_budget_per_policy_and_dtype():

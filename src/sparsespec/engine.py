@@ -14,7 +14,7 @@ import torch
 
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
-from .cache.quant import check_kv_dtype
+from .cache.quant import BITS, RECENT_WINDOW, check_kv_dtype
 from .errors import UserError
 from .generate import generate_tokens, prefill
 from .loading.load import LoadedModel
@@ -42,11 +42,19 @@ class CacheOptions:
     # The arena's bytes (``--kv-bytes``): when set, make_arena sizes the budget of ``policy`` (its name and sinks
     # are what counts) to the most entries whose arena, staging slots included, fits; see sized_policy.
     kv_bytes: int | None = None
+    # Quantized entries' full-precision window (``--kv-recent``; None: quant.RECENT_WINDOW's for kv_dtype).
+    recent_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk}).")
         check_kv_dtype(self.kv_dtype)
+        if self.recent_window is not None:
+            if self.kv_dtype not in BITS:
+                raise UserError(f"--kv-recent keeps the newest int8 / int4 entries in full precision; with "
+                                f"--kv-dtype {self.kv_dtype} every entry already is, so drop it.")
+            if self.recent_window < 0:
+                raise UserError(f"--kv-recent must be 0 or more (got {self.recent_window}).")
 
 
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
@@ -90,16 +98,21 @@ def arena_staging(cache: CacheOptions, max_tokens: int, max_inflight: int) -> in
 
 
 def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_bytes: int,
-                 staging: int) -> CachePolicy:
-    """The policy ``name`` whose arena (budget + ``staging`` slots) takes at most ``kv_bytes`` bytes of keys and
-    values in ``kv_dtype`` (the figure ``kv_cache_bytes`` reports): the most entries that fit, split by the policy's
-    defaults (``sinks`` as given)."""
+                 staging: int, max_inflight: int = 1, recent_window: int | None = None) -> CachePolicy:
+    """The policy ``name`` whose arena (budget + ``staging`` slots, and the full-precision ring of
+    ``recent_window`` positions, None: ``kv_dtype``'s default, for ``max_inflight`` rows in flight) takes at most
+    ``kv_bytes`` bytes of keys and values in ``kv_dtype`` (the figure ``kv_cache_bytes`` reports): the most entries
+    that fit, split by the policy's defaults (``sinks`` as given)."""
     if name == "full":
         raise UserError("--kv-bytes sets a budget; the full cache has none (choose a budgeted --policy).")
-    budget = KVArena.budget_for_bytes(config, kv_dtype, dtype, kv_bytes, staging)
+    if recent_window is None:
+        recent_window = RECENT_WINDOW.get(kv_dtype, 0)
+    budget = KVArena.budget_for_bytes(config, kv_dtype, dtype, kv_bytes, staging, max_inflight, recent_window)
     per_slot = KVArena.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
-    where = (f"--kv-bytes {kv_bytes} holds {kv_bytes // per_slot} slots of {per_slot} bytes ({kv_dtype} keys and "
-             f"values, all layers), {staging} of them staging")
+    ring = KVArena.ring_slots(recent_window, max_inflight)
+    beside = f" beside {ring} full-precision entries" if ring else ""
+    where = (f"--kv-bytes {kv_bytes} holds {max(budget + staging, 0)} slots of {per_slot} bytes ({kv_dtype} keys "
+             f"and values, all layers){beside}, {staging} of them staging")
     if budget < 1:
         raise UserError(f"{where}: no room for a budget.")
     try:
@@ -119,7 +132,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
     policy = cache.policy
     if cache.kv_bytes is not None:
         policy = sized_policy(policy.name, policy.sinks or None, loaded.config, loaded.model.dtype, cache.kv_dtype,
-                              cache.kv_bytes, staging)
+                              cache.kv_bytes, staging, max_inflight, cache.recent_window)
     check_in_cache_ranks(loaded, replace(cache, policy=policy), staging)
     return KVArena(
         loaded.config,
@@ -131,6 +144,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
         positions=cache.positions,
         kv_dtype=cache.kv_dtype,
         key_offset=loaded.model.key_biases(),
+        recent_window=cache.recent_window,
     )
 
 

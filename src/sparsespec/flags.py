@@ -45,6 +45,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
     parser.add_argument(f"{p}kv-dtype", choices=KV_DTYPE_CHOICES, default=None if prefix else "auto",
                         help="storage of the cached keys and values: auto (the compute dtype), bf16, or int8 / int4 "
                         "codes in groups of 32 / 16 channels with float16 scales (default: auto)")
+    parser.add_argument(f"{p}kv-recent", type=int, default=None, metavar="N",
+                        help="int8 / int4 entries: the N most recent positions are also kept, and read, in the "
+                        "compute dtype (default: 32 for int4, 0 for int8)")
     if not prefix:
         parser.add_argument("--kv-bytes", default=None, metavar="SIZE",
                             help="the cache's size in bytes (plain, or with a KiB / MiB / GiB suffix) instead of "
@@ -84,6 +87,7 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
     budget = getattr(args, f"{prefix}budget")
     sizes = {part: getattr(args, f"{prefix}{part}") for part in ("sinks", "heavy", "window")}
     kv_dtype = getattr(args, f"{prefix}kv_dtype", None) or "auto"
+    recent_window = getattr(args, f"{prefix}kv_recent", None)
     kv_bytes = None if prefix or getattr(args, "kv_bytes", None) is None else parse_size(args.kv_bytes)
     sized = budget is not None or any(v is not None for v in sizes.values())
     if kv_bytes is not None:
@@ -94,7 +98,8 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
         from .loading.source import read_config, resolve_model
 
         config = read_config(resolve_model(args.model))
-        policy = sized_policy(name or "hybrid", sizes["sinks"], config, DTYPES[args.dtype], kv_dtype, kv_bytes, 1)
+        policy = sized_policy(name or "hybrid", sizes["sinks"], config, DTYPES[args.dtype], kv_dtype, kv_bytes, 1,
+                              recent_window=recent_window)
     else:
         if name is None:
             name = "hybrid" if prefix or sized else "full"
@@ -104,7 +109,8 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
     if not prefix and policy.is_full and args.positions == "in-cache":
         raise UserError("--positions in-cache ranks tokens inside a budgeted cache; the full cache evicts nothing, "
                         "so give --policy/--budget or drop --positions.")
-    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context, kv_dtype, kv_bytes)
+    return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context, kv_dtype, kv_bytes,
+                        recent_window)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:
@@ -112,7 +118,7 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
 
     Their defaults are all None, so "set" means "not None".
     """
-    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype"]
+    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent"]
     given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")

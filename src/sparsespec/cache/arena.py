@@ -34,6 +34,20 @@ ever reaches ``budget + staging``. Quantized keys in the ``in-cache`` mode are s
 with the key and stays in. The full cache, where the two modes coincide, stores keys rotated (``original``) except
 int4 keys of a model with a key bias (``in-cache``).
 
+int4 arenas also keep the most recent entries in full precision (``quant.RECENT_WINDOW``, 32 positions; measured in
+benchmarks/RESULTS.md): every row is kept, besides its codes, in the compute dtype (keys as the arena stores them
+before quantizing: rotated in the original mode, else unrotated with the key bias in) in a ring of ``recent_slots``
+entries per layer and KV head, at ``position % recent_slots``::
+
+    recent_keys, recent_values   [n_layers, n_kv_heads, recent_slots, head_dim]   the compute dtype
+
+and the row at position P reads the entries of positions above ``P - recent_window`` from there (its own block's
+rows from the block, which reaches the ring when the block ends), the others from their codes. The rule is the
+row's own, so a row reads the same entries in a prefill chunk, a decode step or a verification block.
+``recent_slots = recent_window + max_inflight - 1``: a commit that drops up to ``max_inflight`` in-flight rows
+leaves the window of the next row intact (dropping more rows is refused). The ring moves with positions, not slots,
+so compaction leaves it alone; its bytes are part of :attr:`nbytes`.
+
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
 also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
 kernels are available; else through the torch path below (the row writes,
@@ -55,7 +69,7 @@ from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
-from .quant import KVStore, bytes_per_vector
+from .quant import RECENT_WINDOW, KVStore, bytes_per_vector
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
@@ -86,6 +100,7 @@ class KVArena:
         positions: str = "original",
         kv_dtype: str = "auto",
         key_offset: torch.Tensor | None = None,
+        recent_window: int | None = None,
     ) -> None:
         """
         Args:
@@ -104,6 +119,8 @@ class KVArena:
                 keys are stored minus it (``quant.py``) where keys are stored before RoPE, the in-cache mode (which
                 the full cache takes for int4 keys). In the original mode the stored keys are rotated, the bias
                 with them, so it is not taken out there.
+            recent_window: positions read in full precision (see the top); None: ``quant.RECENT_WINDOW``'s for
+                ``kv_dtype`` (32 for int4, else 0). Only quantized entries can have one.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -137,6 +154,13 @@ class KVArena:
                              offset=key_offset if self.positions_mode == "in-cache" else None)
         self._values = KVStore((*shape, hd), kv_dtype, dtype)
         self.keys, self.values = self._keys.data, self._values.data  # the stored tensors (codes when quantized)
+        self.recent_window = RECENT_WINDOW.get(kv_dtype, 0) if recent_window is None else recent_window
+        if self.recent_window < 0 or (self.recent_window and self._keys.bits is None):
+            raise ValueError(f"a full-precision window needs quantized entries and a size >= 0 "
+                             f"(got {self.recent_window} with kv_dtype {kv_dtype})")
+        self.recent_slots = self.ring_slots(self.recent_window, max_inflight)
+        self.recent_keys = torch.zeros(n_layers, n_kv, self.recent_slots, hd, dtype=dtype)
+        self.recent_values = torch.zeros_like(self.recent_keys)
         self.positions = torch.zeros(shape, dtype=torch.int64)
         self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
         if policy.needs_scores:
@@ -169,22 +193,32 @@ class KVArena:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value buffers (the KV cache proper), staging slots and quantization scales included:
-        ``n_layers * n_kv_heads * capacity * bytes_per_slot(config, kv_dtype, dtype)``."""
-        return self._keys.nbytes + self._values.nbytes
+        """Bytes of the key and value buffers (the KV cache proper), staging slots, quantization scales and the
+        full-precision ring included: ``n_layers * n_kv_heads * (capacity * bytes_per_slot(config, kv_dtype, dtype)
+        + recent_slots * bytes_per_slot(config, "auto", dtype))``."""
+        return self._keys.nbytes + self._values.nbytes + self.recent_keys.nbytes + self.recent_values.nbytes
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, kv_dtype: str, dtype: torch.dtype) -> int:
         """Bytes of one slot's key and value in one layer and KV head."""
         return 2 * bytes_per_vector(kv_dtype, config.head_dim, dtype)
 
+    @staticmethod
+    def ring_slots(recent_window: int, max_inflight: int) -> int:
+        """Entries of the full-precision ring per layer and KV head (0 without a window)."""
+        return recent_window + max(max_inflight, 1) - 1 if recent_window else 0
+
     @classmethod
     def budget_for_bytes(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, nbytes: int,
-                         staging: int) -> int:
-        """The largest budget whose arena of ``budget + staging`` slots keeps :attr:`nbytes` within ``nbytes``
-        (may be below 1 when even the staging slots do not fit)."""
-        per_slot = cls.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
-        return nbytes // per_slot - staging
+                         staging: int, max_inflight: int = 1, recent_window: int | None = None) -> int:
+        """The largest budget whose arena of ``budget + staging`` slots (and the full-precision ring of
+        ``recent_window`` positions, None: ``kv_dtype``'s default, for ``max_inflight`` rows in flight) keeps
+        :attr:`nbytes` within ``nbytes`` (may be below 1 when even the staging slots do not fit)."""
+        heads = config.num_hidden_layers * config.num_key_value_heads
+        if recent_window is None:
+            recent_window = RECENT_WINDOW.get(kv_dtype, 0)
+        ring = cls.ring_slots(recent_window, max_inflight) * cls.bytes_per_slot(config, "auto", dtype)
+        return (nbytes - ring * heads) // (cls.bytes_per_slot(config, kv_dtype, dtype) * heads) - staging
 
     @property
     def metadata_nbytes(self) -> int:
@@ -232,6 +266,9 @@ class KVArena:
             raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
         if 0 < n_rows < self.n_inflight and (n_rows >= self.max_inflight or self._per_block_inflight):
             raise ValueError("only the first max_inflight rows of row-by-row blocks can be committed partially")
+        if self.recent_window and n_rows < self.n_inflight and self.n_inflight > self.max_inflight:
+            raise ValueError(f"dropping rows with more than max_inflight = {self.max_inflight} in flight would "
+                             "overwrite the full-precision window of the rows kept")
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
         if not self.policy.is_full:  # the full cache evicts nothing: dropped rows are simply written over later
@@ -307,17 +344,20 @@ class KVArena:
 
         new_positions = torch.arange(n_rows) + (self.next_position + first)
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
-        original = self.positions_mode == "original"
-        self._write_rows(layer, start, stop, self.rope.rotate_range(k, self.next_position + first) if original else k,
-                         v)
+        if self.positions_mode == "original":
+            k = self.rope.rotate_range(k, self.next_position + first)
+        self._write_rows(layer, start, stop, k, v)
         positions[:, start:stop] = new_positions
         evicted_at[:, start:stop] = NEVER
         if self.policy.needs_scores:
             self.scores[layer][:, start:stop] = 0.0
+        recent = self._recent_entries(layer, start, k, v) if self.recent_window else None
         if evicts_between_rows:
-            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before)
+            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before, recent)
         else:
-            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block)
+            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block, recent)
+        if self.recent_window:
+            self._remember_recent(layer, int(new_positions[0]), k, v)
         n_heads, hd = q.shape[0], q.shape[2]
         return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
 
@@ -346,7 +386,8 @@ class KVArena:
             budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
             age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale,
             key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
-            key_offset=self._keys.offset,
+            key_offset=self._keys.offset, recent_keys=self.recent_keys if self.recent_window else None,
+            recent_values=self.recent_values if self.recent_window else None, recent_window=self.recent_window,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -362,6 +403,42 @@ class KVArena:
         """``[n_kv, stop, head_dim]`` stored values of slots ``[0, stop)`` in the compute dtype (dequantized)."""
         return self._values.read(layer, stop)
 
+    def _recent_entries(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Full-precision keys and values ``[n_kv, start + T, head_dim]`` of slots ``[0, start + T)`` as the window
+        holds them: the ring's row of each slot's position below ``start``, the block's rows ``k, v`` (keys as
+        stored) from ``start``. Only the entries of positions in a row's window are meaningful."""
+        rows = (self.positions[layer][:, :start] % self.recent_slots)[..., None].expand(-1, -1, k.shape[-1])
+        keys = torch.cat((self.recent_keys[layer].gather(1, rows), k.to(self.dtype)), dim=1)
+        values = torch.cat((self.recent_values[layer].gather(1, rows), v.to(self.dtype)), dim=1)
+        return keys, values
+
+    def _remember_recent(self, layer: int, first_position: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The block's rows ``k, v: [n_kv, T, head_dim]`` (keys as stored) into the ring; only its last
+        ``recent_slots`` rows stay there."""
+        n_rows = k.shape[1]
+        keep = min(n_rows, self.recent_slots)
+        rows = (torch.arange(n_rows - keep, n_rows) + first_position) % self.recent_slots
+        self.recent_keys[layer][:, rows] = k[:, n_rows - keep :].to(self.dtype)
+        self.recent_values[layer][:, rows] = v[:, n_rows - keep :].to(self.dtype)
+
+    def _in_window(self, layer: int, stop: int, new_positions: torch.Tensor) -> torch.Tensor:
+        """``[n_kv, T, stop]`` bool: row t reads slot s in full precision (its position is among the row's
+        ``recent_window`` most recent)."""
+        return self.positions[layer][:, None, :stop] > (new_positions - self.recent_window)[None, :, None]
+
+    @staticmethod
+    def _value_sum(probs: torch.Tensor, values: torch.Tensor, recent_values=None, in_window=None) -> torch.Tensor:
+        """``[n_kv, group * T, head_dim]``: ``probs [n_kv, group, T, S]`` (float32) times the values
+        ``[n_kv, S, head_dim]``, each (row, slot) taking its value from ``recent_values`` where ``in_window [n_kv,
+        T, S]`` says so."""
+        n_kv, group, n_rows, stop = probs.shape
+        if recent_values is None:
+            return torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
+        window = in_window[:, None]
+        coded = probs.masked_fill(window, 0.0).to(values.dtype).view(n_kv, group * n_rows, stop)
+        full = probs.masked_fill(~window, 0.0).to(values.dtype).view(n_kv, group * n_rows, stop)
+        return torch.matmul(coded, values) + torch.matmul(full, recent_values)
+
     def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""
         S = visible.shape[-1]
@@ -369,16 +446,19 @@ class KVArena:
         ranks = torch.empty_like(order)
         return ranks.scatter_(-1, order, self._slot_index[:S].expand_as(order).contiguous())
 
-    def _keys_for_attention(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
-        """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode)."""
-        keys = self._layer_keys(layer, visible.shape[-1])
+    def _keys_for_attention(self, layer: int, visible: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode): the stored
+        ones, or ``keys`` (as stored, in the compute dtype) if given."""
+        if keys is None:
+            keys = self._layer_keys(layer, visible.shape[-1])
         if self.positions_mode == "original":
             return keys
         return self.rope.rotate(keys, self._ranks(layer, visible))
 
-    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block):
+    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block, recent=None):
         """All rows at once: no eviction happens between rows (full cache, room to spare, a single row, or a prefill
-        chunk); eviction down to the budget, if needed, happens after the last row."""
+        chunk); eviction down to the budget, if needed, happens after the last row. ``recent``: the full-precision
+        window's ``(keys, values)`` (:meth:`_recent_entries`), or None."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -390,17 +470,25 @@ class KVArena:
         keys = self._keys_for_attention(layer, visible)
         values = self._layer_values(layer, stop)
 
-        if not self.policy.needs_scores:
+        if not self.policy.needs_scores and recent is None:
             # A single row of the full cache sees every slot: no mask needed (the common decode step).
             head_mask = None if self.policy.is_full and n_rows == 1 else mask.repeat_interleave(group, dim=0)[None]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=head_mask, enable_gqa=True)
             out = out[0]
         else:
-            logits = torch.matmul(q.reshape(n_kv, group * n_rows, hd), keys.transpose(1, 2)).float()
-            logits = logits.view(n_kv, group, n_rows, stop).mul_(self.scale).masked_fill_(~mask[:, None], -math.inf)
+            q = q.reshape(n_kv, group * n_rows, hd)
+            logits = torch.matmul(q, keys.transpose(1, 2)).float().view(n_kv, group, n_rows, stop)
+            in_window = recent_values = None
+            if recent is not None:
+                in_window = self._in_window(layer, stop, new_positions)
+                full_keys = self._keys_for_attention(layer, visible, recent[0])
+                full = torch.matmul(q, full_keys.transpose(1, 2)).float().view(n_kv, group, n_rows, stop)
+                logits = torch.where(in_window[:, None], full, logits)
+                recent_values = recent[1]
+            logits = logits.mul_(self.scale).masked_fill_(~mask[:, None], -math.inf)
             probs = torch.softmax(logits, dim=-1)
-            out = torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
-            out = out.view(n_heads, n_rows, hd)
+            out = self._value_sum(probs, values, recent_values, in_window).view(n_heads, n_rows, hd)
+        if self.policy.needs_scores:
             received = probs.sum(dim=1)  # [n_kv, T, S]: attention each slot received from each row
             scores = self.scores[layer][:, :stop]
             snapshots = 0 if per_block else min(n_rows, self.max_inflight - 1 - first)
@@ -426,8 +514,9 @@ class KVArena:
             self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
         return out
 
-    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before):
-        """Rows one after another, each seeing the evictions made by the rows before it."""
+    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before, recent=None):
+        """Rows one after another, each seeing the evictions made by the rows before it (``recent`` as in
+        :meth:`_attend_block`)."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -438,22 +527,29 @@ class KVArena:
         values = self._layer_values(layer, stop)
         scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
         visible = evicted_at == NEVER  # committed survivors + every staged row, narrowed row by row below
+        in_window = self._in_window(layer, stop, new_positions) if recent is not None else None
         if original:
-            q_rot = self.rope.rotate(q, new_positions)
-            keys = self._layer_keys(layer, stop)
-            all_logits = torch.matmul(q_rot.reshape(n_kv, group * n_rows, hd), keys.transpose(1, 2))
-            all_logits = all_logits.view(n_kv, group, n_rows, stop)
+            q_rot = self.rope.rotate(q, new_positions).reshape(n_kv, group * n_rows, hd)
+            all_logits = torch.matmul(q_rot, self._layer_keys(layer, stop).transpose(1, 2))
+            all_logits = all_logits.view(n_kv, group, n_rows, stop).float()
+            if recent is not None:
+                full = torch.matmul(q_rot, recent[0].transpose(1, 2)).view(n_kv, group, n_rows, stop).float()
+                all_logits = torch.where(in_window[:, None], full, all_logits)
         probs = torch.empty(n_kv, group, n_rows, stop, dtype=torch.float32)
         n_visible = visible_before
         for i in range(n_rows):
             row_visible = visible & (self._slot_index[:stop] <= start + i)
             n_visible += 1
             if original:
-                logits = all_logits[:, :, i].float()
+                logits = all_logits[:, :, i]
             else:
-                q_i = self.rope.rotate(q[:, i : i + 1], torch.tensor([n_visible - 1]))
+                q_i = self.rope.rotate(q[:, i : i + 1], torch.tensor([n_visible - 1])).reshape(n_kv, group, hd)
                 keys = self._keys_for_attention(layer, row_visible)
-                logits = torch.matmul(q_i.reshape(n_kv, group, hd), keys.transpose(1, 2)).float()
+                logits = torch.matmul(q_i, keys.transpose(1, 2)).float()
+                if recent is not None:
+                    full_keys = self._keys_for_attention(layer, row_visible, recent[0])
+                    full = torch.matmul(q_i, full_keys.transpose(1, 2)).float()
+                    logits = torch.where(in_window[:, None, i], full, logits)
             logits = logits.mul_(self.scale).masked_fill_(~row_visible[:, None], -math.inf)
             row_probs = torch.softmax(logits, dim=-1)  # [n_kv, group, S]
             probs[:, :, i] = row_probs
@@ -469,5 +565,5 @@ class KVArena:
             n_visible = min(n_visible, budget)
             if scores is not None and first + i < self.max_inflight - 1:
                 self.row_scores[first + i, layer][:, :stop] = scores
-        out = torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
+        out = self._value_sum(probs, values, None if recent is None else recent[1], in_window)
         return out.view(n_heads, n_rows, hd)

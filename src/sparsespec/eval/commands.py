@@ -358,6 +358,8 @@ def _draft_cache_flags(args: argparse.Namespace) -> dict:
     flags = {k: getattr(args, f"draft_{k}") for k in ("policy", "budget", "sinks", "heavy", "window")}
     if args.draft_kv_dtype not in (None, "auto"):  # absent from setups written before KV dtypes existed
         flags["kv_dtype"] = args.draft_kv_dtype
+    if args.draft_kv_recent is not None:  # the same, before the full-precision window
+        flags["kv_recent"] = args.draft_kv_recent
     return flags
 
 

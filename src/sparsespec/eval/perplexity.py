@@ -94,8 +94,8 @@ def measure_perplexity(
 
     ``chunk`` is capped at the number of predicted tokens. The summary holds :func:`nll_summary`'s fields plus
     ``chunk``, ``tokens``, ``cache`` and ``budget`` (the arena's policy: with ``cache.kv_bytes`` its budget comes
-    from the bytes), ``kv_dtype``, ``kv_cache_bytes`` (peak = fixed arena size), ``kv_metadata_bytes`` and
-    ``seconds``.
+    from the bytes), ``kv_dtype``, ``kv_recent`` (positions read in full precision), ``kv_cache_bytes`` (peak =
+    fixed arena size), ``kv_metadata_bytes`` and ``seconds``.
     """
     n = len(token_ids)
     chunk = max(1, min(chunk, n - 1))
@@ -106,7 +106,7 @@ def measure_perplexity(
     summary = nll_summary(nll, window)
     summary.update(
         tokens=n, chunk=chunk, cache=arena.policy.describe(), budget=arena.policy.budget, kv_dtype=arena.kv_dtype,
-        kv_cache_bytes=kv_peak_bytes(arena), kv_metadata_bytes=arena.metadata_nbytes,
+        kv_recent=arena.recent_window, kv_cache_bytes=kv_peak_bytes(arena), kv_metadata_bytes=arena.metadata_nbytes,
         evicted_tokens=arena.evicted_tokens, seconds=round(seconds, 3),
         tokens_per_s=round((n - 1) / seconds, 2) if seconds > 0 else 0.0,
     )

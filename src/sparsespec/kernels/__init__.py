@@ -197,6 +197,7 @@ def arena_attention(
     heavy: int, window: int, scale: float, age_normalised: bool = False, score_decay: float = 1.0,
     key_params: torch.Tensor | None = None,
     value_params: torch.Tensor | None = None, code_bits: int = 0, key_offset: torch.Tensor | None = None,
+    recent_keys: torch.Tensor | None = None, recent_values: torch.Tensor | None = None, recent_window: int = 0,
     isa: int = ISA_AUTO,
 ) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
@@ -216,6 +217,11 @@ def arena_attention(
             entry as ``fma(code, scale, zero)`` in float32).
         key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
             it and read as ``fma(code, scale, zero) + offset`` in float32 (``quant.KVStore``'s offset).
+        recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
+            (quantized entries only): the full-precision window. Every new row is also kept there, at row
+            ``position % R``, as the entries of an unquantized arena would hold it (keys rotated in the original
+            mode, else as given, offset in); row ``i`` reads the entries of positions above ``first_position + i -
+            recent_window`` from there (its block's own rows from the block) instead of from their codes.
         positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape; both updated.
         scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
         row_scores: ``[r, n_layers, n_kv, capacity]`` float32: row ``i``'s scores go to ``row_scores[first + i]``
@@ -232,7 +238,8 @@ def arena_attention(
     return torch.ops.sparsespec.arena_attention(
         q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
         start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
-        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset, isa,
+        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset,
+        recent_keys, recent_values, recent_window, isa,
     )
 
 

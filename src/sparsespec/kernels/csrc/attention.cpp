@@ -169,6 +169,11 @@ void stage_rows(const StageRows& st, const AttnBlock& b) {
       }
       store_entry(b, key, b.key_offset ? b.key_offset + (long)h * hd : nullptr, b.keys, b.key_params, slot);
       store_entry(b, st.v + at, nullptr, b.values, b.value_params, slot);
+      if (b.recent_window)
+        for (int c = 0; c < hd; ++c) {
+          b.block_keys[at + c] = b.recent_bf16 ? round_bf16(key[c]) : key[c];
+          b.block_values[at + c] = b.recent_bf16 ? round_bf16(st.v[at + c]) : st.v[at + c];
+        }
       b.positions[slot] = position;
       b.evicted_at[slot] = kNever;
       if (b.scores) b.scores[slot] = 0.0f;
@@ -217,6 +222,19 @@ void attend_block(int isa, const AttnBlock& b) {
     a.scale = b.scale;
     a.logits = logits.data() + (long)h * G * lds;
     a.lds = lds;
+    if (b.recent_window) {
+      const long ring_bytes = (long)b.recent_slots * hd * (b.recent_bf16 ? 2 : 4);
+      a.positions = b.positions + (long)h * b.cap;
+      a.newest = b.first_position + row;
+      a.first_position = b.first_position;
+      a.recent_window = b.recent_window;
+      a.recent_slots = b.recent_slots;
+      a.recent_keys = static_cast<const char*>(b.recent_keys) + h * ring_bytes;
+      a.recent_values = static_cast<const char*>(b.recent_values) + h * ring_bytes;
+      a.recent_bf16 = b.recent_bf16;
+      a.block_keys = b.block_keys + (long)h * b.T * hd;
+      a.block_values = b.block_values + (long)h * b.T * hd;
+    }
     return a;
   };
 
@@ -293,6 +311,19 @@ void attend_block(int isa, const AttnBlock& b) {
   if (!b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
     for (int h = 0; h < H; ++h)
       evict(b, h, stop - 1, b.first_position + b.T - 1, b.visible_before + b.T, b.first + b.T - 1);
+  }
+  // The block's rows enter the ring (only its last recent_slots rows survive there).
+  if (b.recent_window) {
+    const long ring_bytes = (long)b.recent_slots * hd * (b.recent_bf16 ? 2 : 4);
+    for (int h = 0; h < H; ++h)
+      for (int i = std::max(0, b.T - b.recent_slots); i < b.T; ++i) {
+        const long at = ((long)h * b.T + i) * hd;
+        const long row = (b.first_position + i) % b.recent_slots;
+        const long row_bytes = (long)hd * (b.recent_bf16 ? 2 : 4);
+        store(b.block_keys + at, hd, b.recent_bf16, static_cast<char*>(b.recent_keys) + h * ring_bytes + row * row_bytes);
+        store(b.block_values + at, hd, b.recent_bf16,
+              static_cast<char*>(b.recent_values) + h * ring_bytes + row * row_bytes);
+      }
   }
 }
 

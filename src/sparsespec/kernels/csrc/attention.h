@@ -11,6 +11,11 @@
 // fma(code, scale, zero) in float32 (dequantize_row), then used as a float32 entry. Keys may carry a key_offset
 // [hd] per head (the model's key bias, quant.py's KVStore offset): stored as the codes of x - offset, read as
 // fma(code, scale, zero) + offset, both in float32.
+// A full-precision window (quantized entries only, recent_window W > 0; cache/arena.py says why): besides its
+// codes, every row is kept in the compute dtype (keys as stored before quantizing, offset in) in a ring of
+// recent_slots R >= W entries per KV head, indexed by position % R; the row at position P reads an entry of
+// position p > P - W from there (or, while its block is in flight, from the block's own rows), every other entry
+// from its codes.
 // The block's rows occupy slots [start, start + T); row i sees the slots s <= start + i that are alive.
 //
 // The float steps of a row (they never depend on how many rows share the block, nor on the thread count):
@@ -79,6 +84,17 @@ struct AttnChunk {
   float scale = 1.0f;
   float* logits = nullptr;  // [group, lds]: logits, then exponentials (-inf / 0 for slots the row does not see)
   long lds = 0;
+  // Full-precision window (see the top; recent_window 0: none). The row is at position newest; entries of
+  // positions p > newest - recent_window are read from block_keys / block_values [T, hd] (row p - first_position)
+  // when p >= first_position, else from the ring recent_keys / recent_values [recent_slots, hd] (row p % slots).
+  const int64_t* positions = nullptr;  // [cap]
+  int64_t newest = 0, first_position = 0;
+  int recent_window = 0, recent_slots = 0;
+  const void* recent_keys = nullptr;  // float32, or bfloat16 when recent_bf16
+  const void* recent_values = nullptr;
+  bool recent_bf16 = false;
+  const float* block_keys = nullptr;
+  const float* block_values = nullptr;
 };
 
 // Per instruction set chunk kernels (defined in attention_<isa>.cpp from attention_chunk.h).
@@ -121,6 +137,15 @@ struct AttnBlock {
   float score_decay = 1.0f;     // each row: score = score * score_decay + attention received (hybrid-decay)
   float scale = 1.0f;
   float* out = nullptr;  // [T, n_kv * group * hd]
+  // Full-precision window (see the top; recent_window 0: none): the ring [n_kv, recent_slots, hd] in float32 or
+  // bfloat16 (recent_bf16), written after the block's last row; block_keys / block_values [n_kv, T, hd], the
+  // block's rows as the ring keeps them (rounded to bfloat16 when recent_bf16), written by stage_rows.
+  void* recent_keys = nullptr;
+  void* recent_values = nullptr;
+  bool recent_bf16 = false;
+  int recent_window = 0, recent_slots = 0;
+  float* block_keys = nullptr;
+  float* block_values = nullptr;
 };
 
 void attend_block(int isa, const AttnBlock& b);
@@ -129,7 +154,8 @@ void attend_block(int isa, const AttnBlock& b);
 // these steps: KVArena.attend, Rope.rotate): queries rotated in float32 by true position (original mode) or by rank
 // (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
 // keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set,
-// evicted_at = kNever, scores 0. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in
+// evicted_at = kNever, scores 0; with a full-precision window, the rows as the ring keeps them in block_keys /
+// block_values. A rotation is x * cos + rotate_half(x) * sin, each product and the sum rounded as in
 // the dtype of x
 // (bf16_keys: keys came in as bfloat16, so with bfloat16-rounded tables and bfloat16 rounding after every step).
 struct StageRows {

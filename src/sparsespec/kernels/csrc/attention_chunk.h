@@ -37,11 +37,31 @@ struct Codes {};
 template <class K>
 using Row = std::conditional_t<std::is_same_v<K, Codes>, float, K>;
 
+// True when slot s is read in full precision by the chunk's row (quantized entries with a window, attention.h).
+inline bool in_recent_window(const AttnChunk& a, int s) {
+  return a.recent_window && a.positions[s] > a.newest - a.recent_window;
+}
+
 // Slot s's key (keys = true) or value row: a pointer into the arena, or for quantized entries `buf` holding the
-// row dequantized, plus the key offset unless `key_offset` is false (the caller adds it).
+// row dequantized, plus the key offset unless `key_offset` is false (the caller adds it) — or, for a slot in the
+// full-precision window, `buf` holding its full-precision row (whose key has the offset in already).
 template <class K>
 inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf, bool key_offset = true) {
   if constexpr (std::is_same_v<K, Codes>) {
+    if (in_recent_window(a, s)) {
+      const int64_t p = a.positions[s];
+      if (p >= a.first_position) {
+        std::memcpy(buf, (keys ? a.block_keys : a.block_values) + (p - a.first_position) * a.hd, sizeof(float) * a.hd);
+      } else {
+        const long at = (long)(p % a.recent_slots) * a.hd;
+        const void* ring = keys ? a.recent_keys : a.recent_values;
+        if (a.recent_bf16)
+          for (int c = 0; c < a.hd; ++c) buf[c] = to_float(static_cast<const uint16_t*>(ring)[at + c]);
+        else
+          std::memcpy(buf, static_cast<const float*>(ring) + at, sizeof(float) * a.hd);
+      }
+      return buf;
+    }
     const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + s * code_bytes(a.hd, a.code_bits);
     const uint16_t* params = (keys ? a.key_params : a.value_params) + s * param_halves(a.hd, a.code_group);
     dequantize_row(codes, params, a.hd, a.code_bits, a.code_group, buf);
@@ -148,7 +168,7 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
       raw[i] = entry_row<K>(a, true, slot, dequantized[i], !a.ranks);
       rot[i] = rotated[i];
       if (a.ranks) {
-        const float* offset = std::is_same_v<K, Codes> ? a.key_offset : nullptr;
+        const float* offset = std::is_same_v<K, Codes> && !in_recent_window(a, slot) ? a.key_offset : nullptr;
         if (seen[i]) rotate_key_fixed<NV>(a, raw[i], offset, a.ranks[slot], rotated[i]);
         else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
       }

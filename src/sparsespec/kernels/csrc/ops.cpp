@@ -188,7 +188,9 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            int64_t window, bool age_normalised, double score_decay, double scale,
                            const c10::optional<at::Tensor>& key_params,
                            const c10::optional<at::Tensor>& value_params, int64_t code_bits,
-                           const c10::optional<at::Tensor>& key_offset, int64_t isa) {
+                           const c10::optional<at::Tensor>& key_offset,
+                           const c10::optional<at::Tensor>& recent_keys,
+                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t isa) {
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
                   values.scalar_type() == keys.scalar_type() &&
@@ -261,6 +263,28 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                   "arena_attention: key_offset must be contiguous float32 [L, n_kv, hd]");
       b.key_offset = key_offset->data_ptr<float>() + layer * n_kv * hd;
     }
+  }
+  std::vector<float> block_keys, block_values;
+  if (recent_window > 0) {
+    TORCH_CHECK(quantized && recent_keys.has_value() && recent_values.has_value() && recent_keys->defined() &&
+                    recent_values->defined(), "arena_attention: a full-precision window needs quantized entries and "
+                    "recent_keys and recent_values");
+    const at::Tensor& rk = *recent_keys;
+    TORCH_CHECK(rk.dim() == 4 && rk.is_contiguous() && recent_values->is_contiguous() && float_or_bf16(rk) &&
+                    recent_values->sizes() == rk.sizes() && recent_values->scalar_type() == rk.scalar_type() &&
+                    rk.size(0) == n_layers && rk.size(1) == n_kv && rk.size(2) >= recent_window && rk.size(3) == hd,
+                "arena_attention: recent_keys and recent_values must be contiguous float32 or bfloat16 [L, n_kv, R, ",
+                hd, "] alike with R >= recent_window");
+    const long layer_ring = (long)n_kv * rk.size(2) * hd * (long)rk.element_size();
+    b.recent_keys = static_cast<char*>(rk.data_ptr()) + layer * layer_ring;
+    b.recent_values = static_cast<char*>(recent_values->data_ptr()) + layer * layer_ring;
+    b.recent_bf16 = rk.scalar_type() == at::kBFloat16;
+    b.recent_window = (int)recent_window;
+    b.recent_slots = (int)rk.size(2);
+    block_keys.resize((std::size_t)(n_kv * T * hd));
+    block_values.resize(block_keys.size());
+    b.block_keys = block_keys.data();
+    b.block_values = block_values.data();
   }
   b.positions = positions.data_ptr<int64_t>() + layer * layer_slots;
   b.evicted_at = evicted_at.data_ptr<int32_t>() + layer * layer_slots;
@@ -392,7 +416,8 @@ TORCH_LIBRARY(sparsespec, m) {
       "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float score_decay, "
       "float scale, "
       "Tensor(g!)? key_params, "
-      "Tensor(h!)? value_params, int code_bits, Tensor? key_offset, int isa) -> Tensor");
+      "Tensor(h!)? value_params, int code_bits, Tensor? key_offset, Tensor(i!)? recent_keys, "
+      "Tensor(j!)? recent_values, int recent_window, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
