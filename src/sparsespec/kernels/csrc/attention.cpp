@@ -314,15 +314,13 @@ void attend_block(int isa, const AttnBlock& b) {
   }
   // The block's rows enter the ring (only its last recent_slots rows survive there).
   if (b.recent_window) {
-    const long ring_bytes = (long)b.recent_slots * hd * (b.recent_bf16 ? 2 : 4);
+    const long row_bytes = (long)hd * (b.recent_bf16 ? 2 : 4), ring_bytes = b.recent_slots * row_bytes;
     for (int h = 0; h < H; ++h)
       for (int i = std::max(0, b.T - b.recent_slots); i < b.T; ++i) {
         const long at = ((long)h * b.T + i) * hd;
-        const long row = (b.first_position + i) % b.recent_slots;
-        const long row_bytes = (long)hd * (b.recent_bf16 ? 2 : 4);
-        store(b.block_keys + at, hd, b.recent_bf16, static_cast<char*>(b.recent_keys) + h * ring_bytes + row * row_bytes);
-        store(b.block_values + at, hd, b.recent_bf16,
-              static_cast<char*>(b.recent_values) + h * ring_bytes + row * row_bytes);
+        const long to = h * ring_bytes + (b.first_position + i) % b.recent_slots * row_bytes;
+        store(b.block_keys + at, hd, b.recent_bf16, static_cast<char*>(b.recent_keys) + to);
+        store(b.block_values + at, hd, b.recent_bf16, static_cast<char*>(b.recent_values) + to);
       }
   }
 }
