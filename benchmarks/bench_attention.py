@@ -33,7 +33,7 @@ from common import RESULTS_DIR, emit, machine
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
-from sparsespec.cache.quant import bytes_per_vector
+from sparsespec.cache.quant import BITS, bytes_per_vector
 from sparsespec.config import ModelConfig
 
 SHAPES = {
@@ -146,7 +146,7 @@ def main() -> None:
                                                        args.kv_dtypes.split(","),
                                                        (int(r) for r in args.rows.split(",")), paths):
         steps = args.steps + args.warmup
-        recent = args.kv_recent if kv_dtype in ("int8", "int4") else None
+        recent = args.kv_recent if kv_dtype in BITS else None
         arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent)
         times, attention = time_steps(arena, path == "native", rows, args.steps, args.warmup)
         step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]

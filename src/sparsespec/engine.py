@@ -14,7 +14,7 @@ import torch
 
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
-from .cache.quant import BITS, RECENT_WINDOW, check_kv_dtype
+from .cache.quant import BITS, check_kv_dtype, recent_window_for
 from .errors import UserError
 from .generate import generate_tokens, prefill
 from .loading.load import LoadedModel
@@ -105,8 +105,7 @@ def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_
     that fit, split by the policy's defaults (``sinks`` as given)."""
     if name == "full":
         raise UserError("--kv-bytes sets a budget; the full cache has none (choose a budgeted --policy).")
-    if recent_window is None:
-        recent_window = RECENT_WINDOW.get(kv_dtype, 0)
+    recent_window = recent_window_for(kv_dtype, recent_window)
     budget = KVArena.budget_for_bytes(config, kv_dtype, dtype, kv_bytes, staging, max_inflight, recent_window)
     per_slot = KVArena.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
     ring = KVArena.ring_slots(recent_window, max_inflight)

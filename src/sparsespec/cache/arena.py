@@ -69,7 +69,7 @@ from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
-from .quant import RECENT_WINDOW, KVStore, bytes_per_vector
+from .quant import KVStore, bytes_per_vector, recent_window_for
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
@@ -154,7 +154,7 @@ class KVArena:
                              offset=key_offset if self.positions_mode == "in-cache" else None)
         self._values = KVStore((*shape, hd), kv_dtype, dtype)
         self.keys, self.values = self._keys.data, self._values.data  # the stored tensors (codes when quantized)
-        self.recent_window = RECENT_WINDOW.get(kv_dtype, 0) if recent_window is None else recent_window
+        self.recent_window = recent_window_for(kv_dtype, recent_window)
         if self.recent_window < 0 or (self.recent_window and self._keys.bits is None):
             raise ValueError(f"a full-precision window needs quantized entries and a size >= 0 "
                              f"(got {self.recent_window} with kv_dtype {kv_dtype})")
@@ -215,9 +215,7 @@ class KVArena:
         ``recent_window`` positions, None: ``kv_dtype``'s default, for ``max_inflight`` rows in flight) keeps
         :attr:`nbytes` within ``nbytes`` (may be below 1 when even the staging slots do not fit)."""
         heads = config.num_hidden_layers * config.num_key_value_heads
-        if recent_window is None:
-            recent_window = RECENT_WINDOW.get(kv_dtype, 0)
-        ring = cls.ring_slots(recent_window, max_inflight) * cls.bytes_per_slot(config, "auto", dtype)
+        ring = cls.ring_slots(recent_window_for(kv_dtype, recent_window), max_inflight) * cls.bytes_per_slot(config, "auto", dtype)
         return (nbytes - ring * heads) // (cls.bytes_per_slot(config, kv_dtype, dtype) * heads) - staging
 
     @property

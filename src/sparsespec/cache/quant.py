@@ -57,6 +57,11 @@ MIN_SCALE = 2.0**-14
 RECENT_WINDOW = {"int4": 32}  # positions also kept in the compute dtype, by kv_dtype (others: none)
 
 
+def recent_window_for(kv_dtype: str, asked: int | None = None) -> int:
+    """Positions of ``kv_dtype`` entries also kept in full precision: ``asked``, or the dtype's default."""
+    return RECENT_WINDOW.get(kv_dtype, 0) if asked is None else asked
+
+
 def check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
         raise UserError(f"Unknown KV cache dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
