@@ -195,8 +195,6 @@ void attend_block(int isa, const AttnBlock& b) {
   std::vector<int32_t> ranks(b.cos ? (std::size_t)H * b.cap : 0);
   std::vector<float> m((std::size_t)H * G);
   const long out_stride = (long)H * G * hd;
-  // Per-head loops fork threads only when a head's share is worth a thread's start-up (a few microseconds).
-  const int64_t head_grain = stop >= 4096 ? 1 : H;
 
   auto chunk_args = [&](int h, int row) {
     AttnChunk a;
@@ -238,75 +236,108 @@ void attend_block(int isa, const AttnBlock& b) {
     return a;
   };
 
-  int n_visible = b.visible_before;
-  for (int i = 0; i < b.T; ++i) {
-    const int last = b.start + i;
-    const int n_chunks = last / kAttnChunk + 1;
-    const int64_t newest = b.first_position + i;
-    if (b.cos) {
-      at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
-        for (int64_t h = h0; h < h1; ++h) compute_ranks(b, (int)h, last, newest, ranks.data() + h * b.cap);
-      });
+  // The steps of row i in head h, in order; a head's steps never read another head's state.
+  auto chunks_of = [&](int i) { return (b.start + i) / kAttnChunk + 1; };
+  auto chunk_end = [&](int i, int c) { return std::min(b.start + i + 1, (c + 1) * kAttnChunk); };
+  auto head_ranks = [&](int h, int i) {
+    if (b.cos) compute_ranks(b, h, b.start + i, b.first_position + i, ranks.data() + (long)h * b.cap);
+  };
+  auto chunk_logits = [&](int h, int i, int c) {
+    kernels.logits(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c),
+                   chunk_max.data() + ((long)h * chunks_of(i) + c) * G);
+  };
+  auto head_max = [&](int h, int i) {
+    const int n_chunks = chunks_of(i);
+    for (int g = 0; g < G; ++g) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * n_chunks + c) * G + g]);
+      m[(long)h * G + g] = best;
     }
-    at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
-        const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
-        kernels.logits(chunk_args(h, i), c * kAttnChunk, std::min(last + 1, (c + 1) * kAttnChunk),
-                       chunk_max.data() + w * G);
+  };
+  auto chunk_exp_values = [&](int h, int i, int c) {
+    const long w = (long)h * chunks_of(i) + c;
+    kernels.exp_values(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c), m.data() + (long)h * G,
+                       chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
+  };
+  auto head_output_scores = [&](int h, int i) {
+    const int n_chunks = chunks_of(i), last = b.start + i;
+    float total[kAttnMaxGroup];
+    for (int g = 0; g < G; ++g) {
+      float sum = chunk_sum[((long)h * n_chunks) * G + g];
+      for (int c = 1; c < n_chunks; ++c) sum += chunk_sum[((long)h * n_chunks + c) * G + g];
+      total[g] = sum;
+      float* o = b.out + i * out_stride + ((long)h * G + g) * hd;
+      const float* part = chunk_out.data() + (((long)h * n_chunks) * G + g) * hd;
+      for (int d = 0; d < hd; ++d) o[d] = part[d];
+      for (int c = 1; c < n_chunks; ++c) {
+        part = chunk_out.data() + (((long)h * n_chunks + c) * G + g) * hd;
+        for (int d = 0; d < hd; ++d) o[d] += part[d];
       }
-    });
-    for (int h = 0; h < H; ++h)
-      for (int g = 0; g < G; ++g) {
-        float best = -std::numeric_limits<float>::infinity();
-        for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * n_chunks + c) * G + g]);
-        m[(long)h * G + g] = best;
-      }
-    at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
-        const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
-        kernels.exp_values(chunk_args(h, i), c * kAttnChunk, std::min(last + 1, (c + 1) * kAttnChunk),
-                           m.data() + (long)h * G, chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
-      }
-    });
-    at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        float total[kAttnMaxGroup];
-        for (int g = 0; g < G; ++g) {
-          float sum = chunk_sum[(h * n_chunks) * G + g];
-          for (int c = 1; c < n_chunks; ++c) sum += chunk_sum[(h * n_chunks + c) * G + g];
-          total[g] = sum;
-          float* o = b.out + i * out_stride + (h * G + g) * hd;
-          const float* part = chunk_out.data() + ((h * n_chunks) * G + g) * hd;
-          for (int d = 0; d < hd; ++d) o[d] = part[d];
-          for (int c = 1; c < n_chunks; ++c) {
-            part = chunk_out.data() + ((h * n_chunks + c) * G + g) * hd;
-            for (int d = 0; d < hd; ++d) o[d] += part[d];
-          }
-          for (int d = 0; d < hd; ++d) o[d] /= sum;
-        }
-        if (!b.scores) continue;
-        float* score = b.scores + h * b.cap;
-        const float* e = logits.data() + h * G * lds;
-        for (int s = 0; s <= last; ++s) {
-          if (b.score_decay != 1.0f) score[s] *= b.score_decay;  // every slot, as the torch path's scores.mul_
-          if (!alive(b, (int)h, s)) continue;
-          float received = e[s] / total[0];
-          for (int g = 1; g < G; ++g) received += e[g * lds + s] / total[g];
-          score[s] += received;
-        }
-      }
-    });
-    if (b.per_row) {
-      n_visible += 1;
-      at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
-        for (int64_t h = h0; h < h1; ++h) evict(b, (int)h, last, newest, n_visible, b.first + i);
-      });
-      n_visible = std::min(n_visible, b.budget);
+      for (int d = 0; d < hd; ++d) o[d] /= sum;
     }
+    if (!b.scores) return;
+    float* score = b.scores + (long)h * b.cap;
+    const float* e = logits.data() + (long)h * G * lds;
+    for (int s = 0; s <= last; ++s) {
+      if (b.score_decay != 1.0f) score[s] *= b.score_decay;  // every slot, as the torch path's scores.mul_
+      if (!alive(b, h, s)) continue;
+      float received = e[s] / total[0];
+      for (int g = 1; g < G; ++g) received += e[g * lds + s] / total[g];
+      score[s] += received;
+    }
+  };
+  // After row i: the per-row evictions (n_visible tokens visible with the row), and the row's score snapshot.
+  auto head_after_row = [&](int h, int i, int n_visible) {
+    if (b.per_row) evict(b, h, b.start + i, b.first_position + i, n_visible, b.first + i);
     if (i < b.snapshot_rows)
-      for (int h = 0; h < H; ++h)
-        std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
-                    sizeof(float) * stop);
+      std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
+                  sizeof(float) * stop);
+  };
+  auto visible_with_row = [&](int i) {  // tokens visible to row i, itself included
+    int n = b.visible_before;
+    for (int r = 0; r <= i; ++r) n = b.per_row && r > 0 ? std::min(n, b.budget) + 1 : n + 1;
+    return n;
+  };
+
+  // Schedule. By heads: each thread takes whole heads through every row of the block, and no thread waits for
+  // another until the block ends; used when the heads share the threads evenly, or (at most as many threads as
+  // heads) a head's slots are few, where the waits would cost more than the uneven share. By chunks: every step
+  // spread over (head, chunk) items, the threads meeting after each step.
+  const int threads = at::get_num_threads();
+  if (H % threads == 0 || (threads < H && stop < 4096)) {
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int h = (int)h0; h < (int)h1; ++h)
+        for (int i = 0; i < b.T; ++i) {
+          head_ranks(h, i);
+          for (int c = 0; c < chunks_of(i); ++c) chunk_logits(h, i, c);
+          head_max(h, i);
+          for (int c = 0; c < chunks_of(i); ++c) chunk_exp_values(h, i, c);
+          head_output_scores(h, i);
+          head_after_row(h, i, visible_with_row(i));
+        }
+    });
+  } else {
+    for (int i = 0; i < b.T; ++i) {
+      const int n_chunks = chunks_of(i);
+      auto each_head = [&](auto&& step) {
+        at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+          for (int64_t h = h0; h < h1; ++h) step((int)h);
+        });
+      };
+      auto each_chunk = [&](auto&& step) {
+        at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
+          for (int64_t w = w0; w < w1; ++w) step((int)(w / n_chunks), (int)(w % n_chunks));
+        });
+      };
+      each_head([&](int h) { head_ranks(h, i); });
+      each_chunk([&](int h, int c) { chunk_logits(h, i, c); });
+      for (int h = 0; h < H; ++h) head_max(h, i);
+      each_chunk([&](int h, int c) { chunk_exp_values(h, i, c); });
+      each_head([&](int h) {
+        head_output_scores(h, i);
+        head_after_row(h, i, visible_with_row(i));
+      });
+    }
   }
   if (!b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
     for (int h = 0; h < H; ++h)

@@ -79,8 +79,8 @@ struct AttnChunk {
   const int32_t* evicted_at = nullptr;  // [cap]
   int last_slot = 0;                    // slots s <= last_slot are in the row's causal range
   const int32_t* ranks = nullptr;       // [cap] rank of each alive slot (in-cache mode), else null
-  const float* cos = nullptr;           // [>= cap, hd] RoPE tables for ranks (in-cache mode)
-  const float* sin = nullptr;
+  const float* cos = nullptr;           // [>= cap, hd] RoPE tables for ranks (in-cache mode), Hugging Face
+  const float* sin = nullptr;           // layout: a row's two halves are equal (the vector paths read the first)
   float scale = 1.0f;
   float* logits = nullptr;  // [group, lds]: logits, then exponentials (-inf / 0 for slots the row does not see)
   long lds = 0;
@@ -127,7 +127,7 @@ struct AttnBlock {
   float* row_scores = nullptr;         // [snapshots, n_kv, cap] (rows first..), row stride row_stride, or null
   long row_stride = 0;
   int snapshot_rows = 0;               // rows 0..snapshot_rows-1 of the block store their score snapshots
-  const float* cos = nullptr;          // in-cache mode: RoPE tables by rank; null in the original mode
+  const float* cos = nullptr;          // in-cache mode: RoPE tables by rank (AttnChunk); null in the original mode
   const float* sin = nullptr;
   int start = 0, first = 0, visible_before = 0;
   int64_t first_position = 0;

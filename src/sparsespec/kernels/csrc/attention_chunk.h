@@ -141,10 +141,11 @@ inline void rotate_key_fixed(const AttnChunk& a, const P* k, const float* offset
       hi[v] = Vec::add(hi[v], Vec::load(offset + (v + H) * Vec::W));
     }
   }
-  for (int v = 0; v < H; ++v) {
+  for (int v = 0; v < H; ++v) {  // the tables' halves are equal (attention.h): each register serves both
     const int j = v * Vec::W, jh = (v + H) * Vec::W;
-    Vec::store(out + j, Vec::sub(Vec::mul(lo[v], Vec::load(c + j)), Vec::mul(hi[v], Vec::load(s + j))));
-    Vec::store(out + jh, Vec::add(Vec::mul(hi[v], Vec::load(c + jh)), Vec::mul(lo[v], Vec::load(s + jh))));
+    const T cv = Vec::load(c + j), sv = Vec::load(s + j);
+    Vec::store(out + j, Vec::sub(Vec::mul(lo[v], cv), Vec::mul(hi[v], sv)));
+    Vec::store(out + jh, Vec::add(Vec::mul(hi[v], cv), Vec::mul(lo[v], sv)));
   }
 }
 
