@@ -381,3 +381,26 @@ def test_smollm2_greedy_speculative_equals_autoregressive_on_the_native_op(smoll
     assert got == expected
     assert 0 < stats.accepted < stats.drafted  # verification both accepted and rejected proposals
     assert target_cache.evicted_tokens > 16  # the target's cache evicted throughout
+
+
+@pytest.mark.parametrize("n_kv", [2, 4])
+def test_threads_on_different_heads_and_rows_keep_apart(n_kv):
+    """Two threads each taking whole KV heads through long prefill blocks whose rows cross the op's 256-slot
+    chunks: a head running ahead of another, at a row with more chunks, must not touch the other's buffers.
+    Every block is compared with the torch path."""
+    config = tiny_config(num_attention_heads=2 * n_kv, num_key_value_heads=n_kv, head_dim=16)
+    sizes = dict(sinks=4, heavy=300, window=300)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        arenas = [KVArena(config, make_policy("hybrid", **sizes), dtype=dtype, max_tokens=1400, max_block=200,
+                          max_inflight=MAX_INFLIGHT, positions="in-cache") for dtype in (torch.bfloat16, torch.float32)]
+        arenas[1].native_attention = False
+        gen = torch.Generator().manual_seed(41)
+        for step in range(7):
+            evicted = _block(*arenas, _rows(config, 200, gen, torch.bfloat16), True, f"block {step}")
+            for arena in arenas:
+                arena.commit(200)
+    finally:
+        torch.set_num_threads(previous)
+    assert evicted > 0 and arenas[0].n_committed > 2 * 256

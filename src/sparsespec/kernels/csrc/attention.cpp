@@ -236,7 +236,8 @@ void attend_block(int isa, const AttnBlock& b) {
     return a;
   };
 
-  // The steps of row i in head h, in order; a head's steps never read another head's state.
+  // The steps of row i in head h, in order. A head's steps touch only its own state and its own regions of the
+  // buffers above (chunk c of head h at h * max_chunks + c), so heads at different rows never share a float.
   auto chunks_of = [&](int i) { return (b.start + i) / kAttnChunk + 1; };
   auto chunk_end = [&](int i, int c) { return std::min(b.start + i + 1, (c + 1) * kAttnChunk); };
   auto head_ranks = [&](int h, int i) {
@@ -244,18 +245,18 @@ void attend_block(int isa, const AttnBlock& b) {
   };
   auto chunk_logits = [&](int h, int i, int c) {
     kernels.logits(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c),
-                   chunk_max.data() + ((long)h * chunks_of(i) + c) * G);
+                   chunk_max.data() + ((long)h * max_chunks + c) * G);
   };
   auto head_max = [&](int h, int i) {
     const int n_chunks = chunks_of(i);
     for (int g = 0; g < G; ++g) {
       float best = -std::numeric_limits<float>::infinity();
-      for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * n_chunks + c) * G + g]);
+      for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * max_chunks + c) * G + g]);
       m[(long)h * G + g] = best;
     }
   };
   auto chunk_exp_values = [&](int h, int i, int c) {
-    const long w = (long)h * chunks_of(i) + c;
+    const long w = (long)h * max_chunks + c;
     kernels.exp_values(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c), m.data() + (long)h * G,
                        chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
   };
@@ -263,14 +264,14 @@ void attend_block(int isa, const AttnBlock& b) {
     const int n_chunks = chunks_of(i), last = b.start + i;
     float total[kAttnMaxGroup];
     for (int g = 0; g < G; ++g) {
-      float sum = chunk_sum[((long)h * n_chunks) * G + g];
-      for (int c = 1; c < n_chunks; ++c) sum += chunk_sum[((long)h * n_chunks + c) * G + g];
+      float sum = chunk_sum[((long)h * max_chunks) * G + g];
+      for (int c = 1; c < n_chunks; ++c) sum += chunk_sum[((long)h * max_chunks + c) * G + g];
       total[g] = sum;
       float* o = b.out + i * out_stride + ((long)h * G + g) * hd;
-      const float* part = chunk_out.data() + (((long)h * n_chunks) * G + g) * hd;
+      const float* part = chunk_out.data() + (((long)h * max_chunks) * G + g) * hd;
       for (int d = 0; d < hd; ++d) o[d] = part[d];
       for (int c = 1; c < n_chunks; ++c) {
-        part = chunk_out.data() + (((long)h * n_chunks + c) * G + g) * hd;
+        part = chunk_out.data() + (((long)h * max_chunks + c) * G + g) * hd;
         for (int d = 0; d < hd; ++d) o[d] += part[d];
       }
       for (int d = 0; d < hd; ++d) o[d] /= sum;
