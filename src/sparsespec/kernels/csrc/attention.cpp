@@ -287,17 +287,18 @@ void attend_block(int isa, const AttnBlock& b) {
       score[s] += received;
     }
   };
-  // After row i: the per-row evictions (n_visible tokens visible with the row), and the row's score snapshot.
-  auto head_after_row = [&](int h, int i, int n_visible) {
-    if (b.per_row) evict(b, h, b.start + i, b.first_position + i, n_visible, b.first + i);
+  // Tokens visible to row i of a per-row block, the row included (each earlier row evicted down to the budget).
+  auto visible_with_row = [&](int i) {
+    int n = b.visible_before + 1;
+    for (int r = 1; r <= i; ++r) n = std::min(n, b.budget) + 1;
+    return n;
+  };
+  // After row i: the per-row evictions, and the row's score snapshot.
+  auto head_after_row = [&](int h, int i) {
+    if (b.per_row) evict(b, h, b.start + i, b.first_position + i, visible_with_row(i), b.first + i);
     if (i < b.snapshot_rows)
       std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
                   sizeof(float) * stop);
-  };
-  auto visible_with_row = [&](int i) {  // tokens visible to row i, itself included
-    int n = b.visible_before;
-    for (int r = 0; r <= i; ++r) n = b.per_row && r > 0 ? std::min(n, b.budget) + 1 : n + 1;
-    return n;
   };
 
   // Schedule. By heads: each thread takes whole heads through every row of the block, and no thread waits for
@@ -314,7 +315,7 @@ void attend_block(int isa, const AttnBlock& b) {
           head_max(h, i);
           for (int c = 0; c < chunks_of(i); ++c) chunk_exp_values(h, i, c);
           head_output_scores(h, i);
-          head_after_row(h, i, visible_with_row(i));
+          head_after_row(h, i);
         }
     });
   } else {
@@ -336,7 +337,7 @@ void attend_block(int isa, const AttnBlock& b) {
       each_chunk([&](int h, int c) { chunk_exp_values(h, i, c); });
       each_head([&](int h) {
         head_output_scores(h, i);
-        head_after_row(h, i, visible_with_row(i));
+        head_after_row(h, i);
       });
     }
   }
