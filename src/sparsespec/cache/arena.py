@@ -215,7 +215,8 @@ class KVArena:
         ``recent_window`` positions, None: ``kv_dtype``'s default, for ``max_inflight`` rows in flight) keeps
         :attr:`nbytes` within ``nbytes`` (may be below 1 when even the staging slots do not fit)."""
         heads = config.num_hidden_layers * config.num_key_value_heads
-        ring = cls.ring_slots(recent_window_for(kv_dtype, recent_window), max_inflight) * cls.bytes_per_slot(config, "auto", dtype)
+        ring_slots = cls.ring_slots(recent_window_for(kv_dtype, recent_window), max_inflight)
+        ring = ring_slots * cls.bytes_per_slot(config, "auto", dtype)
         return (nbytes - ring * heads) // (cls.bytes_per_slot(config, kv_dtype, dtype) * heads) - staging
 
     @property
