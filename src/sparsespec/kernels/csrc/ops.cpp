@@ -346,7 +346,8 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   std::vector<float> out_f(bf16_out ? (std::size_t)out.numel() : 0);
   b.out = bf16_out ? out_f.data() : out.data_ptr<float>();
   attend_block((int)isa, b);
-  for (std::size_t i = 0; i < out_f.size(); ++i) put(out.data_ptr(), true, (int64_t)i, out_f[i]);
+  void* out_data = out.data_ptr();  // once: data_ptr() checks the storage on every call
+  for (std::size_t i = 0; i < out_f.size(); ++i) put(out_data, true, (int64_t)i, out_f[i]);
   return out;
 }
 
