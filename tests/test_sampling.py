@@ -14,7 +14,7 @@ from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.errors import UserError
 from sparsespec.generate import generate_tokens
-from sparsespec.sampling import SamplingParams, sample, warp
+from sparsespec.sampling import SamplingParams, greedy_tokens, sample, warp
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -56,6 +56,18 @@ def test_greedy_is_one_hot_per_row():
     logits = torch.tensor([[0.3, -1.0, 2.5], [4.0, 1.0, 2.0]])
     probs = warp(logits, SamplingParams())
     assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]))
+
+
+def test_greedy_tokens_are_torch_argmax_rows():
+    """The numpy argmax the decode loops use picks what torch.argmax picks: the first of tied maxima, past -inf
+    entries (a cut draft vocabulary), on strided rows."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (6, 1000), generator=g).float()  # many ties
+    logits[:, 700:] = -math.inf
+    logits[2] = -math.inf
+    logits[2, 999] = 0.0
+    for rows in (logits, logits[:, ::3], logits[4:5]):
+        assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
 
 
 def test_greedy_ignores_top_k_and_top_p():

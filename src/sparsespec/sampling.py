@@ -2,8 +2,8 @@
 
 Temperature 0 means greedy: the warped distribution is one-hot on the argmax, and speculative verification with
 one-hot distributions reduces to "accept iff argmax". The decode loops take the argmax directly
-(:func:`next_token`): a draw from a one-hot distribution over a 150k vocabulary costs ~3 ms on a small CPU, the
-argmax 0.1 ms.
+(:func:`next_token`, :func:`greedy_tokens`): a draw from a one-hot distribution over a 150k vocabulary costs ~3 ms
+on a small CPU, torch's argmax 0.1 ms a row and numpy's 0.01 ms.
 """
 
 from __future__ import annotations
@@ -67,8 +67,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of ``logits: [rows, vocab]`` (the first index of the largest value, as
+    ``torch.argmax``), through numpy on the CPU: torch's CPU argmax reads a 150k-entry row at about 6 GB/s, a tenth
+    of numpy's speed, which is 0.1 ms per row of every decode step."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    return logits.detach().numpy().argmax(axis=-1).tolist()
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token id from ``logits: [vocab]``: the argmax when greedy, else a draw from :func:`warp`."""
     if params.greedy:
-        return int(logits.argmax())
+        return greedy_tokens(logits[None])[0]
     return sample(warp(logits, params), generator)

@@ -29,7 +29,7 @@ from .cache.arena import KVArena
 from .errors import UserError
 from .generate import prefill
 from .model import Transformer
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
@@ -238,7 +238,7 @@ def _accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int,
 
     ``target_logits: [γ+1, vocab]``, the rows that score the proposals and the bonus position.
     """
-    choices = target_logits.argmax(dim=-1).tolist()
+    choices = greedy_tokens(target_logits)
     accepted = next((i for i, (x, c) in enumerate(zip(drafts, choices)) if x != c), len(drafts))
     return accepted, choices[accepted]
 
@@ -304,7 +304,7 @@ def speculative_tokens(
         for _ in range(g):
             logits = draft.forward(torch.tensor(feed), draft_cache)[-1]
             if sampling.greedy:
-                drafts.append(int(logits.argmax()))
+                drafts.append(greedy_tokens(logits[None])[0])
             else:
                 q.append(warp(logits, sampling))
                 drafts.append(sample(q[-1], generator))
