@@ -96,27 +96,32 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     act.bsum = sc.bsum.data();
   }
   auto out = at::empty({m, n_total}, xc.options());
+  const bool bf16_out = xc.scalar_type() != at::kFloat;
   float* out_ptr;
-  if (xc.scalar_type() == at::kFloat) {
+  c10::BFloat16* bf16_ptr = nullptr;
+  if (!bf16_out) {
     out_ptr = out.data_ptr<float>();
   } else {
     sc.out.resize((std::size_t)m * n_total);
     out_ptr = sc.out.data();
+    bf16_ptr = out.data_ptr<c10::BFloat16>();
   }
-  // Output columns split across threads; each column's value never depends on the split.
+  std::vector<const uint8_t*> weight_ptrs;
+  for (const auto& w : weights) weight_ptrs.push_back(w.data_ptr<uint8_t>());
+  // Output columns split across threads; each column's value never depends on the split. Each thread rounds its
+  // own columns to bfloat16 (nearest even, as Tensor.to does), so no thread waits on a serial pass over them.
   at::parallel_for(0, n_total, 16, [&](int64_t begin, int64_t end) {
     for (std::size_t s = 0; s < weights.size(); ++s) {
       const int64_t lo = std::max(begin, first_row[s]), hi = std::min(end, first_row[s] + rows[s]);
       if (lo >= hi) continue;
-      qmatmul_rows((int)isa, (int)types[s], weights[s].data_ptr<uint8_t>(), (int)k, (int)(lo - first_row[s]),
+      qmatmul_rows((int)isa, (int)types[s], weight_ptrs[s], (int)k, (int)(lo - first_row[s]),
                    (int)(hi - first_row[s]), act, bias_ptr ? bias_ptr + first_row[s] : nullptr,
                    out_ptr + first_row[s], n_total);
     }
+    if (bf16_out)
+      for (int r = 0; r < m; ++r)
+        for (int64_t c = begin; c < end; ++c) bf16_ptr[r * n_total + c] = c10::BFloat16(out_ptr[r * n_total + c]);
   });
-  if (xc.scalar_type() != at::kFloat) {  // round once to bfloat16 (nearest even, as Tensor.to does)
-    c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
-    for (std::size_t i = 0; i < sc.out.size(); ++i) dst[i] = c10::BFloat16(sc.out[i]);
-  }
   return out;
 }
 
