@@ -4,7 +4,8 @@ budgeted caches, on the same GGUF file, the same prompt ids (the first N tokens 
 For each context length: the prompt is read (prefill, timed), then ``--new-tokens`` tokens are decoded greedily
 (EOS ignored); decode tok/s counts the tokens after the first over the time after the first. sparsespec runs with
 native weights; each ``--caches`` entry is ``full`` or ``POLICY:BUDGET`` (in-cache positions for budgeted caches).
-Optionally with a draft (``--draft``, its cache ``--draft-cache``, its head cut to ``--draft-vocab`` ids). With
+Optionally with a draft (``--draft``, its cache ``--draft-cache``, its head cut to ``--draft-vocab`` ids), once per
+``--gamma`` value (a comma-separated list runs each γ after the same llama.cpp run). With
 ``--prompts``, each prompt of the prompt set is read after the N tokens of text (the text, a blank line, the
 prompt: ``eval.prompts.prompt_ids``), so an instruction about a long document is what gets decoded; without it the
 prompt is the text alone and decoding continues it. One JSON line per (engine, cache, context, prompt), stdout and
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--draft-cache", default="hybrid:1024", help="the draft's cache, POLICY:BUDGET (in-cache)")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="the draft's head over the first N token ids (0: its whole vocabulary)")
-    parser.add_argument("--gamma", default="auto")
+    parser.add_argument("--gamma", default="auto", help="γ, or comma-separated γ values each run with the draft")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "context.jsonl")
     args = parser.parse_args()
@@ -68,12 +69,13 @@ def main() -> None:
     missing = [name for name in wanted if name not in prompts]
     if missing:
         parser.error(f"unknown prompt id {missing[0]!r}")
-    draft = None
+    drafts = []  # one DraftOptions per --gamma value
     if args.draft:
         draft_model = load_model(args.draft, torch.bfloat16, "native", role="draft")
         if args.draft_vocab:
             draft_model.model.limit_vocabulary(args.draft_vocab)
-        draft = DraftOptions(draft_model, cache_options(args.draft_cache), parse_gamma(args.gamma))
+        drafts = [DraftOptions(draft_model, cache_options(args.draft_cache), parse_gamma(g))
+                  for g in args.gamma.split(",")]
     runs = [(context, name) for context in contexts for name in (wanted or [None])]
     for context, name in runs:
         if name is None:
@@ -90,23 +92,25 @@ def main() -> None:
             llm.close()
             del llm
         for spec in args.caches.split(","):
-            alone = None  # with a draft, each cache runs alone first, then with the draft
-            for with_draft in ([False, True] if draft else [False]):
+            alone = None  # each cache runs alone first, then with the draft at each γ
+            for draft in [None, *drafts]:
+                with_draft = draft is not None
                 stats = RunStats()
                 started = time.perf_counter()
                 tokens = list(run_generation(
                     loaded, prompt, max_new_tokens=args.new_tokens, sampling=SamplingParams(),
-                    cache=cache_options(spec), draft=draft if with_draft else None, stats=stats))
+                    cache=cache_options(spec), draft=draft, stats=stats))
                 record = {"bench": "context", "engine": "sparsespec", "model": args.model, "cache": spec,
                           "draft": args.draft if with_draft else None, "context": context, "prompt": name,
                           "prompt_tokens": len(prompt), "new_tokens": stats.new_tokens,
                           "prefill_s": round(stats.prefill_seconds, 2), "decode_tok_s": round(stats.tokens_per_s, 3),
                           "kv_cache_bytes": stats.kv_cache_bytes, "wall_s": round(time.perf_counter() - started, 2)}
                 if with_draft:
-                    record.update(acceptance_rate=round(stats.speculative.acceptance_rate, 3),
+                    record.update(gamma=draft.gamma, acceptance_rate=round(stats.speculative.acceptance_rate, 3),
                                   final_gamma=stats.final_gamma, draft_cache=args.draft_cache,
                                   draft_vocab=args.draft_vocab, tokens_equal_to_alone=common_prefix(tokens, alone))
-                alone = tokens
+                if draft is None:
+                    alone = tokens
                 emit({**record, **machine()}, args.out)
 
 
