@@ -203,15 +203,12 @@ class Transformer:
         cfg = self.config
         n_rows = tokens.shape[0]
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_size, kv_size = n_heads * hd, n_kv * hd
         x = self.embed[tokens]
         cache.begin(n_rows, per_block=per_block)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(n_rows, n_heads, hd).transpose(0, 1)
-            k = k.view(n_rows, n_kv, hd).transpose(0, 1)
-            v = v.view(n_rows, n_kv, hd).transpose(0, 1)
+            # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
+            q, k, v = qkv.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1).split((n_heads, n_kv, n_kv))
             x = x + layer.o_proj(cache.attend(index, q, k, v))
             x = x + layer.down(self._silu_mul(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
         cache.end()
