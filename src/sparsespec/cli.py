@@ -9,6 +9,7 @@ import sys
 from .errors import UserError
 
 from .flags import (  # the shared flags (also importable from here, as commands registered below do)
+    DEFAULT_GAMMA,
     WEIGHT_CHOICES,
     add_cache_arguments,
     add_model_arguments,
@@ -19,7 +20,6 @@ from .flags import (  # the shared flags (also importable from here, as commands
 )
 
 
-DEFAULT_GAMMA = "4"
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -88,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompt is None or not prompt.strip():
         raise UserError("The prompt is empty; pass --prompt TEXT (or --prompt-file FILE).")
     cache = cache_options(args)
-    gamma = parse_gamma(args.gamma or DEFAULT_GAMMA) if args.draft else None
+    gamma = parse_gamma(args.gamma or str(DEFAULT_GAMMA)) if args.draft else None
     draft_cache = cache_options(args, "draft_") if args.draft else None
     dtype = setup_torch(args)
 

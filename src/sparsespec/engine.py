@@ -198,7 +198,7 @@ class DraftOptions:
 
     model: LoadedModel
     cache: CacheOptions
-    gamma: int | str = 4  # an integer ≥ 1 or "auto"
+    gamma: int | str  # an integer ≥ 1 or "auto"
     is_self: bool = False
 
 

@@ -17,6 +17,7 @@ SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # (benchmarks/RESULTS.md, draft budget): 64 entries lost prose at 1k context (0.24 against 0.59), more than 256
 # gained nothing at 1k-8k and cost draft time.
 DEFAULT_DRAFT_BUDGET = 256
+DEFAULT_GAMMA = 4  # draft proposals per round when --gamma is not given
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
 

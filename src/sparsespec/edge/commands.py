@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..flags import DEFAULT_DRAFT_BUDGET, parse_size
+from ..flags import DEFAULT_DRAFT_BUDGET, DEFAULT_GAMMA, parse_size
 from .profile import DeviceProfile, list_profiles, load_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
@@ -33,7 +33,6 @@ from .roofline import (
 )
 
 DEFAULT_CONTEXT = 2048
-DEFAULT_GAMMA = 4
 DEFAULT_ACCEPTANCE = 0.8
 # Budget used when none is given and not even 16 entries fit the device's SRAM budget.
 FALLBACK_BUDGET = 256

@@ -14,6 +14,7 @@ import time
 
 from ..errors import UserError
 from ..flags import (
+    DEFAULT_GAMMA,
     KV_DTYPE_CHOICES,
     WEIGHT_CHOICES,
     add_cache_arguments,
@@ -27,7 +28,7 @@ from ..flags import (
 from .sweep import split_list
 
 DEFAULT_PPL_WINDOW = 256
-DEFAULT_GAMMAS = "4"
+DEFAULT_GAMMAS = str(DEFAULT_GAMMA)
 DEFAULT_PROMPTS = "code,prose,chat"
 DEFAULT_NEW_TOKENS = 64
 DEFAULT_SWEEP_MAX_TOKENS = 1024

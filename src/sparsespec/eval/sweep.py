@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import UserError
+from ..flags import DEFAULT_GAMMA
 
 RECORD_FIELDS = (
     "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "kv_dtype", "kv_bytes", "cache",
@@ -133,7 +134,7 @@ def build_grid(
     policies: Sequence[str],
     budgets: Sequence[int],
     positions: Sequence[str],
-    gammas: Sequence[int | str] = (4,),
+    gammas: Sequence[int | str] = (DEFAULT_GAMMA,),
     drafts: Sequence[str | None] = (None,),
     kv_dtypes: Sequence[str] = ("auto",),
     kv_bytes: Sequence[int] = (),
@@ -163,7 +164,7 @@ def build_grid(
     if not positions:
         raise UserError("--positions is empty; give original and/or in-cache.")
     drafts = list(drafts) or [None]
-    gammas = list(gammas) or [4]
+    gammas = list(gammas) or [DEFAULT_GAMMA]
     points: dict[SweepPoint, None] = {}
     sizes = [(b, None) for b in budgets] or [(None, n) for n in kv_bytes] or [(None, None)]
     for policy, kv, (budget, nbytes), mode, draft, gamma in itertools.product(

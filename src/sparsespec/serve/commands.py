@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from ..flags import WEIGHT_CHOICES
+from ..flags import DEFAULT_GAMMA, WEIGHT_CHOICES
 from ..errors import UserError
 
 
@@ -20,7 +20,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
     parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                         help="the draft's weight format (default: as --weights)")
-    parser.add_argument("--gamma", default=None, help="draft tokens per round, or 'auto' (default: 4)")
+    parser.add_argument("--gamma", default=None, help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA})")
     add_cache_arguments(parser, prefix="draft-")
 
 
@@ -39,7 +39,7 @@ def engine_options(args: argparse.Namespace):
         if draft_flags:
             raise UserError(f"{', '.join(draft_flags)} apply only with --draft; drop them or add --draft.")
         return cache, None, None
-    return cache, cache_options(args, "draft_"), parse_gamma(args.gamma or "4")
+    return cache, cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA))
 
 
 def load_engine(args: argparse.Namespace, options):
