@@ -60,13 +60,13 @@ def test_greedy_is_one_hot_per_row():
 
 def test_greedy_tokens_are_torch_argmax_rows():
     """The numpy argmax the decode loops use picks what torch.argmax picks: the first of tied maxima, past -inf
-    entries (a cut draft vocabulary), on strided rows."""
+    entries (a cut draft vocabulary), on strided rows and on bfloat16 logits."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(-3, 4, (6, 1000), generator=g).float()  # many ties
     logits[:, 700:] = -math.inf
     logits[2] = -math.inf
     logits[2, 999] = 0.0
-    for rows in (logits, logits[:, ::3], logits[4:5]):
+    for rows in (logits, logits[:, ::3], logits[4:5], logits.bfloat16()):
         assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
 
 

@@ -20,8 +20,6 @@ from .flags import (  # the shared flags (also importable from here, as commands
 )
 
 
-
-
 # ------------------------------------------------------------------------------------------------ commands
 def check_generate_flags(args: argparse.Namespace) -> None:
     """Raise :class:`UserError` for ``generate`` flags that would do nothing in this combination.

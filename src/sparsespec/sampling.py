@@ -73,7 +73,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     of numpy's speed, which is 0.1 ms per row of every decode step."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).tolist()
-    return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.detach().float().numpy().argmax(axis=-1).tolist()  # float(): a no-op on the float32 logits
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
