@@ -3,9 +3,10 @@
 Loads the target and the draft (native weights; the draft's head cut to ``--draft-vocab`` ids), reads the first
 ``--context`` tokens of a corpus text and one request of the prompt set, then decodes ``--new-tokens`` greedily with
 a fixed γ, timing every forward pass of each model (grouped by its number of rows: a draft step is 1 row, or 2 after
-a fully accepted round; a verification is γ + 1) and every arena commit. The first round is left out (its time
-holds the prompt's last token). Prints one JSON line per phase, and one for the run: decode tok/s and the seconds
-the phases account for.
+a fully accepted round; a verification is γ + 1) and every arena commit, from the moment the first new token
+arrives; decode tok/s counts the tokens after the first over the time after it (as ``bench_context.py`` does for
+llama.cpp). Prints one JSON line per phase, and one for the run: decode tok/s and the seconds the phases account
+for.
 
     python benchmarks/bench_round_phases.py --context 2048 --gamma 4 --new-tokens 160
 """
