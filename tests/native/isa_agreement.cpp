@@ -79,11 +79,26 @@ int main() {
         std::vector<int8_t> q((std::size_t)m * k_pad);
         std::vector<float> dx((std::size_t)m * k_pad / 32), ds((std::size_t)m * k_pad / 16), dxl((std::size_t)m * k_pad / 4);
         std::vector<int32_t> xsum((std::size_t)m * k_pad / 32);
-        quantize_activations(x.data(), m, k, k, q.data(), dx.data(), ds.data(), dxl.data(), xsum.data());
+        quantize_activations(kScalar, x.data(), m, k, k, q.data(), dx.data(), ds.data(), dxl.data(), xsum.data());
         std::vector<int8_t> q256((std::size_t)m * k_pad);
         std::vector<float> d256((std::size_t)m * k_pad / 256);
         std::vector<int32_t> bsum((std::size_t)m * k_pad / 16);
-        quantize_activations_256(x.data(), m, k, k, q256.data(), d256.data(), bsum.data());
+        quantize_activations_256(kScalar, x.data(), m, k, k, q256.data(), d256.data(), bsum.data());
+        for (int isa : isas) {  // every instruction set's quantizers write the portable path's bytes
+          auto q_i = q, q256_i = q256;
+          auto dx_i = dx, ds_i = ds, dxl_i = dxl, d256_i = d256;
+          auto xsum_i = xsum, bsum_i = bsum;
+          quantize_activations(isa, x.data(), m, k, k, q_i.data(), dx_i.data(), ds_i.data(), dxl_i.data(),
+                               xsum_i.data());
+          quantize_activations_256(isa, x.data(), m, k, k, q256_i.data(), d256_i.data(), bsum_i.data());
+          if (q_i == q && dx_i == dx && ds_i == ds && dxl_i == dxl && xsum_i == xsum && q256_i == q256 &&
+              d256_i == d256 && bsum_i == bsum) {
+            ++passed;
+          } else {
+            ++failed;
+            std::printf("MISMATCH %s activations k %d m %d\n", isa_name(isa), k, m);
+          }
+        }
         const Activations act{m,           k_pad,       q.data(),    dx.data(),  ds.data(), dxl.data(),
                               xsum.data(), q256.data(), d256.data(), bsum.data()};
         std::vector<float> bias(n), reference((std::size_t)m * n), out((std::size_t)m * n);

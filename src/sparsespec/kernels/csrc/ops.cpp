@@ -79,7 +79,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     sc.ds.resize((std::size_t)m * k_pad / 16);
     sc.dxl.resize((std::size_t)m * k_pad / 4);
     sc.xsum.resize((std::size_t)m * k_pad / kActBlock);
-    quantize_activations(xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data(), sc.xsum.data());
+    quantize_activations((int)isa, xf, m, (int)k, k, sc.q.data(), sc.dx.data(), sc.ds.data(), sc.dxl.data(),
+                         sc.xsum.data());
     act.q = sc.q.data();
     act.dx = sc.dx.data();
     act.ds = sc.ds.data();
@@ -90,7 +91,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     sc.q256.resize((std::size_t)m * k_pad);
     sc.d256.resize((std::size_t)m * k_pad / kChunk);
     sc.bsum.resize((std::size_t)m * k_pad / 16);
-    quantize_activations_256(xf, m, (int)k, k, sc.q256.data(), sc.d256.data(), sc.bsum.data());
+    quantize_activations_256((int)isa, xf, m, (int)k, k, sc.q256.data(), sc.d256.data(), sc.bsum.data());
     act.q256 = sc.q256.data();
     act.d256 = sc.d256.data();
     act.bsum = sc.bsum.data();

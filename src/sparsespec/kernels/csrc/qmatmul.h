@@ -108,11 +108,15 @@ inline bool is_k_quant(int type) {
 
 int padded_k(int k);  // k rounded up to a multiple of 256
 // Fill q [m, k_pad], dx [m, k_pad/32], ds [m, k_pad/16], dxl [m, k_pad/4], xsum [m, k_pad/32] from x [m, k]
-// (row stride ldx).
-void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
-                          int32_t* xsum);
+// (row stride ldx). Every instruction set writes the same bytes (the portable path is the reference).
+void quantize_activations(int isa, const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds,
+                          float* dxl, int32_t* xsum);
 // Fill q [m, k_pad], d [m, k_pad/256], bsum [m, k_pad/16] (the K-quants' activations) from x [m, k].
-void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum);
+void quantize_activations_256(int isa, const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum);
+// The AVX-512 versions of the two (quantize_activations dispatches to them).
+void quantize_activations_avx512(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
+                                 int32_t* xsum);
+void quantize_activations_256_avx512(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum);
 
 // out[r, col0 + n] = sum_k w[n, k] * x[r, k] (+ bias[n]) for rows n in [n_begin, n_end) of one weight.
 void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,

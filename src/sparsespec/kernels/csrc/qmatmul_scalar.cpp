@@ -76,8 +76,8 @@ inline float abs_max(const float* x, int n) {
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
-                          int32_t* xsum) {
+static void quantize_activations_portable(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds,
+                                         float* dxl, int32_t* xsum) {
   const int k_pad = padded_k(k);
   for (int r = 0; r < m; ++r) {
     const float* xr = x + (long)r * ldx;
@@ -112,7 +112,8 @@ void quantize_activations(const float* x, int m, int k, long ldx, int8_t* q, flo
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void quantize_activations_256(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum) {
+static void quantize_activations_256_portable(const float* x, int m, int k, long ldx, int8_t* q, float* d,
+                                             int32_t* bsum) {
   const int k_pad = padded_k(k);
   for (int r = 0; r < m; ++r) {
     const float* xr = x + (long)r * ldx;
@@ -363,6 +364,8 @@ void qmatmul_rows_avx2(int, const uint8_t*, int, int, int, const Activations&, c
 void qmatmul_rows_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_tiles_avx2(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 void qmatmul_tiles_avx512(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
+void quantize_activations_avx512(const float*, int, int, long, int8_t*, float*, float*, float*, int32_t*) {}
+void quantize_activations_256_avx512(const float*, int, int, long, int8_t*, float*, int32_t*) {}
 void qmatmul_tiles_amx(int, const uint8_t*, int, int, int, const Activations&, const float*, float*, long) {}
 bool amx_usable() { return false; }
 long amx_tile_passes() { return 0; }
@@ -419,6 +422,19 @@ const char* isa_name(int isa) {
     case kAmx: return "avx512-vnni+amx";
     default: return "unknown";
   }
+}
+
+void quantize_activations(int isa, const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds,
+                          float* dxl, int32_t* xsum) {
+  if (isa == kAuto) isa = best_isa();
+  if (isa == kAvx512 || isa == kAmx) quantize_activations_avx512(x, m, k, ldx, q, dx, ds, dxl, xsum);
+  else quantize_activations_portable(x, m, k, ldx, q, dx, ds, dxl, xsum);
+}
+
+void quantize_activations_256(int isa, const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum) {
+  if (isa == kAuto) isa = best_isa();
+  if (isa == kAvx512 || isa == kAmx) quantize_activations_256_avx512(x, m, k, ldx, q, d, bsum);
+  else quantize_activations_256_portable(x, m, k, ldx, q, d, bsum);
 }
 
 void qmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,
