@@ -1,5 +1,7 @@
-"""Torch operations dispatched by one decode step, by where they come from (attention/arena, linears, the rest of
-the model), counted with a ``TorchDispatchMode``: the per-step overhead a native layer loop would remove.
+"""Operations one decode step runs, by where they come from (attention/arena, linears, the rest of the model): torch
+operations, counted with a ``TorchDispatchMode``, and calls of the native ops (``sparsespec.kernels``: functions of
+the extension module, outside the dispatcher; each counts as one operation, the allocations inside it not at all):
+the per-step overhead a native layer loop would remove.
 
     python benchmarks/count_ops.py --model smollm2-135m
 """
@@ -11,8 +13,9 @@ import collections
 import json
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.linear import NativeLinear
@@ -42,6 +45,19 @@ def labelled(method, label: str, where: list[str]):
     return wrapper
 
 
+NATIVE_OPS = ("gguf_linear", "gguf_dequantize", "arena_attention", "rms_norm", "silu_mul")
+
+
+def counted(function, where: list[str], counts: collections.Counter, native: collections.Counter):
+    """``function`` counted as one operation under the innermost label of ``where`` (and in ``native``)."""
+    def wrapper(*args, **kwargs):
+        counts[where[-1]] += 1
+        native[function.__name__] += 1
+        with _disable_current_modes():
+            return function(*args, **kwargs)
+    return wrapper
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -58,10 +74,14 @@ def main() -> None:
     where = ["rest of the model"]
     KVArena.attend = labelled(KVArena.attend, "attention", where)
     NativeLinear.__call__ = labelled(NativeLinear.__call__, "linears", where)
+    native: collections.Counter = collections.Counter()
     with Counter(where) as counter:
+        for name in NATIVE_OPS:
+            setattr(kernels, name, counted(getattr(kernels, name), where, counter.counts, native))
         model.forward(torch.tensor([200]), arena)
     print(json.dumps({"model": args.model, "weights": loaded.weights, "policy": args.policy,
-                      "ops_per_step": sum(counter.counts.values()), **dict(counter.counts)}))
+                      "ops_per_step": sum(counter.counts.values()), **dict(counter.counts),
+                      "native_calls": dict(native)}))
 
 
 if __name__ == "__main__":

@@ -232,6 +232,13 @@ def test_bad_inputs_raise():
     tiles, k, kind = packed(random_blocks(12, 20, 256, seed=0), 12, 256, tiles=True)
     with pytest.raises(RuntimeError, match="bytes"):  # 20 rows fill two tiles, not one
         kernels.gguf_linear(torch.randn(1, 256), [tiles[: tiles.numel() // 2]], [kind], [20], 256)
+    meta = torch.empty(1, 64, device="meta")  # the ops read host memory and say so for any other device
+    for call in (lambda: kernels.gguf_linear(meta, [blob], [2], [4], 64),
+                 lambda: kernels.gguf_dequantize(blob.to("meta"), 2, 64, torch.arange(2)),
+                 lambda: kernels.rms_norm(meta, torch.ones(64), 1e-6),
+                 lambda: kernels.silu_mul(meta)):
+        with pytest.raises(RuntimeError, match="on the CPU"):
+            call()
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, capsys):

@@ -1,4 +1,4 @@
-// Torch bindings of the native kernels: ops under torch.ops.sparsespec, and facts about the build for Python.
+// Python bindings of the native kernels: the ops, and facts about the build.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -24,12 +24,19 @@ Scratch& scratch() {
   return s;
 }
 
+// The ops read host memory: every tensor they get must live there.
+void check_cpu(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) TORCH_CHECK(!t->defined() || t->is_cpu(), op, ": tensors must be on the CPU");
+}
+
 // y [m, sum(rows)] = x [m, k] @ W^T for a weight stored as segments (each a repacked GGUF tensor of rows[s] rows
 // and type types[s]; e.g. q, k and v of one layer), plus a float32 bias [sum(rows)] if given. x is float32 or
 // bfloat16 (contiguous); y has x's dtype (computed in float32, rounded once at the end).
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
                        const std::vector<int64_t>& rows, int64_t k, const c10::optional<at::Tensor>& bias,
                        int64_t isa) {
+  check_cpu("gguf_linear", {&x});
+  for (const auto& w : weights) check_cpu("gguf_linear", {&w});
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_linear: x must be [m, ", k, "]");
   TORCH_CHECK(k % kQuarter == 0, "gguf_linear: k must be a multiple of ", kQuarter, " (repacked rows)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -128,6 +135,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
 
 // Rows `index` of a repacked weight [n, k], dequantized: float32 [len(index), k] (embedding lookups, tests).
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, const at::Tensor& index) {
+  check_cpu("gguf_dequantize", {&weight, &index});
   TORCH_CHECK(supported_type((int)type), "gguf_dequantize: unsupported block type ", type);
   const at::Tensor idx = index.to(at::kLong).contiguous();
   const int64_t n = is_tiled((int)type) ? weight.numel() / (int64_t)tile_bytes((int)type, (int)k) * kTileColumns
@@ -197,6 +205,9 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const c10::optional<at::Tensor>& key_offset,
                            const c10::optional<at::Tensor>& recent_keys,
                            const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t isa) {
+  check_cpu("arena_attention", {&q, &k, &v, &keys, &values, &positions, &evicted_at, &cos, &sin});
+  for (const auto* t : {&scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys, &recent_values})
+    if (t->has_value()) check_cpu("arena_attention", {&t->value()});
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
                   values.scalar_type() == keys.scalar_type() &&
@@ -360,6 +371,7 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's fused
 // rms_norm computes it: in float32, y = x * rsqrt(mean(x^2) + eps) * weight, rounded once to x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu("rms_norm", {&x, &weight});
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && float_or_bf16(x) && weight.dim() == 1 &&
                   weight.size(0) == x.size(1) && weight.is_contiguous() && float_or_bf16(weight),
               "rms_norm: x must be contiguous float32 or bfloat16 [m, n] and weight [n]");
@@ -390,6 +402,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // silu(gate) * up for gate_up [m, 2i] (the two halves, float32 or bfloat16) -> [m, i], each step rounded to the
 // dtype as torch's silu and mul do.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu("silu_mul", {&gate_up});
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() && float_or_bf16(gate_up),
               "silu_mul: gate_up must be contiguous float32 or bfloat16 [m, 2 i]");
   const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
@@ -413,31 +426,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }  // namespace
 }  // namespace sparsespec
 
-TORCH_LIBRARY(sparsespec, m) {
-  m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, int[] rows, int k, Tensor? bias, int isa) -> Tensor");
-  m.def("gguf_dequantize(Tensor weight, int type, int k, Tensor index) -> Tensor");
-  m.def(
-      "arena_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
-      "Tensor(d!) evicted_at, Tensor(e!)? scores, Tensor(f!)? row_scores, Tensor cos, Tensor sin, int table_offset, "
-      "bool in_cache, int layer, int start, int first, int visible_before, int first_position, int snapshots, "
-      "bool per_row, int budget, int sinks, int heavy, int window, bool age_normalised, float score_decay, "
-      "float scale, "
-      "Tensor(g!)? key_params, "
-      "Tensor(h!)? value_params, int code_bits, Tensor? key_offset, Tensor(i!)? recent_keys, "
-      "Tensor(j!)? recent_values, int recent_window, int isa) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sparsespec, CPU, m) {
-  m.impl("gguf_linear", &sparsespec::gguf_linear);
-  m.impl("gguf_dequantize", &sparsespec::gguf_dequantize);
-  m.impl("arena_attention", &sparsespec::arena_attention);
-  m.impl("rms_norm", &sparsespec::rms_norm);
-  m.impl("silu_mul", &sparsespec::silu_mul);
-}
-
+// The ops are plain Python functions of the extension module, not torch.ops: a call through the dispatcher costs
+// about 1 us more, and a decode step makes ~200 of them. Each releases the GIL while it runs (a server's HTTP
+// thread goes on during a pass). Each op checks that its tensors are on the CPU (check_cpu): no dispatcher routes
+// them by device.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();
+  module.def("gguf_linear", &sparsespec::gguf_linear, unlocked);
+  module.def("gguf_dequantize", &sparsespec::gguf_dequantize, unlocked);
+  module.def("arena_attention", &sparsespec::arena_attention, unlocked);
+  module.def("rms_norm", &sparsespec::rms_norm, unlocked);
+  module.def("silu_mul", &sparsespec::silu_mul, unlocked);
   module.def("best_isa", &sparsespec::best_isa);
   module.def("set_isa", &sparsespec::set_isa);
   module.def("amx_tile_passes", &sparsespec::amx_tile_passes);
