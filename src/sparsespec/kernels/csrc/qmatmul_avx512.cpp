@@ -3,6 +3,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
 #include <immintrin.h>
 
+#include "quantize.h"
 #include "scales_x86.h"
 #include "tiles_avx512.h"
 
@@ -405,70 +406,32 @@ void tiles_avx512(const uint8_t* w, int k, int n_begin, int n_end, const Activat
 
 namespace {
 
-// max |x[i]| over n (a multiple of 16) values. max_ps(new, running) keeps the running value where new is NaN, as
-// the portable path's std::max(running, new) does.
-inline float abs_max(const float* x, int n) {
-  __m512 m = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
-  return _mm512_reduce_max_ps(m);
-}
-
-// Codes of 16 inputs, x * inv rounded to nearest even (the rounding mode's default, as nearbyint) and clamped to
-// [-127, 127], into q; returns their sum.
-inline int quantize16(const float* x, float inv, int8_t* q) {
-  __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv)));
-  v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(v));
-  return _mm512_reduce_add_epi32(v);
-}
-
-// 16 inputs at `at` of a row of k (k a multiple of 64: a group of 16 is wholly inside or wholly padding).
-inline int quantize_group(const float* xr, int at, int k, float inv, int8_t* qr) {
-  if (at < k) return quantize16(xr + at, inv, qr + at);
-  std::memset(qr + at, 0, 16);
-  return 0;
-}
+// The quantizer primitives of quantize.h in 16 lanes. abs_max: max_ps(new, running) keeps the running value where
+// new is NaN, as the portable path's std::max(running, new) does. group: cvtps rounds by the rounding mode, nearest
+// even by default, as nearbyint.
+struct Avx512Quantizer {
+  static float abs_max(const float* x, int n) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
+    return _mm512_reduce_max_ps(m);
+  }
+  static int group(const float* x, float inv, int8_t* q) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv)));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(v));
+    return _mm512_reduce_add_epi32(v);
+  }
+};
 
 }  // namespace
 
-// qmatmul_scalar.cpp's portable quantizers, 16 inputs per register: the same float steps (one division each way
-// per block, one product per input, rounding to nearest even) and integer sums, so the same bytes.
 void quantize_activations_avx512(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds, float* dxl,
                                  int32_t* xsum) {
-  const int k_pad = padded_k(k);
-  for (int r = 0; r < m; ++r) {
-    const float* xr = x + (long)r * ldx;
-    int8_t* qr = q + (long)r * k_pad;
-    for (int b = 0; b < k_pad / kActBlock; ++b) {
-      const int begin = b * kActBlock;
-      const float amax = begin < k ? abs_max(xr + begin, kActBlock) : 0.0f;
-      const float d = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const int low = quantize_group(xr, begin, k, inv, qr), high = quantize_group(xr, begin + 16, k, inv, qr);
-      const long at = (long)r * (k_pad / kActBlock) + b;
-      ds[2 * at] = d * (float)low;
-      ds[2 * at + 1] = d * (float)high;
-      xsum[at] = low + high;
-      dx[at] = d;
-      _mm256_storeu_ps(dxl + at * (kActBlock / 4), _mm256_set1_ps(d));
-    }
-  }
+  quantize_rows_32<Avx512Quantizer>(x, m, k, ldx, q, dx, ds, dxl, xsum);
 }
 
 void quantize_activations_256_avx512(const float* x, int m, int k, long ldx, int8_t* q, float* d, int32_t* bsum) {
-  const int k_pad = padded_k(k);
-  for (int r = 0; r < m; ++r) {
-    const float* xr = x + (long)r * ldx;
-    int8_t* qr = q + (long)r * k_pad;
-    for (int c = 0; c < k_pad / kChunk; ++c) {
-      const int begin = c * kChunk;
-      const float amax = abs_max(xr + begin, std::min(kChunk, k - begin));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      d[(long)r * (k_pad / kChunk) + c] = amax / 127.0f;
-      for (int g = 0; g < 16; ++g)
-        bsum[(long)r * (k_pad / 16) + c * 16 + g] = quantize_group(xr, begin + 16 * g, k, inv, qr);
-    }
-  }
+  quantize_rows_256<Avx512Quantizer>(x, m, k, ldx, q, d, bsum);
 }
 
 void qmatmul_tiles_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const Activations& act,

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "formats.h"
+#include "quantize.h"
 
 #if defined(__aarch64__)
 #include <asm/hwcap.h>
@@ -60,16 +61,27 @@ std::size_t weight_bytes(int type, int k, long rows) {
 
 int padded_k(int k) { return chunks_of(k) * kChunk; }
 
-// max |x[i]| over n (a multiple of 16) values: eight running maxima, then their maximum (the same value in any
-// order; the lanes let the compiler use vector max instructions).
-inline float abs_max(const float* x, int n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < n; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(x[i + l]));
-  float out = 0.0f;
-  for (int l = 0; l < 8; ++l) out = std::max(out, lanes[l]);
-  return out;
-}
+// The portable quantizer primitives (quantize.h): eight running maxima, then their maximum (the same value in any
+// order; the lanes let the compiler use vector max instructions); nearbyint rounds to nearest even.
+struct PortableQuantizer {
+  static float abs_max(const float* x, int n) {
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < n; i += 8)
+      for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(x[i + l]));
+    float out = 0.0f;
+    for (int l = 0; l < 8; ++l) out = std::max(out, lanes[l]);
+    return out;
+  }
+  static int group(const float* x, float inv, int8_t* q) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int v = std::clamp((int)std::nearbyint(x[i] * inv), -127, 127);
+      q[i] = (int8_t)v;
+      sum += v;
+    }
+    return sum;
+  }
+};
 
 // Compiled for several x86 levels and chosen at load time: the same IEEE operations (max, division, rounding to
 // nearest even, integer sums), so every version gives the same bytes; the newer levels only run them faster.
@@ -78,35 +90,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 static void quantize_activations_portable(const float* x, int m, int k, long ldx, int8_t* q, float* dx, float* ds,
                                          float* dxl, int32_t* xsum) {
-  const int k_pad = padded_k(k);
-  for (int r = 0; r < m; ++r) {
-    const float* xr = x + (long)r * ldx;
-    int8_t* qr = q + (long)r * k_pad;
-    float* dxr = dx + (long)r * (k_pad / kActBlock);
-    float* dsr = ds + (long)r * (k_pad / 16);
-    float* dxlr = dxl + (long)r * (k_pad / 4);
-    int32_t* xsumr = xsum + (long)r * (k_pad / kActBlock);
-    for (int b = 0; b < k_pad / kActBlock; ++b) {
-      const int begin = b * kActBlock;  // k is a multiple of 64: a block is wholly inside or wholly padding
-      const float amax = begin < k ? abs_max(xr + begin, kActBlock) : 0.0f;
-      const float d = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int block_sum = 0;
-      for (int half = 0; half < 2; ++half) {
-        int sum = 0;
-        for (int i = begin + 16 * half; i < begin + 16 * half + 16; ++i) {
-          const int v = begin < k ? std::clamp((int)std::nearbyint(xr[i] * inv), -127, 127) : 0;
-          qr[i] = (int8_t)v;
-          sum += v;
-        }
-        dsr[2 * b + half] = d * (float)sum;
-        block_sum += sum;
-      }
-      xsumr[b] = block_sum;
-      dxr[b] = d;
-      for (int lane = 0; lane < kActBlock / 4; ++lane) dxlr[b * (kActBlock / 4) + lane] = d;
-    }
-  }
+  quantize_rows_32<PortableQuantizer>(x, m, k, ldx, q, dx, ds, dxl, xsum);
 }
 
 #if defined(__x86_64__)
@@ -114,27 +98,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 static void quantize_activations_256_portable(const float* x, int m, int k, long ldx, int8_t* q, float* d,
                                              int32_t* bsum) {
-  const int k_pad = padded_k(k);
-  for (int r = 0; r < m; ++r) {
-    const float* xr = x + (long)r * ldx;
-    int8_t* qr = q + (long)r * k_pad;
-    for (int c = 0; c < k_pad / kChunk; ++c) {
-      const int begin = c * kChunk;
-      const float amax = abs_max(xr + begin, std::min(kChunk, k - begin));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      d[(long)r * (k_pad / kChunk) + c] = amax / 127.0f;
-      for (int g = 0; g < 16; ++g) {
-        const int at = begin + 16 * g;  // k is a multiple of 64: a group is wholly inside or wholly padding
-        int sum = 0;
-        for (int i = at; i < at + 16; ++i) {
-          const int v = at < k ? std::clamp((int)std::nearbyint(xr[i] * inv), -127, 127) : 0;
-          qr[i] = (int8_t)v;
-          sum += v;
-        }
-        bsum[(long)r * (k_pad / 16) + c * 16 + g] = sum;
-      }
-    }
-  }
+  quantize_rows_256<PortableQuantizer>(x, m, k, ldx, q, d, bsum);
 }
 
 namespace {
