@@ -568,6 +568,7 @@ def test_ppl_kv_recent_sets_the_full_precision_window_and_its_bytes(capsys, cach
 
 def test_simulate_kv_bytes_gives_the_budget(capsys, smollm2_path):
     from sparsespec.edge.roofline import kv_bytes_per_token
+    from sparsespec.flags import DEFAULT_GAMMA
     from sparsespec.loading.source import read_config, resolve_model
 
     code, out, err = run_cli(capsys, "simulate", "--model", "smollm2-135m", "--kv-dtype", "int4", "--kv-bytes",
@@ -577,5 +578,5 @@ def test_simulate_kv_bytes_gives_the_budget(capsys, smollm2_path):
     per_token = kv_bytes_per_token(read_config(resolve_model("smollm2-135m")), "int4")
     slots = int(3 * 2**20 // per_token)
     assert report["settings"]["budget"] == slots - 1
-    assert report["settings"]["combined_budget"] == slots - 5  # γ = 4: five rows in flight
+    assert report["settings"]["combined_budget"] == slots - (DEFAULT_GAMMA + 1)  # γ + 1 rows in flight
     assert report["settings"]["budget_source"] == "from --kv-bytes"

@@ -17,7 +17,10 @@ SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # (benchmarks/RESULTS.md, draft budget): 64 entries lost prose at 1k context (0.24 against 0.59), more than 256
 # gained nothing at 1k-8k and cost draft time.
 DEFAULT_DRAFT_BUDGET = 256
-DEFAULT_GAMMA = 4  # draft proposals per round when --gamma is not given
+# Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair
+# (benchmarks/RESULTS.md, "Two serial costs off every native call"): as fast or faster on 6 of 7 short prompts
+# (code, prose, chat; alternated round by round), and on 8k prose a median 2.68x llama.cpp against 2.46x.
+DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
 
