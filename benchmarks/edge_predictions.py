@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024, help="the sparse target's budget")
     parser.add_argument("--acceptance", type=float, default=0.75,
                         help="per-token acceptance α (default: what the 0.5B draft reached on code and prose here)")
+    parser.add_argument("--gamma", type=int, default=4,
+                        help="γ of the speculative columns (default: 4, what RESULTS.md's table was computed with)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "edge_predictions.jsonl")
     args = parser.parse_args()
     devices = args.devices.split(",") if args.devices else [n for n in list_profiles() if n != "host"]
@@ -59,7 +61,7 @@ def main() -> None:
         for label, target, weights, draft, draft_weights in SCENARIOS:
             for context in (int(c) for c in args.contexts.split(",")):
                 options = SimulateOptions(weights=weights, draft_weights=draft_weights, acceptance=args.acceptance,
-                                          context=context)
+                                          context=context, gamma=args.gamma)
                 names = dict(draft=configs[draft] if draft else None, model_name=target, draft_name=draft)
                 sized = simulate(configs[target], device, options, **names)
                 fixed = simulate(configs[target], device, replace(options, budget=args.budget), **names)
