@@ -15,6 +15,7 @@ import torch
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
 from .cache.quant import BITS, check_kv_dtype, recent_window_for
+from .cache.retention import retention_for
 from .errors import UserError
 from .generate import generate_tokens, prefill
 from .loading.load import LoadedModel
@@ -44,6 +45,11 @@ class CacheOptions:
     kv_bytes: int | None = None
     # Quantized entries' full-precision window (``--kv-recent``; None: quant.RECENT_WINDOW's for kv_dtype).
     recent_window: int | None = None
+    # Query-aware selection at each prompt's end (``--retention``: auto | query | off, cache/retention.py) and the
+    # most prompt tokens it holds whole (``--retention-tokens``; None: retention.DEFAULT_MAX_HELD, or fewer where the
+    # model's context minus the budget is less).
+    retention: str = "auto"
+    retention_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -55,6 +61,7 @@ class CacheOptions:
                                 f"--kv-dtype {self.kv_dtype} every entry already is, so drop it.")
             if self.recent_window < 0:
                 raise UserError(f"--kv-recent must be 0 or more (got {self.recent_window}).")
+        retention_for(self.retention, self.policy, self.retention_tokens)
 
 
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
@@ -132,7 +139,10 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
     if cache.kv_bytes is not None:
         policy = sized_policy(policy.name, policy.sinks or None, loaded.config, loaded.model.dtype, cache.kv_dtype,
                               cache.kv_bytes, staging, max_inflight, cache.recent_window)
-    check_in_cache_ranks(loaded, replace(cache, policy=policy), staging)
+    retention = retention_for(cache.retention, policy, cache.retention_tokens,
+                              context=loaded.config.max_position_embeddings)
+    # Held prompt tokens are ranked like staged ones: the ranks reach the budget plus the larger of the two.
+    check_in_cache_ranks(loaded, replace(cache, policy=policy), max(staging, retention.max_held if retention else 0))
     return KVArena(
         loaded.config,
         policy,
@@ -144,6 +154,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
         kv_dtype=cache.kv_dtype,
         key_offset=loaded.model.key_biases(),
         recent_window=cache.recent_window,
+        retention=retention,
     )
 
 
@@ -157,6 +168,7 @@ class RunStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0
+    kv_peak_bytes: int = 0  # the most the KV buffers held during the run (retention holds whole prompts)
     evicted_tokens: int = 0
     budget: int | None = None  # the target arena's budget (sized from --kv-bytes when that was given)
     speculative: SpeculativeStats | None = None
@@ -178,6 +190,7 @@ class RunStats:
             "decode_seconds": round(self.decode_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "kv_cache_bytes": self.kv_cache_bytes,
+            "kv_peak_bytes": self.kv_peak_bytes,
             "evicted_tokens": self.evicted_tokens,
         }
         if self.speculative is not None:
@@ -368,6 +381,7 @@ class Session:
             raise
         finally:
             stats.kv_cache_bytes = self.kv_cache_bytes
+            stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before
             stats.budget = self.arenas[0].policy.budget
 

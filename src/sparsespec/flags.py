@@ -12,6 +12,7 @@ from .errors import UserError
 
 WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
+RETENTION_CHOICES = ("auto", "query", "off")  # as cache/retention.py's RETENTION_MODES
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # The draft's hybrid cache when no --draft-policy / --draft-budget is given: the knee of the measured acceptance
 # (benchmarks/RESULTS.md, draft budget): 64 entries lost prose at 1k context (0.24 against 0.59), more than 256
@@ -52,6 +53,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
     parser.add_argument(f"{p}kv-recent", type=int, default=None, metavar="N",
                         help="int8 / int4 entries: the N most recent positions are also kept, and read, in the "
                         "compute dtype (default: 32 for int4, 0 for int8)")
+    parser.add_argument(f"{p}retention", choices=RETENTION_CHOICES, default=None,
+                        help="query-aware retention: at the end of each prompt, a budgeted cache keeps what the "
+                        "prompt's last 32 rows (the question) attend to, instead of evicting it while the prompt is "
+                        "read: query, off, or auto (the default: query for h2o / hybrid policies, off for the others)")
+    parser.add_argument(f"{p}retention-tokens", type=int, default=None, metavar="N",
+                        help="with retention: the most prompt tokens held whole before the selection (the arena's "
+                        "peak is budget + N entries; earlier tokens are evicted as the policy says) "
+                        "(default: 16384, or the model's context minus the budget where less)")
     if not prefix:
         parser.add_argument("--kv-bytes", default=None, metavar="SIZE",
                             help="the cache's size in bytes (plain, or with a KiB / MiB / GiB suffix) instead of "
@@ -113,8 +122,10 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
     if not prefix and policy.is_full and args.positions == "in-cache":
         raise UserError("--positions in-cache ranks tokens inside a budgeted cache; the full cache evicts nothing, "
                         "so give --policy/--budget or drop --positions.")
+    retention = getattr(args, f"{prefix}retention", None) or "auto"
+    retention_tokens = getattr(args, f"{prefix}retention_tokens", None)
     return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context, kv_dtype, kv_bytes,
-                        recent_window)
+                        recent_window, retention, retention_tokens)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:
@@ -122,7 +133,8 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
 
     Their defaults are all None, so "set" means "not None".
     """
-    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent"]
+    names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent", "retention",
+             "retention_tokens"]
     given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")

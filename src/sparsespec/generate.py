@@ -14,8 +14,22 @@ from .sampling import SamplingParams, next_token
 def prefill(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> None:
     """Feed ``token_ids`` in chunks of ``chunk``, committing (and evicting) after each.
 
-    Peak KV memory is the arena's budget plus one chunk, whatever the prompt length.
+    Without retention, peak KV memory is the arena's budget plus one chunk, whatever the prompt length. With it
+    (``cache/retention.py``) the prompt's last ``cache.tokens_to_hold`` tokens are held whole, their last rows (the
+    observation window) read as a block of their own, and the selection made there shrinks the arena back.
     """
+    held = cache.tokens_to_hold(len(token_ids))
+    before = len(token_ids) - held
+    _feed(model, cache, token_ids[:before], chunk)
+    if held:
+        window = cache.observation_rows(held)
+        with cache.hold(held):
+            _feed(model, cache, token_ids[before : len(token_ids) - window], chunk)
+            _feed(model, cache, token_ids[len(token_ids) - window :], chunk)
+
+
+def _feed(model: Transformer, cache: KVArena, token_ids: list[int], chunk: int) -> None:
+    """Feed ``token_ids`` as per-block chunks of at most ``chunk`` rows, committing after each."""
     for start in range(0, len(token_ids), chunk):
         block = torch.tensor(token_ids[start : start + chunk], dtype=torch.long)
         model.forward(block, cache, per_block=True, last_only=True)

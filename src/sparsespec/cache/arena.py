@@ -60,6 +60,7 @@ evictions. Quantized entries are read by the op as ``fma(code, scale, zero)`` in
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,7 @@ from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
 from .quant import KVStore, bytes_per_vector, recent_window_for
+from .retention import Retention, choose_unretained, observation_scores, pool_by_position
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
@@ -101,6 +103,7 @@ class KVArena:
         kv_dtype: str = "auto",
         key_offset: torch.Tensor | None = None,
         recent_window: int | None = None,
+        retention: Retention | None = None,
     ) -> None:
         """
         Args:
@@ -121,6 +124,8 @@ class KVArena:
                 with them, so it is not taken out there.
             recent_window: positions read in full precision (see the top); None: ``quant.RECENT_WINDOW``'s for
                 ``kv_dtype`` (32 for int4, else 0). Only quantized entries can have one.
+            retention: query-aware selection at the end of each prompt (``retention.py``, :meth:`hold`); None:
+                prompts evict chunk by chunk as the policy says. Needs a policy with heavy hitters.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -135,6 +140,9 @@ class KVArena:
         if policy.is_full:
             positions = "in-cache" if key_offset is not None and kv_dtype == "int4" else "original"
         check_key_storage(policy, positions, kv_dtype, key_offset is not None)
+        if retention is not None and not policy.needs_scores:
+            raise ValueError("retention needs a policy with heavy hitters")
+        self.retention = retention
         self.positions_mode = positions
         self.max_block = max_block
         self.max_inflight = max_inflight
@@ -161,16 +169,12 @@ class KVArena:
         self.recent_slots = self.ring_slots(self.recent_window, max_inflight)
         self.recent_keys = torch.zeros(n_layers, n_kv, self.recent_slots, hd, dtype=dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
-        self.positions = torch.zeros(shape, dtype=torch.int64)
-        self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
-        if policy.needs_scores:
-            self.scores = torch.zeros(shape, dtype=torch.float32)
-            self.committed_scores = torch.zeros(shape, dtype=torch.float32)
-            # Scores after each in-flight row that a partial commit can end on (never the last possible row).
-            self.row_scores = torch.zeros(max(max_inflight - 1, 0), *shape, dtype=torch.float32)
+        self._allocate_slot_metadata()
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
-        self._slot_index = torch.arange(self.capacity)
+        self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
+        self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
+        self._block_mode = "evict"  # the open block's: evict (as the policy says), hold (nothing), select (retention)
         # The native op serves every KV dtype and policy; the torch path is its fallback and reference.
         self.native_attention = kernels.available()
 
@@ -180,6 +184,94 @@ class KVArena:
         self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
         self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
         self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
+
+    def _allocate_slot_metadata(self) -> None:
+        """(Re)build the per-slot bookkeeping for ``self.capacity`` slots, all empty."""
+        shape = (self.config.num_hidden_layers, self.config.num_key_value_heads, self.capacity)
+        self.positions = torch.zeros(shape, dtype=torch.int64)
+        self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
+        if self.policy.needs_scores:
+            self.scores = torch.zeros(shape, dtype=torch.float32)
+            self.committed_scores = torch.zeros(shape, dtype=torch.float32)
+            # Scores after each in-flight row that a partial commit can end on (never the last possible row).
+            self.row_scores = torch.zeros(max(self.max_inflight - 1, 0), *shape, dtype=torch.float32)
+        self._slot_index = torch.arange(self.capacity)
+
+    def _resize(self, capacity: int) -> None:
+        """Reallocate every per-slot buffer with ``capacity`` slots, keeping the committed entries (nothing may be
+        in flight)."""
+        keep = self.n_committed
+        assert not self.n_inflight and keep <= capacity
+        kept = [self.positions[..., :keep]]
+        if self.policy.needs_scores:
+            kept += [self.scores[..., :keep], self.committed_scores[..., :keep]]
+        self.capacity = capacity
+        self._keys.resize(capacity, keep)
+        self._values.resize(capacity, keep)
+        self.keys, self.values = self._keys.data, self._values.data
+        self._allocate_slot_metadata()
+        targets = [self.positions] + ([self.scores, self.committed_scores] if self.policy.needs_scores else [])
+        for target, old in zip(targets, kept):
+            target[..., :keep] = old
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+
+    # ---------------------------------------------------------------------------------------------- retention
+    def tokens_to_hold(self, n_prompt: int) -> int:
+        """How many of the next ``n_prompt`` prompt tokens to read under :meth:`hold` (the last ones): none without
+        retention or when the cache would evict nothing, else up to ``retention.max_held``."""
+        if self.retention is None or self.n_visible + n_prompt <= self.policy.budget:
+            return 0
+        return min(n_prompt, self.retention.max_held)
+
+    def observation_rows(self, n_held: int) -> int:
+        """Rows of the observation window that ends a hold of ``n_held`` rows: ``retention.observation_rows``, or
+        fewer where the hold or a block (``max_block``) is shorter."""
+        return min(self.retention.observation_rows, n_held, self.max_block)
+
+    @contextmanager
+    def hold(self, n_tokens: int):
+        """Read the next ``n_tokens`` prompt rows with nothing evicted, then choose what stays with the attention of
+        the last of them (``retention.py``).
+
+        Inside, the caller feeds the rows as per-block chunks and commits each; the block that completes the
+        ``n_tokens`` is the observation window (it must hold :meth:`observation_rows` rows or more) and
+        ends by evicting down to the budget. The arena grows to hold the rows and shrinks back to ``budget +
+        staging`` slots on leaving (:attr:`peak_nbytes` records the peak); left early (an error), it is emptied.
+        """
+        if self.retention is None or self.n_inflight or self._hold_left:
+            raise ValueError("hold needs retention and a committed arena with no hold open")
+        steady = self.capacity
+        if self.n_committed + n_tokens > steady:
+            self._resize(self.n_committed + n_tokens)
+        self._hold_left = n_tokens
+        self._window_rows = self.observation_rows(n_tokens)
+        try:
+            yield
+        finally:
+            if self._hold_left or self.n_inflight or self.n_committed > steady:
+                self.reset()
+            self._hold_left = 0
+            if self.capacity != steady:
+                self._resize(steady)
+
+    def _select_retained(self, layer: int, q: torch.Tensor, first: int, start: int, stop: int,
+                         visible_before: int) -> None:
+        """Evict (at the block's last row) all but the budget's entries of ``layer``, chosen by the attention of the
+        block's rows ``q: [n_heads, T, head_dim]`` (not rotated); the kept entries' scores become that attention."""
+        n_heads, n_rows, hd = q.shape
+        n_kv = self.config.num_key_value_heads
+        positions = self.positions[layer][:, :stop]
+        visible = self.evicted_at[layer][:, :stop] == NEVER
+        new_positions = torch.arange(n_rows) + (self.next_position + first)
+        ranks = new_positions if self.positions_mode == "original" else torch.arange(n_rows) + visible_before
+        queries = self.rope.rotate(q.float(), ranks).view(n_kv, n_heads // n_kv, n_rows, hd)
+        attention = observation_scores(queries, self._keys_for_attention(layer, visible), new_positions, positions,
+                                       visible, self.scale)
+        pooled = pool_by_position(attention, positions, visible, self.retention.pool)
+        evict = choose_unretained(pooled, positions, visible, int(new_positions[-1]), self.policy,
+                                  visible_before + n_rows)
+        self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
+        self.scores[layer][:, :stop] = attention
 
     # ----------------------------------------------------------------------------------------------- accounting
     @property
@@ -239,6 +331,14 @@ class KVArena:
                 f"The KV cache holds {self.capacity} tokens and this run needs more; "
                 "use a budgeted policy or a shorter prompt / fewer new tokens."
             )
+        self._block_mode = "evict"
+        if self._hold_left:
+            if not per_block or n_rows > self._hold_left:
+                raise ValueError(f"a hold takes per-block chunks of its {self._hold_left} remaining rows")
+            self._hold_left -= n_rows
+            self._block_mode = "hold" if self._hold_left else "select"
+            if not self._hold_left and n_rows < self._window_rows:
+                raise ValueError(f"the observation window needs its {self._window_rows} rows in one block")
         self._block = (self.n_inflight, n_rows, per_block)
         self._per_block_inflight = per_block
 
@@ -246,7 +346,7 @@ class KVArena:
         """Close the block opened by :meth:`begin` (after the last layer)."""
         _, n_rows, per_block = self._block
         alive = self.n_visible
-        budget = self.policy.budget
+        budget = None if self._block_mode == "hold" else self.policy.budget
         for _ in range(n_rows):
             alive = alive + 1 if budget is None or per_block else min(alive + 1, budget)
             self._alive_after_row.append(alive)
@@ -334,12 +434,17 @@ class KVArena:
         first, n_rows, per_block = self._block
         start = self.n_committed + first
         stop = start + n_rows
-        budget = self.policy.budget
+        # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (below).
+        budget = self.policy.budget if self._block_mode == "evict" else None
         visible_before = self.n_visible
         # A single row is its own block: evicting after it is the same as evicting after the block.
         evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
         if self.native_attention:
-            return self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows)
+            out = self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows,
+                                      budget)
+            if self._block_mode == "select":
+                self._select_retained(layer, q, first, start, stop, visible_before)
+            return out
 
         new_positions = torch.arange(n_rows) + (self.next_position + first)
         positions, evicted_at = self.positions[layer], self.evicted_at[layer]
@@ -354,16 +459,20 @@ class KVArena:
         if evicts_between_rows:
             out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before, recent)
         else:
-            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block, recent)
+            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
+                                     recent)
+        if self._block_mode == "select":
+            self._select_retained(layer, q, first, start, stop, visible_before)
         if self.recent_window:
             self._remember_recent(layer, int(new_positions[0]), k, v)
         n_heads, hd = q.shape[0], q.shape[2]
         return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
 
-    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row):
+    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget):
         """The block's rows through the native op, which also stores them (the steps of the torch path above, in
         one call): ``[T, n_heads * head_dim]`` in the dtype of ``q``, scores and evictions as the torch path's
-        (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block)."""
+        (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block, down to
+        ``budget``; None: none)."""
         n_rows = q.shape[1]
         first_position = self.next_position + first
         in_cache = self.positions_mode == "in-cache"
@@ -382,7 +491,7 @@ class KVArena:
             q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, cos, sin,
             table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
             visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
-            budget=policy.budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
+            budget=budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
             age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale,
             key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
             key_offset=self._keys.offset, recent_keys=self.recent_keys if self.recent_window else None,
@@ -454,10 +563,11 @@ class KVArena:
             return keys
         return self.rope.rotate(keys, self._ranks(layer, visible))
 
-    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block, recent=None):
+    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
+                      recent=None):
         """All rows at once: no eviction happens between rows (full cache, room to spare, a single row, or a prefill
-        chunk); eviction down to the budget, if needed, happens after the last row. ``recent``: the full-precision
-        window's ``(keys, values)`` (:meth:`_recent_entries`), or None."""
+        chunk); eviction down to ``budget`` (None: none), if needed, happens after the last row. ``recent``: the
+        full-precision window's ``(keys, values)`` (:meth:`_recent_entries`), or None."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -503,7 +613,6 @@ class KVArena:
                     if i < snapshots:
                         self.row_scores[first + i, layer][:, :stop] = scores
 
-        budget = self.policy.budget
         if budget is not None and visible_before + n_rows > budget:
             scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
             evict = choose_evictions(

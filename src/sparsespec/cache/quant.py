@@ -152,6 +152,15 @@ class KVStore:
                 raise ValueError(f"offset must be [n_layers, n_kv_heads, head_dim], got {tuple(offset.shape)}")
             self.offset = offset.float().contiguous()
 
+    def resize(self, capacity: int, keep: int) -> None:
+        """Reallocate with ``capacity`` slots per layer and head, keeping the entries of slots ``[0, keep)``."""
+        for name in ("data", "params"):
+            old = getattr(self, name)
+            if old is not None:
+                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+                new[:, :, :keep] = old[:, :, :keep]
+                setattr(self, name, new)
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         """Every per-slot tensor (what a slot move must move)."""
