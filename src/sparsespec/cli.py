@@ -9,12 +9,9 @@ import sys
 from .errors import UserError
 
 from .flags import (  # the shared flags (also importable from here, as commands registered below do)
-    DEFAULT_GAMMA,
-    WEIGHT_CHOICES,
     add_cache_arguments,
     add_model_arguments,
     cache_options,
-    draft_flags_given,
     reject_without,
     setup_torch,
 )
@@ -28,11 +25,9 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     (greedy) does not do; ``--prompt`` and ``--prompt-file`` exclude each other. (``--stop`` works with ``--json``:
     the JSON text ends before the stop string and decoding stops there.)
     """
-    if not args.draft:
-        reject_without(draft_flags_given(args), "--draft")
-    elif args.draft == "self" and (args.draft_weights is not None or args.draft_vocab is not None):
-        raise UserError("--draft self drafts with the target's own weights and head; drop --draft-weights and "
-                        "--draft-vocab.")
+    from .eval.commands import check_draft_flags
+
+    check_draft_flags(args)
     if args.temperature == 0:
         sampling_flags = [flag for flag, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                                 ("--seed", args.seed is not None)) if on]
@@ -67,7 +62,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from .engine import DraftOptions, RunStats, parse_gamma, run_generation
+    from .engine import RunStats, run_generation
+    from .eval.commands import draft_settings, load_draft
     from .generate import stream_text
     from .loading.load import load_model
     from .loading.tokenizer import eos_token_ids
@@ -86,21 +82,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompt is None or not prompt.strip():
         raise UserError("The prompt is empty; pass --prompt TEXT (or --prompt-file FILE).")
     cache = cache_options(args)
-    gamma = parse_gamma(args.gamma or str(DEFAULT_GAMMA)) if args.draft else None
-    draft_cache = cache_options(args, "draft_") if args.draft else None
+    draft_setup = draft_settings(args)
     dtype = setup_torch(args)
 
     started = time.perf_counter()
     target = load_model(args.model, dtype, args.weights, role="target")
-    draft = None
-    if args.draft:
-        if args.draft == "self":
-            draft = DraftOptions(target, draft_cache, gamma, is_self=True)
-        else:
-            draft_model = load_model(args.draft, dtype, args.draft_weights, role="draft")
-            if args.draft_vocab is not None:
-                draft_model.model.limit_vocabulary(args.draft_vocab)
-            draft = DraftOptions(draft_model, draft_cache, gamma)
+    draft = load_draft(args, target, dtype, draft_setup)
     load_seconds = time.perf_counter() - started
 
     tokenizer = target.tokenizer
@@ -140,6 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.commands import add_draft_arguments
     from .loading.fixtures import MODEL_FIXTURES
 
     parser = argparse.ArgumentParser(prog="sparsespec", description=__doc__)
@@ -170,14 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    p.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
-    p.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
-                   help="the draft's weight format (default: as --weights)")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
-    p.add_argument("--gamma", default=None,
-                   help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
-    add_cache_arguments(p, prefix="draft-")
+    add_draft_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     for register in _EXTRA_COMMANDS:
