@@ -1,4 +1,4 @@
-"""The ``sparsespec`` command: fetch, generate, ppl, sweep, simulate, calibrate, serve, chat."""
+"""The ``sparsespec`` command: fetch, generate, ppl, sweep, needle, simulate, calibrate, serve, chat."""
 
 from __future__ import annotations
 
@@ -175,7 +175,14 @@ def _register_simulate(sub) -> None:
 
 
 def _register_eval(sub) -> None:
-    from .eval.commands import add_ppl_arguments, add_sweep_arguments, run_ppl, run_sweep
+    from .eval.commands import (
+        add_needle_arguments,
+        add_ppl_arguments,
+        add_sweep_arguments,
+        run_needle,
+        run_ppl,
+        run_sweep,
+    )
 
     p = sub.add_parser("ppl", help="streaming perplexity of a text through a KV cache policy")
     add_ppl_arguments(p)
@@ -183,6 +190,14 @@ def _register_eval(sub) -> None:
     p = sub.add_parser("sweep", help="trade-off study over policies, budgets, positions, drafts and γ (resumable)")
     add_sweep_arguments(p)
     p.set_defaults(func=run_sweep)
+    p = sub.add_parser("needle", help="needle in a haystack: which KV cache still recalls a passkey or fact stated "
+                                      "once in a long prompt",
+                       description="Plant a passkey (or several, or a made-up fact) at each depth of prompts of each "
+                                   "length, taken from a long text, ask for it at the end, and score the greedy "
+                                   "answers: a length x depth table, JSON records, a heatmap. The model, cache and "
+                                   "draft flags are generate's.")
+    add_needle_arguments(p)
+    p.set_defaults(func=run_needle)
 
 
 def _register_calibrate(sub) -> None:

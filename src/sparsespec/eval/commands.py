@@ -1,9 +1,9 @@
-"""``sparsespec ppl`` and ``sparsespec sweep``: argument definitions and runners for the CLI.
+"""``sparsespec ppl``, ``sparsespec sweep`` and ``sparsespec needle``: argument definitions and runners for the CLI.
 
-``add_ppl_arguments`` / ``add_sweep_arguments`` fill an ``argparse`` (sub)parser; ``run_ppl`` / ``run_sweep`` run
-the command from the parsed arguments and return the exit status. Mistakes in the arguments raise
-:class:`~sparsespec.errors.UserError`. The draft flags of ``generate`` are defined here once
-(:func:`add_draft_arguments`, :func:`check_draft_flags`, :func:`load_draft`), for it and the commands that share them.
+``add_ppl_arguments`` / ``add_sweep_arguments`` / ``add_needle_arguments`` fill an ``argparse`` (sub)parser;
+``run_ppl`` / ``run_sweep`` / ``run_needle`` run the command from the parsed arguments and return the exit status.
+Mistakes in the arguments raise :class:`~sparsespec.errors.UserError`. The draft flags of ``generate`` are defined
+here once (:func:`add_draft_arguments`, :func:`check_draft_flags`, :func:`load_draft`) for it and ``needle``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ DEFAULT_GAMMAS = str(DEFAULT_GAMMA)
 DEFAULT_PROMPTS = "code,prose,chat"
 DEFAULT_NEW_TOKENS = 64
 DEFAULT_SWEEP_MAX_TOKENS = 1024
+DEFAULT_NEEDLE_TEXT = "corpus:paradise_lost"
+DEFAULT_NEEDLE_LENGTHS = "1024,2048,4096"
+DEFAULT_NEEDLE_DEPTHS = "0,25,50,75,100"
+DEFAULT_NEEDLE_NEW_TOKENS = 16
 
 
 def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tokens_default: int | None) -> None:
@@ -83,6 +87,11 @@ def run_ppl(args: argparse.Namespace) -> int:
     from .perplexity import measure_perplexity, plot_nll
     from .texts import resolve_text, text_token_ids
 
+    given = [flag for flag, value in (("--retention", args.retention), ("--retention-tokens", args.retention_tokens))
+             if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: perplexity reads the text as one stream, with no prompt end at which "
+                        "retention would choose; drop it (`sparsespec needle` measures retention).")
     cache = cache_options(args)
     chunk = _chunk_for(args, cache.policy)
     _check_window(args)
@@ -92,12 +101,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         raise UserError(f"--plot writes a PNG file; give a name ending in .png (got {args.plot}).")
     resolve_text(args.text)  # fail on a missing file before loading the model
     if args.max_tokens is not None:
-        from ..loading.source import read_config, resolve_model
-        from ..loading.load import LoadedModel
-
-        source = resolve_model(args.model)
-        shapes = LoadedModel(source.name, source, read_config(source), None, None)
-        check_fits_context(shapes, cache, args.max_tokens, "--max-tokens")
+        check_fits_context(_model_shapes(args.model), cache, args.max_tokens, "--max-tokens")
     dtype = setup_torch(args)
 
     started = time.perf_counter()
@@ -422,3 +426,157 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
     return DraftOptions(model, cache, gamma)
+
+
+# ------------------------------------------------------------------------------------------------- needle
+def add_needle_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``sparsespec needle``: model, cache and draft flags as ``generate`` has them, the test, output."""
+    add_model_arguments(parser)
+    add_cache_arguments(parser)
+    add_draft_arguments(parser)
+    test = parser.add_argument_group("the test")
+    test.add_argument("--task", default="passkey", metavar="{passkey,multikey,fact}",
+                      help="passkey: one five-digit number; multikey: --keys numbers, each for a named lock, one "
+                           "asked for; fact: a made-up name stated once (default: %(default)s)")
+    test.add_argument("--keys", type=int, default=None, metavar="N",
+                      help="passkeys planted by --task multikey: the one asked about at the depth, the others at "
+                           "seed-chosen depths (default: 4)")
+    test.add_argument("--text", default=DEFAULT_NEEDLE_TEXT, metavar="FILE|corpus:NAME",
+                      help="the haystack: a text file, or corpus:NAME for a text of the fetched corpus "
+                           "(default: %(default)s)")
+    test.add_argument("--lengths", default=DEFAULT_NEEDLE_LENGTHS, metavar="N,N,...",
+                      help="comma-separated prompt lengths in the model's tokens, chat template included "
+                           "(default: %(default)s)")
+    test.add_argument("--depths", default=DEFAULT_NEEDLE_DEPTHS, metavar="PCT,PCT,...",
+                      help="comma-separated needle depths, percent of the haystack: 0 at its start, 100 just before "
+                           "the question (default: %(default)s)")
+    test.add_argument("--trials", type=int, default=1, metavar="N",
+                      help="prompts per length and depth, each with its own needle and haystack (default: "
+                           "%(default)s)")
+    test.add_argument("--seed", type=int, default=0, metavar="N",
+                      help="seed of the needles, haystack offsets and other depths; the same seed builds the same "
+                           "prompts (default: %(default)s)")
+    test.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                      help="wrap each prompt in the tokenizer's chat template as one user message; --no-chat sends "
+                           "plain text ending in 'Answer:' (default: chat when the model has a template)")
+    test.add_argument("--max-new-tokens", "-n", type=int, default=DEFAULT_NEEDLE_NEW_TOKENS, metavar="N",
+                      help="most tokens of each greedy answer, which also stops at end-of-sequence (default: "
+                           "%(default)s)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true",
+                        help="print one JSON record per length, depth and trial instead of the summary table")
+    output.add_argument("--out", default=None, metavar="FILE.jsonl", help="also append the records to this file")
+    output.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="write a heatmap of the fraction correct by depth and length to this PNG")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _parse_numbers(text: str, flag: str, kind):
+    """``"0, 25,50"`` → ``(0, 25, 50)`` as ``kind`` (int or float); :class:`UserError` for anything else."""
+    values = []
+    for item in split_list(text):
+        try:
+            values.append(kind(item))
+        except ValueError:
+            noun = "whole numbers" if kind is int else "numbers"
+            raise UserError(f"{flag} takes comma-separated {noun} (got {item!r}).") from None
+    return tuple(values)
+
+
+def _model_shapes(ref: str):
+    """A ``LoadedModel`` holding only the name, source and config of ``ref`` (read from its header, no weights):
+    enough for the engine's context checks before anything is loaded."""
+    from ..loading.load import LoadedModel
+    from ..loading.source import read_config, resolve_model
+
+    source = resolve_model(ref)
+    return LoadedModel(source.name, source, read_config(source), None, None)
+
+
+def _check_needle_args(args: argparse.Namespace):
+    """``(setup, cache, draft settings, haystack text)`` from the flags, every mistake found before a model loads
+    (the prompts' own limits, which need the tokenizer, come later); ``setup.chat`` is still to be decided."""
+    from ..engine import check_fits_context
+    from .needle import NeedleSetup
+    from .texts import read_text
+
+    setup = NeedleSetup(task=args.task, lengths=_parse_numbers(args.lengths, "--lengths", int),
+                        depths=_parse_numbers(args.depths, "--depths", float), trials=args.trials, keys=args.keys,
+                        seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}).")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise UserError(f"--plot writes a PNG file; give a name ending in .png (got {args.plot}).")
+    if args.out is not None and not args.out.endswith(".jsonl"):
+        raise UserError(f"--out names a JSON-lines file; give a name ending in .jsonl (got {args.out}).")
+    cache = cache_options(args)
+    check_draft_flags(args)
+    draft = draft_settings(args)
+    text = read_text(args.text)
+    # The longest prompt must fit the target (and the draft) now, not after the shorter ones have run.
+    longest = max(setup.lengths) + args.max_new_tokens
+    target = _model_shapes(args.model)
+    check_fits_context(target, cache, longest, "The longest prompt (--lengths) plus --max-new-tokens")
+    if draft is not None:
+        draft_model = target if args.draft == "self" else _model_shapes(args.draft)
+        check_fits_context(draft_model, draft[0], longest,
+                           "The longest prompt (--lengths) plus --max-new-tokens (for the draft)")
+    return setup, cache, draft, text
+
+
+def run_needle(args: argparse.Namespace) -> int:
+    """Plant a needle at each depth of prompts of each length, ask for it greedily, score the answers."""
+    from dataclasses import replace
+
+    from ..loading.load import load_model
+    from .needle import Haystack, build_prompts, cache_fields, cache_label, engine_answerer, plot_heatmap
+    from .needle import run_needle_grid, summary_table
+
+    setup, cache, draft_setup, text = _check_needle_args(args)
+    dtype = setup_torch(args)
+    target = load_model(args.model, dtype, args.weights, role="target")
+    has_template = bool(getattr(target.tokenizer, "chat_template", None))
+    if args.chat and not has_template:
+        raise UserError(f"{target.name} has no chat template; drop --chat.")
+    setup = replace(setup, chat=has_template if args.chat is None else args.chat)
+    draft = load_draft(args, target, dtype, draft_setup)
+    prompts = build_prompts(target.tokenizer, Haystack(text, target.tokenizer, args.text), setup)
+
+    context = {"model": target.name, **cache_fields(cache), "draft": None}
+    model = target.name
+    if draft is not None:
+        context.update(draft="self" if draft.is_self else draft.model.name, gamma_setting=draft.gamma,
+                       draft_cache=cache_fields(draft.cache)["cache"])
+        model += f" with draft {context['draft']}"
+    try:
+        out = open(args.out, "a", encoding="utf-8") if args.out else None
+    except OSError as exc:
+        raise UserError(f"Cannot open --out {args.out}: {exc.strerror}.") from None
+
+    def on_record(record: dict) -> None:
+        line = json.dumps(record)
+        if args.json:
+            print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()  # an interrupted run keeps the cells it finished
+
+    try:
+        records = run_needle_grid(prompts, engine_answerer(target, cache, draft, args.max_new_tokens), setup,
+                                  context, on_record=on_record, progress=not args.quiet)
+    finally:
+        if out is not None:
+            out.close()
+    if args.plot:
+        plot_heatmap(records, args.plot, f"{model}, {cache_label(cache)}")
+    if not args.json:
+        keys = f" ({setup.key_count} keys)" if setup.task == "multikey" else ""
+        print(f"model   {model}")
+        print(f"cache   {cache_label(cache)}")
+        print(f"task    {setup.task}{keys}, {setup.trials} trial(s) per cell, seed {setup.seed}, "
+              f"{'chat' if setup.chat else 'plain'} prompts, haystack {args.text}")
+        print(summary_table(records))
+        if args.plot:
+            print(f"plot    {args.plot}")
+    return 0
