@@ -448,8 +448,8 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--no-evict-overflow"], "--no-evict-overflow only matters"),
-    (["--gamma", "3"], "--gamma apply only with --draft"),
-    (["--draft-kv-dtype", "int4"], "--draft-kv-dtype apply only with --draft"),
+    (["--gamma", "3"], "--gamma does nothing without --draft"),
+    (["--draft-kv-dtype", "int4"], "--draft-kv-dtype does nothing without --draft"),
     (["--queue-size", "0"], "--queue-size must be at least 1"),
 ])
 def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):

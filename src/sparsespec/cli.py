@@ -10,8 +10,12 @@ from .errors import UserError
 
 from .flags import (  # the shared flags (also importable from here, as commands registered below do)
     add_cache_arguments,
+    add_draft_arguments,
     add_model_arguments,
     cache_options,
+    check_draft_flags,
+    draft_settings,
+    load_draft,
     reject_without,
     setup_torch,
 )
@@ -25,8 +29,6 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     (greedy) does not do; ``--prompt`` and ``--prompt-file`` exclude each other. (``--stop`` works with ``--json``:
     the JSON text ends before the stop string and decoding stops there.)
     """
-    from .eval.commands import check_draft_flags
-
     check_draft_flags(args)
     if args.temperature == 0:
         sampling_flags = [flag for flag, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
@@ -63,7 +65,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from .engine import RunStats, run_generation
-    from .eval.commands import draft_settings, load_draft
     from .generate import stream_text
     from .loading.load import load_model
     from .loading.tokenizer import eos_token_ids
@@ -127,7 +128,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.commands import add_draft_arguments
     from .loading.fixtures import MODEL_FIXTURES
 
     parser = argparse.ArgumentParser(prog="sparsespec", description=__doc__)

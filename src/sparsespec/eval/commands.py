@@ -2,8 +2,7 @@
 
 ``add_ppl_arguments`` / ``add_sweep_arguments`` / ``add_needle_arguments`` fill an ``argparse`` (sub)parser;
 ``run_ppl`` / ``run_sweep`` / ``run_needle`` run the command from the parsed arguments and return the exit status.
-Mistakes in the arguments raise :class:`~sparsespec.errors.UserError`. The draft flags of ``generate`` are defined
-here once (:func:`add_draft_arguments`, :func:`check_draft_flags`, :func:`load_draft`) for it and ``needle``.
+Mistakes in the arguments raise :class:`~sparsespec.errors.UserError`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,13 @@ from ..flags import (
     KV_DTYPE_CHOICES,
     WEIGHT_CHOICES,
     add_cache_arguments,
+    add_draft_arguments,
     add_model_arguments,
     cache_options,
+    check_draft_flags,
     draft_flags_given,
+    draft_settings,
+    load_draft,
     parse_size,
     reject_without,
     setup_torch,
@@ -376,56 +379,6 @@ def _draft_cache(args: argparse.Namespace, positions: str, budget: int | None):
     if budget is not None:
         ns.draft_budget = budget
     return cache_options(ns, "draft_")
-
-
-# ---------------------------------------------------------------------------------------- draft (generate's)
-def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    """``sparsespec generate``'s draft flags: ``--draft``, ``--draft-weights``, ``--draft-vocab``, ``--gamma`` and
-    the draft's cache flags (``--draft-policy`` …)."""
-    parser.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
-    parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
-                        help="the draft's weight format (default: as --weights)")
-    parser.add_argument("--draft-vocab", type=int, default=None,
-                        help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
-    parser.add_argument("--gamma", default=None,
-                        help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
-    add_cache_arguments(parser, prefix="draft-")
-
-
-def check_draft_flags(args: argparse.Namespace) -> None:
-    """Raise :class:`UserError` for draft flags that would do nothing: any of them without ``--draft``, and
-    ``--draft-weights`` / ``--draft-vocab`` with ``--draft self`` (which drafts with the target's own weights)."""
-    if not args.draft:
-        reject_without(draft_flags_given(args), "--draft")
-    elif args.draft == "self" and (args.draft_weights is not None or args.draft_vocab is not None):
-        raise UserError("--draft self drafts with the target's own weights and head; drop --draft-weights and "
-                        "--draft-vocab.")
-
-
-def draft_settings(args: argparse.Namespace):
-    """``(draft CacheOptions, γ)`` from the flags, or None without ``--draft``: checked before anything loads."""
-    from ..engine import parse_gamma
-
-    if not args.draft:
-        return None
-    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA))
-
-
-def load_draft(args: argparse.Namespace, target, dtype, settings):
-    """The ``DraftOptions`` of ``--draft`` (None without one): ``target`` itself for ``self``, else the draft model
-    loaded in ``--draft-weights``, its head cut to ``--draft-vocab`` ids; ``settings`` from :func:`draft_settings`."""
-    from ..engine import DraftOptions
-    from ..loading.load import load_model
-
-    if settings is None:
-        return None
-    cache, gamma = settings
-    if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True)
-    model = load_model(args.draft, dtype, args.draft_weights, role="draft")
-    if args.draft_vocab is not None:
-        model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma)
 
 
 # ------------------------------------------------------------------------------------------------- needle

@@ -7,56 +7,36 @@ import sys
 import threading
 import time
 
-from ..flags import DEFAULT_GAMMA, WEIGHT_CHOICES
 from ..errors import UserError
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, cache and draft flags, as ``sparsespec generate`` has them."""
-    from ..flags import add_cache_arguments, add_model_arguments
+    from ..flags import add_cache_arguments, add_draft_arguments, add_model_arguments
 
     add_model_arguments(parser)
     add_cache_arguments(parser)
-    parser.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
-    parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
-                        help="the draft's weight format (default: as --weights)")
-    parser.add_argument("--gamma", default=None, help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA})")
-    add_cache_arguments(parser, prefix="draft-")
+    add_draft_arguments(parser)
 
 
 def engine_options(args: argparse.Namespace):
-    """``(cache, draft cache, γ)`` from the flags, checked before anything is loaded."""
-    from ..flags import cache_options
-    from ..engine import parse_gamma
+    """``(cache, draft settings or None)`` from the flags, checked before anything is loaded."""
+    from ..flags import cache_options, check_draft_flags, draft_settings
 
     cache = cache_options(args)
-    if args.draft is None:
-        draft_flags = [f"--draft-{part.replace('_', '-')}"
-                       for part in ("policy", "budget", "sinks", "heavy", "window", "weights", "kv_dtype")
-                       if getattr(args, f"draft_{part}") is not None]
-        if args.gamma is not None:
-            draft_flags.append("--gamma")
-        if draft_flags:
-            raise UserError(f"{', '.join(draft_flags)} apply only with --draft; drop them or add --draft.")
-        return cache, None, None
-    return cache, cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA))
+    check_draft_flags(args)
+    return cache, draft_settings(args)
 
 
 def load_engine(args: argparse.Namespace, options):
     """Load the target (and draft) named by the flags: ``(target, cache, draft options or None)``."""
-    from ..flags import setup_torch
-    from ..engine import DraftOptions
+    from ..flags import load_draft, setup_torch
     from ..loading.load import load_model
 
-    cache, draft_cache, gamma = options
+    cache, draft_setup = options
     dtype = setup_torch(args)
     target = load_model(args.model, dtype, args.weights, role="target")
-    draft = None
-    if args.draft == "self":
-        draft = DraftOptions(target, draft_cache, gamma, is_self=True)
-    elif args.draft is not None:
-        draft = DraftOptions(load_model(args.draft, dtype, args.draft_weights, role="draft"), draft_cache, gamma)
-    return target, cache, draft
+    return target, cache, load_draft(args, target, dtype, draft_setup)
 
 
 # ----------------------------------------------------------------------------------------------------- serve
