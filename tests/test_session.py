@@ -145,3 +145,25 @@ def test_a_run_that_fails_inside_a_pass_is_not_resumed_from(monkeypatch):
     assert session.reusable(follow) == 0
     expected = run_generation(loaded, follow, max_new_tokens=6, sampling=GREEDY, cache=CacheOptions(prefill_chunk=8))
     assert list(session.run(follow, max_new_tokens=6, sampling=GREEDY)) == list(expected)
+
+
+def test_each_turn_that_outgrows_the_budget_is_held_and_selected_and_reports_its_peak():
+    """Retention applies to every prompt a session reads: a follow-up's new tokens are held beside the entries kept
+    from before and chosen from together; each run reports its own peak."""
+    loaded = tiny_loaded()
+    session = Session(loaded, CacheOptions(make_policy("hybrid", 24, sinks=2), "in-cache", prefill_chunk=8))
+    target = []
+    history = prompt(60)
+    peaks = []
+    for turn in range(3):
+        stats = RunStats()
+        target = list(session.run(history, max_new_tokens=4, sampling=GREEDY, stats=stats))
+        peaks.append((stats.kv_peak_bytes, stats.kv_cache_bytes))
+        history = history + target + prompt(20 if turn == 0 else 3, seed=turn + 2)
+    arena = session.arenas[0]
+    assert arena.n_committed == 24 and arena.capacity == 24 + 8
+    # Turn 1 held its 60-token prompt, turn 2 its 24 kept entries plus the 23 tokens it had not read; turn 3's few
+    # new tokens fit in the staging slots, so its hold needed no room: each run reports its own peak.
+    steady = peaks[0][1]
+    assert all(cache == steady for _, cache in peaks)
+    assert peaks[0][0] > peaks[1][0] > steady and peaks[2][0] == steady

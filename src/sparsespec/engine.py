@@ -357,6 +357,8 @@ class Session:
             self.reset()
         stats.reused_tokens = reuse
         evicted_before = self.evicted_tokens
+        for arena in self.arenas:  # this run's peak
+            arena.peak_nbytes = arena.nbytes
         started = time.perf_counter()
         prefilled_at = [started]
 

@@ -1,6 +1,6 @@
 """The static KV arena: fixed buffers for every layer, staged rows, commit / rollback / compaction.
 
-Memory layout (allocated once, never grown)::
+Memory layout (allocated once; only a retention hold, below, grows it for the length of a prompt)::
 
     keys, values   [n_layers, n_kv_heads, capacity, head_dim]   kv_dtype: the compute dtype, bfloat16, or int8 /
                                                                 int4 codes with per-group scales (``quant.py``)
@@ -26,6 +26,10 @@ Life of a block of T new tokens (rows):
 Prefill chunks may instead evict once per block (``per_block=True``): all rows of the chunk see the cache as it
 was before the chunk plus the causal part of the chunk, and eviction down to the budget happens at its end. This
 is cheaper but not identical to token-by-token decoding (chunk size 1 is).
+
+With retention (``retention.py``) a prompt's last tokens are read inside :meth:`hold`: the buffers grow to take
+them all, their chunks evict nothing, and the chunk that ends the hold (the observation window) evicts down to the
+budget by the attention its rows pay each entry; the buffers then shrink back to ``budget + staging`` slots.
 
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
@@ -174,6 +178,7 @@ class KVArena:
         self.scale = 1.0 / math.sqrt(hd)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
+        self._window_rows = 0  # rows of the open hold's observation window
         self._block_mode = "evict"  # the open block's: evict (as the policy says), hold (nothing), select (retention)
         # The native op serves every KV dtype and policy; the torch path is its fallback and reference.
         self.native_attention = kernels.available()
