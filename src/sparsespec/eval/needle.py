@@ -115,27 +115,36 @@ class NeedleSetup:
     keys: int | None = None  # multikey only; None there means DEFAULT_KEYS
     seed: int = 0
     chat: bool = True
+    # How the command's flags for these fields are named in messages: "" for needle's --lengths, "retrieval-" for
+    # sweep's --retrieval-lengths. Not part of what is planted or asked.
+    flag_prefix: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        task, lengths, depths, keys = (self.flag(name) for name in ("task", "lengths", "depths", "keys"))
         if self.task not in TASKS:
-            raise UserError(f"Unknown --task {self.task!r}; choose one of {', '.join(TASKS)}.")
+            raise UserError(f"Unknown {task} {self.task!r}; choose one of {', '.join(TASKS)}.")
         if not self.lengths:
-            raise UserError("--lengths is empty; give at least one prompt length in tokens.")
+            raise UserError(f"{lengths} is empty; give at least one prompt length in tokens.")
         if min(self.lengths) < 1:
-            raise UserError(f"--lengths are prompt lengths in tokens and must be positive (got {min(self.lengths)}).")
+            raise UserError(f"{lengths} are prompt lengths in tokens and must be positive (got {min(self.lengths)}).")
         if not self.depths:
-            raise UserError("--depths is empty; give at least one depth between 0 and 100 (percent).")
+            raise UserError(f"{depths} is empty; give at least one depth between 0 and 100 (percent).")
         outside = [d for d in self.depths if not 0 <= d <= 100]
         if outside:
-            raise UserError(f"--depths are percentages of the haystack, from 0 to 100 (got {outside[0]:g}).")
+            raise UserError(f"{depths} are percentages of the haystack, from 0 to 100 (got {outside[0]:g}).")
         if self.trials < 1:
-            raise UserError(f"--trials must be at least 1 (got {self.trials}).")
+            raise UserError(f"{self.flag('trials')} must be at least 1 (got {self.trials}).")
         if self.task != "multikey":
             if self.keys is not None:
-                raise UserError(f"--keys sets how many passkeys --task multikey plants; drop it for --task "
+                raise UserError(f"{keys} sets how many passkeys {task} multikey plants; drop it for {task} "
                                 f"{self.task}.")
         elif not 2 <= self.key_count <= len(LOCKS):
-            raise UserError(f"--keys must be from 2 to {len(LOCKS)} for --task multikey (got {self.key_count}).")
+            raise UserError(f"{keys} must be from 2 to {len(LOCKS)} for {task} multikey (got {self.key_count}).")
+
+    def flag(self, name: str) -> str:
+        """The flag that sets field ``name`` on the command line: ``--lengths``, or ``--retrieval-lengths`` with
+        ``flag_prefix="retrieval-"``."""
+        return f"--{self.flag_prefix}{name}"
 
     @property
     def key_count(self) -> int:
@@ -252,12 +261,13 @@ class Haystack:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def random_start(self, rng: random.Random, tokens: int) -> int:
-        """A token index at a line start, chosen by ``rng``, with at least ``tokens`` tokens from there on."""
+    def random_start(self, rng: random.Random, tokens: int, lengths_flag: str = "--lengths") -> int:
+        """A token index at a line start, chosen by ``rng``, with at least ``tokens`` tokens from there on
+        (``lengths_flag``: the flag the error for a text too short names)."""
         last = len(self) - tokens
         if last < 0:
             raise UserError(f"{self.name} has {len(self)} tokens, too few for a prompt of {tokens}; choose a longer "
-                            "--text or shorter --lengths.")
+                            f"--text or shorter {lengths_flag}.")
         pick = self.starts[rng.randint(0, last)]
         return bisect.bisect_left(self.starts, self.text.rfind("\n", 0, pick) + 1)
 
@@ -338,9 +348,9 @@ def build_prompt(tokenizer, haystack: Haystack, setup: NeedleSetup, length: int,
     plant = make_plant(setup, depth, rng)
     overhead = len(render_prompt(tokenizer, "\n".join(plant.sentences), plant.question, setup.chat).ids)
     if length < overhead + MIN_HAYSTACK_TOKENS:
-        raise UserError(f"--lengths {length} is too short: the {setup.task} prompt without its haystack already "
-                        f"takes {overhead} tokens; give at least {overhead + MIN_HAYSTACK_TOKENS}.")
-    start = haystack.random_start(rng, length)
+        raise UserError(f"{setup.flag('lengths')} {length} is too short: the {setup.task} prompt without its haystack "
+                        f"already takes {overhead} tokens; give at least {overhead + MIN_HAYSTACK_TOKENS}.")
+    start = haystack.random_start(rng, length, setup.flag("lengths"))
     available = len(haystack) - start
     tokens = length - overhead
     tried = []
