@@ -467,6 +467,22 @@ def test_hybrid_policy_json_reports_budget_and_evictions(capsys, cached_smollm2)
     assert hybrid["kv_cache_bytes"] < full["kv_cache_bytes"]
 
 
+def test_json_statistics_describe_the_cache_when_a_stop_string_ends_the_run(capsys, cached_smollm2):
+    """The run's statistics are filled in when it ends, and a stop string ends it before its last token: the JSON
+    must still describe the cache that ran (and, with retention, the peak of its hold: with 4-token chunks the
+    staging slots cannot take the prompt, so the arena grows to hold it)."""
+    text = plain_greedy_json(capsys, LONG_PROMPT)["text"]
+    stop = text.strip()[1:4]
+    code, out, err = run_cli(capsys, "generate", "--prompt", LONG_PROMPT, "-n", "8", "--dtype", "float32",
+                             "--ignore-eos", "--json", "--policy", "hybrid", "--budget", "16", "--stop", stop,
+                             "--prefill-chunk", "4")
+    assert code == 0, err
+    result = parse_json_output(out)
+    assert result["new_tokens"] < 8 and result["budget"] == 16
+    assert result["evicted_tokens"] == result["prompt_tokens"] + result["new_tokens"] - 1 - 16
+    assert 0 < result["kv_cache_bytes"] < result["kv_peak_bytes"]
+
+
 def test_self_speculative_greedy_text_equals_plain_greedy(capsys, cached_smollm2):
     """Exact speculative decoding: with greedy sampling the draft cannot change the output."""
     plain = plain_greedy_json(capsys, LONG_PROMPT)

@@ -63,6 +63,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
+    from contextlib import closing
 
     from .engine import RunStats, run_generation
     from .generate import stream_text
@@ -106,11 +107,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
     )
     pieces = []
-    for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
-        pieces.append(piece)
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
+        for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
+            pieces.append(piece)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
     if args.json:
         result = {"text": "".join(pieces), "model": target.name, **stats.to_dict()}
         result.update(policy=cache.policy.name, budget=stats.budget, positions=cache.positions,
