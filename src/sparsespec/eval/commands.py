@@ -369,6 +369,10 @@ def _draft_cache_flags(args: argparse.Namespace) -> dict:
         flags["kv_dtype"] = args.draft_kv_dtype
     if args.draft_kv_recent is not None:  # the same, before the full-precision window
         flags["kv_recent"] = args.draft_kv_recent
+    if args.draft_retention not in (None, "auto"):  # the same, before retention
+        flags["retention"] = args.draft_retention
+    if args.draft_retention_tokens is not None:
+        flags["retention_tokens"] = args.draft_retention_tokens
     return flags
 
 
