@@ -1,10 +1,12 @@
-"""The evaluation harness: streaming perplexity, the prompt set, the resumable sweep, the ppl/sweep arguments."""
+"""The evaluation harness: streaming perplexity, the prompt set, the resumable sweep (retention axis and retrieval
+included), the ppl/sweep arguments."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +16,9 @@ from conftest import tiny_config, tiny_model
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.errors import UserError
+from sparsespec.eval import needle, sweep
 from sparsespec.eval.commands import add_ppl_arguments, add_sweep_arguments, run_ppl, run_sweep
+from sparsespec.eval.needle import Answer, NeedlePrompt, NeedleSetup
 from sparsespec.eval.perplexity import (
     moving_average,
     nll_from_logits,
@@ -32,6 +36,7 @@ from sparsespec.eval.sweep import (
     _hybrid_gap_along_text,
     aggregate_stats,
     build_grid,
+    describe_record,
     parse_draft,
     plot_sweep,
     read_records,
@@ -159,12 +164,14 @@ def test_sweep_refuses_int4_keys_that_would_keep_the_key_bias_in_before_measurin
 
 def fake_result(point: SweepPoint) -> dict:
     budget = point.budget or 1000
+    correct = 10 if point.retention == "auto" else min(budget // 16, 10)
     return {
         "cache": point.policy,
         "quality": {"ppl": 10 + 1000 / budget, "kv_cache_bytes": budget * 64,
                     "window": 8, "window_ppl": [10 + 1000 / budget + i for i in range(5)]},
         "speed": {"tokens_per_s": 50 - budget / 100,
                   **({"acceptance_rate": 0.5 + budget / 4000, "tokens_per_target_pass": 2.0} if point.draft else {})},
+        "retrieval": {"task": "passkey", "cells": 10, "correct": correct, "fraction": correct / 10},
     }
 
 
@@ -217,14 +224,110 @@ def test_sweep_resumes_and_writes_each_key_once(tmp_path):
         assert isinstance(record["quality"], dict) and isinstance(record["speed"], dict)
 
 
-def test_sweep_plots(tmp_path):
-    points = build_grid(["full", "hybrid"], [32, 64, 128], ["original"], [4], [None, "self"])
+def test_sweep_plots(tmp_path, monkeypatch):
+    points = build_grid(["full", "streaming", "hybrid"], [32, 64, 128], ["original"], [4], [None, "self"],
+                        retentions=["auto", "off"])
     records = run_grid(points, tmp_path / "s.jsonl", fake_result, {"m": 1})
+    drawn = {}
+    draw = sweep._draw
+
+    def spy(path, title, xlabel, ylabel, series, flat, *args, **kwargs):
+        drawn[path.name] = series, flat
+        return draw(path, title, xlabel, ylabel, series, flat, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "_draw", spy)
     written = plot_sweep(records, tmp_path / "plots")
     assert sorted(p.name for p in written) == [
         "acceptance_vs_budget.png", "ppl_gap_vs_position.png", "ppl_vs_budget.png", "ppl_vs_kv_bytes.png",
-        "tokps_vs_budget.png"]
+        "retrieval_vs_budget.png", "tokps_vs_budget.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+    # Retrieval: a series per policy and retention (drafts answer as the target does), the full cache flat.
+    series, flat = drawn["retrieval_vs_budget.png"]
+    assert sorted(series) == ["hybrid (original)", "hybrid (original), retention off", "streaming (original)"]
+    assert sorted(series["hybrid (original), retention off"]) == [(32, 0.2), (64, 0.4), (128, 0.8)]
+    assert flat == {"full": 1.0}
+    # Perplexity does not depend on retention: one series per policy.
+    assert sorted(drawn["ppl_vs_budget.png"][0]) == ["hybrid (original)", "streaming (original)"]
+
+
+def test_retention_axis_collapses_without_heavy_hitters_and_leaves_auto_keys_as_they_were():
+    policies = ["full", "window", "streaming", "hybrid"]
+    before = build_grid(policies, [32], ["original"])
+    points = build_grid(policies, [32], ["original"], retentions=["auto", "off", "query"])
+    assert [(p.policy, p.retention) for p in points] == [
+        ("full", "auto"), ("window", "auto"), ("streaming", "auto"), ("hybrid", "auto"), ("hybrid", "off")]
+    assert points[:4] == before  # query is auto's choice for heavy hitters; no heavy hitters, nothing to switch
+    assert points[3].key("x") == "hybrid|budget=32|positions=original|draft=-|gamma=-|setup=x"
+    assert points[4].key("x") == "hybrid|budget=32|positions=original|draft=-|gamma=-|retention=off|setup=x"
+    assert points[4].label() == "hybrid@32/original retention off"
+    cache = SweepEvaluator(None, SweepOptions()).cache_options(points[4])
+    assert cache.retention == "off" and cache.policy.budget == 32
+    with pytest.raises(UserError, match="Unknown retention 'sometimes' in --retentions"):
+        build_grid(["hybrid"], [32], ["original"], retentions=["auto", "sometimes"])
+    with pytest.raises(UserError, match="--retentions is empty"):
+        build_grid(["hybrid"], [32], ["original"], retentions=[])
+
+
+def needle_prompt(length: int, depth: float) -> NeedlePrompt:
+    """A retrieval prompt of ``length`` made-up tokens, its 8-token needle ``depth`` percent of the way in."""
+    at = round(depth / 100 * (length - 8))
+    return NeedlePrompt(length=length, depth=float(depth), trial=0, ids=tuple(range(length)),
+                        question="What is the secret passkey?", expected=str(10000 + length + int(depth)),
+                        needle=(at, at + 8), document=(0, length))
+
+
+def planted_answerer(calls: list):
+    """A stand-in for ``needle.engine_answerer`` (same arguments), logging them to ``calls``, whose answers recall
+    what the cache would still hold: every needle with the full cache or with retention on a heavy-hitter policy,
+    else only a needle among the budget's newest tokens."""
+
+    def make(target, cache, draft, max_new_tokens):
+        calls.append((cache, draft, max_new_tokens))
+        policy = cache.policy
+
+        def answer(prompt: NeedlePrompt) -> Answer:
+            kept = (policy.is_full or (policy.needs_scores and cache.retention != "off")
+                    or len(prompt.ids) - prompt.needle[0] <= policy.budget)
+            return Answer(f"The passkey is {prompt.expected}." if kept else "I do not remember it.")
+
+        return answer
+
+    return make
+
+
+def test_sweep_records_retrieval_per_point_from_a_planted_answerer(tmp_path):
+    setup = NeedleSetup(lengths=(300, 600), depths=(0, 50, 100), chat=False)
+    calls = []
+    evaluator = SweepEvaluator(SimpleNamespace(config=tiny_config(), name="tiny"),
+                               SweepOptions(quality=False, speed=False, retrieval=setup, answer_tokens=7),
+                               needle_prompts=[needle_prompt(n, d) for n, d, _ in setup.cells()],
+                               answerer=planted_answerer(calls))
+    points = build_grid(["full", "hybrid"], [160], ["original"], retentions=["auto", "off"])
+    for point in points:
+        evaluator.check(point)
+    records = run_grid(points, tmp_path / "s.jsonl", evaluator, {"m": 1})
+    assert read_records(tmp_path / "s.jsonl") == records
+    assert [(r["policy"], r["retention"]) for r in records] == [("full", "auto"), ("hybrid", "auto"),
+                                                                 ("hybrid", "off")]
+    # Each point's answers came from its own target cache, without a draft, at most answer_tokens long.
+    assert [(cache.policy.budget, cache.retention, draft, n) for cache, draft, n in calls] == [
+        (None, "auto", None, 7), (160, "auto", None, 7), (160, "off", None, 7)]
+    for record in records:
+        assert tuple(record) == RECORD_FIELDS and record["quality"] is None and record["speed"] is None
+    assert records[0]["retrieval"]["correct"] == records[1]["retrieval"]["correct"] == 6
+    # Without retention only the needles within the newest 160 tokens are recalled: depth 100 everywhere, and
+    # depth 50 of the 300-token prompts (154 tokens from the end).
+    assert records[2]["retrieval"] == {
+        "task": "passkey", "lengths": [300, 600], "depths": [0.0, 50.0, 100.0], "cells": 6, "correct": 3,
+        "fraction": 0.5, "by_length": {"300": {"cells": 3, "correct": 2, "fraction": 0.6667},
+                                       "600": {"cells": 3, "correct": 1, "fraction": 0.3333}}}
+    assert describe_record(records[2]).startswith("hybrid@160/original retention off, retrieval 3/6 (50%), ")
+
+    too_long = SweepEvaluator(SimpleNamespace(config=tiny_config(), name="tiny"),
+                              SweepOptions(quality=False, speed=False, retrieval=setup),
+                              needle_prompts=[needle_prompt(4090, 50)])
+    with pytest.raises(UserError, match=r"The longest retrieval prompt plus its answer \(4106 tokens\) exceeds tiny"):
+        too_long.check(points[0])
 
 
 def test_hybrid_gap_along_text_is_the_smoothed_percent_above_full():
@@ -246,10 +349,10 @@ def test_aggregate_stats_weights_by_tokens():
     from sparsespec.engine import RunStats
     from sparsespec.speculative import SpeculativeStats
 
-    a = RunStats(prompt_tokens=10, new_tokens=11, decode_seconds=1.0, kv_cache_bytes=100,
+    a = RunStats(prompt_tokens=10, new_tokens=11, decode_seconds=1.0, kv_cache_bytes=100, kv_peak_bytes=300,
                  speculative=SpeculativeStats(target_passes=5, draft_passes=8, drafted=8, accepted=6, new_tokens=11,
                                               draft_seconds=0.4, target_seconds=1.0))
-    b = RunStats(prompt_tokens=20, new_tokens=31, decode_seconds=2.0, kv_cache_bytes=100,
+    b = RunStats(prompt_tokens=20, new_tokens=31, decode_seconds=2.0, kv_cache_bytes=100, kv_peak_bytes=100,
                  speculative=SpeculativeStats(target_passes=10, draft_passes=32, drafted=32, accepted=14,
                                               new_tokens=31, draft_seconds=1.6, target_seconds=2.0))
     out = aggregate_stats([a, b])
@@ -258,6 +361,7 @@ def test_aggregate_stats_weights_by_tokens():
     assert out["tokens_per_target_pass"] == pytest.approx(42 / 15)
     assert out["draft_target_cost_ratio"] == pytest.approx((2.0 / 40) / (3.0 / 15))
     assert out["prompt_tokens"] == 30 and out["new_tokens"] == 42
+    assert out["kv_cache_bytes"] == 100 and out["kv_peak_bytes"] == 300  # the most any run held
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -327,6 +431,20 @@ def test_ppl_max_tokens_beyond_context_is_refused_before_loading(tmp_path):
         (["--out", "x.jsonl", "--speed", "--kv-dtypes", "int8,int2"], "KV dtype"),
         (["--out", "x.jsonl", "--speed", "--kv-bytes", "4MB"], "--kv-bytes takes a size"),
         (["--out", "x.jsonl", "--speed", "--kv-bytes", "4MiB", "--budgets", "32"], "not both"),
+        (["--out", "x.jsonl", "--speed", "--retrieval-lengths", "512"],
+         "--retrieval-lengths does nothing without --retrieval"),
+        (["--out", "x.jsonl", "--retrieval", "--text", "t.txt", "--new-tokens", "8"],
+         r"--new-tokens does nothing without the speed runs \(the sweep measures only retrieval\)"),
+        (["--out", "x.jsonl", "--quality", "--text", "t.txt", "--retentions", "auto,off"],
+         "--retentions does nothing without the speed runs or --retrieval"),
+        (["--out", "x.jsonl", "--retrieval"], "--retrieval plants its needles in --text"),
+        (["--out", "x.jsonl", "--retrieval", "--text", "t.txt", "--retrieval-task", "riddle"],
+         "Unknown --retrieval-task 'riddle'"),
+        (["--out", "x.jsonl", "--retrieval", "--text", "t.txt", "--retrieval-depths", "0,150"],
+         "--retrieval-depths are percentages"),
+        (["--out", "x.jsonl", "--retrieval", "--text", "t.txt", "--retrieval-lengths", "1k"],
+         "--retrieval-lengths takes comma-separated whole numbers"),
+        (["--out", "x.jsonl", "--speed", "--retentions", "auto,sometimes"], "Unknown retention 'sometimes'"),
     ],
 )
 def test_sweep_argument_errors(tmp_path, monkeypatch, argv, message):
@@ -351,11 +469,8 @@ def test_smollm2_streaming_perplexity_smoke(smollm2_f32, tmp_path):
     from sparsespec.eval.texts import text_token_ids
     from sparsespec.loading.fetch import corpus_names
 
-    if "hamlet" in corpus_names():
-        spec = "corpus:hamlet"
-    else:  # CI fetches only the model: read the prompt set's prose as one text instead
-        spec = str(tmp_path / "prose.txt")
-        (tmp_path / "prose.txt").write_text("\n\n".join(p.text for p in load_prompts(["prose", "chat"])))
+    # CI fetches only the model: read the prompt set's prose as one text instead
+    spec = "corpus:hamlet" if "hamlet" in corpus_names() else str(prose_file(tmp_path))
     ids = text_token_ids(smollm2_f32.tokenizer, spec, 200)
     assert len(ids) == 200
     _, summary = measure_perplexity(smollm2_f32, CacheOptions(make_policy("hybrid", 64)), ids, 64, window=64)
@@ -365,3 +480,57 @@ def test_smollm2_streaming_perplexity_smoke(smollm2_f32, tmp_path):
     assert summary["evicted_tokens"] > 0
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
     assert summary["kv_cache_bytes"] == (64 + 64) * per_token  # budget + one chunk of staging
+
+
+def prose_file(tmp_path) -> Path:
+    """The prompt set's prose and chat as one text file of about 400 tokens, a text every checkout has."""
+    path = tmp_path / "prose.txt"
+    path.write_text("\n\n".join(p.text for p in load_prompts(["prose", "chat"])))
+    return path
+
+
+def sweep_on_smollm2(monkeypatch, model, tmp_path, *flags: str) -> Path:
+    """Run ``sparsespec sweep FLAGS`` on the session's loaded SmolLM2 (no second load) with its prose as --text;
+    return the --out file."""
+    import sparsespec.loading.load as load
+
+    monkeypatch.setattr(load, "load_model", lambda *args, **kwargs: model)
+    out = tmp_path / "s.jsonl"
+    argv = ["--out", str(out), "--text", str(prose_file(tmp_path)), "--quiet", "--dtype", "float32", *flags]
+    assert run_sweep(parse(add_sweep_arguments, argv)) == 0
+    return out
+
+
+def test_sweep_retrieval_through_the_command(capsys, monkeypatch, smollm2_f32, tmp_path):
+    """--retrieval and --retentions as a user gives them, SmolLM2's tokenizer building the prompts and a planted
+    answerer standing in for its greedy answers: the summary lines, the setup recorded, the plot."""
+    calls = []
+    monkeypatch.setattr(needle, "engine_answerer", planted_answerer(calls))
+    plots = tmp_path / "plots"
+    out = sweep_on_smollm2(monkeypatch, smollm2_f32, tmp_path, "--retrieval", "--retrieval-lengths", "256",
+                           "--retrieval-depths", "0,100", "--policies", "full,streaming,hybrid", "--budgets", "128",
+                           "--retentions", "auto,off", "--plots", str(plots))
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == f"sweep: 4 points -> {out}"
+    assert [line.split(", ")[:2] for line in lines[1:]] == [
+        ["full", "retrieval 2/2 (100%)"], ["streaming@128/original", "retrieval 1/2 (50%)"],
+        ["hybrid@128/original", "retrieval 2/2 (100%)"], ["hybrid@128/original retention off", "retrieval 1/2 (50%)"]]
+    assert captured.out.split() == [str(plots / "retrieval_vs_budget.png")]
+    records = read_records(out)
+    assert all(r["setup"]["measure"] == ["retrieval"] for r in records)
+    assert records[0]["setup"]["retrieval"] == {"task": "passkey", "lengths": [256], "depths": [0.0, 100.0],
+                                                "keys": 1, "seed": 0, "chat": True, "answer_tokens": 16}
+    assert [n for _, _, n in calls] == [16] * 4
+
+
+def test_one_real_retrieval_cell_on_smollm2(monkeypatch, smollm2_f32, tmp_path):
+    """The real answerer: SmolLM2 with a hybrid cache and retention reads one 256-token prompt and answers."""
+    out = sweep_on_smollm2(monkeypatch, smollm2_f32, tmp_path, "--retrieval", "--retrieval-lengths", "256",
+                           "--retrieval-depths", "50", "--policies", "hybrid", "--budgets", "128")
+    (record,) = read_records(out)
+    assert record["retention"] == "auto" and record["cache"] == "hybrid(sinks=4, heavy=62, window=62)"
+    retrieval = record["retrieval"]
+    assert retrieval["cells"] == 1 and retrieval["correct"] in (0, 1)
+    assert retrieval["by_length"] == {"256": {"cells": 1, "correct": retrieval["correct"],
+                                              "fraction": retrieval["fraction"]}}

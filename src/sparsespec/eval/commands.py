@@ -36,6 +36,9 @@ DEFAULT_GAMMAS = str(DEFAULT_GAMMA)
 DEFAULT_PROMPTS = "code,prose,chat"
 DEFAULT_NEW_TOKENS = 64
 DEFAULT_SWEEP_MAX_TOKENS = 1024
+DEFAULT_RETENTIONS = "auto"
+DEFAULT_RETRIEVAL_TASK = "passkey"
+DEFAULT_RETRIEVAL_LENGTHS = "1024,2048"
 DEFAULT_NEEDLE_TEXT = "corpus:paradise_lost"
 DEFAULT_NEEDLE_LENGTHS = "1024,2048,4096"
 DEFAULT_NEEDLE_DEPTHS = "0,25,50,75,100"
@@ -167,6 +170,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "(default: %(default)s)")
     parser.add_argument("--positions", default="original",
                         help="comma-separated position modes: original, in-cache (default: %(default)s)")
+    parser.add_argument("--retentions", default=DEFAULT_RETENTIONS,
+                        help="comma-separated query-aware retention modes: auto (a heavy-hitter cache keeps what "
+                             "each prompt's end attends to; query is the same) and/or off; policies without heavy "
+                             "hitters have one value (default: %(default)s)")
     parser.add_argument("--gammas", default=None,
                         help=f"comma-separated γ values or auto (default: {DEFAULT_GAMMAS}; needs a draft)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass")
@@ -180,8 +187,21 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="tokens of --text read before every prompt (a long context) (default: 0)")
     parser.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                         help="new tokens per prompt (default: %(default)s)")
-    parser.add_argument("--quality", action="store_true", help="measure only perplexity (default: both)")
-    parser.add_argument("--speed", action="store_true", help="measure only speed / acceptance (default: both)")
+    measure = parser.add_argument_group("what to measure", "the measurements named are the ones made (default: "
+                                        "--quality and --speed)")
+    measure.add_argument("--quality", action="store_true", help="perplexity of --text")
+    measure.add_argument("--speed", action="store_true", help="speed / acceptance over the prompt set")
+    measure.add_argument("--retrieval", action="store_true",
+                         help="the needle check of `sparsespec needle`: a fact planted once in --text, asked for "
+                              "greedily (chat template when the model has one) at each length and depth")
+    measure.add_argument("--retrieval-task", default=DEFAULT_RETRIEVAL_TASK, metavar="{passkey,multikey,fact}",
+                         help="what --retrieval plants and asks for, as needle's --task (default: %(default)s)")
+    measure.add_argument("--retrieval-lengths", default=DEFAULT_RETRIEVAL_LENGTHS, metavar="N,N,...",
+                         help="comma-separated --retrieval prompt lengths in the model's tokens, chat template "
+                              "included (default: %(default)s)")
+    measure.add_argument("--retrieval-depths", default=DEFAULT_NEEDLE_DEPTHS, metavar="PCT,PCT,...",
+                         help="comma-separated --retrieval needle depths, percent of the haystack: 0 at its start, "
+                              "100 just before the question (default: %(default)s)")
     parser.add_argument("--out", required=True, metavar="FILE.jsonl",
                         help="results, one JSON line per point; points already in it are skipped")
     parser.add_argument("--plots", default=None, metavar="DIR", help="draw the trade-off plots into this folder")
@@ -216,7 +236,7 @@ def _sweep_grid(args: argparse.Namespace):
     budgets = parse_budgets(args.budgets if args.budgets is not None or kv_bytes else "256")
     budget_for_bytes = _budget_for_bytes(args) if kv_bytes else None
     return build_grid(split_list(args.policies), budgets, split_list(args.positions), gammas, drafts, kv_dtypes,
-                      kv_bytes, budget_for_bytes)
+                      kv_bytes, budget_for_bytes, split_list(args.retentions))
 
 
 def _budget_for_bytes(args: argparse.Namespace):
@@ -235,25 +255,41 @@ def _budget_for_bytes(args: argparse.Namespace):
     return budget_for_bytes
 
 
-def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
-    """What to measure (quality, speed); raises :class:`UserError` for bad values and for flags that would do
-    nothing (flags of the measurement not made; draft flags without a draft)."""
-    measure_quality = args.quality or not args.speed
-    measure_speed = args.speed or not args.quality
+def _check_sweep_args(args: argparse.Namespace):
+    """What to measure: ``(quality, speed, retrieval)``, the last a ``NeedleSetup`` (its ``chat`` still to be
+    decided by the model) or None. Raises :class:`UserError` for bad values and for flags that would do nothing
+    (flags of a measurement not made; draft flags without a draft)."""
+    named = {"perplexity": args.quality, "speed": args.speed, "retrieval": args.retrieval}
+    if not any(named.values()):
+        named.update(perplexity=True, speed=True)
+    measure_quality, measure_speed, measure_retrieval = named.values()
+    only = f" (the sweep measures only {' and '.join(name for name, on in named.items() if on)})"
     if not measure_speed:
         reject_without([flag for flag, on in (
             ("--prompts", args.prompts != DEFAULT_PROMPTS), ("--max-prompts", args.max_prompts is not None),
             ("--new-tokens", args.new_tokens != DEFAULT_NEW_TOKENS), ("--context-tokens", args.context_tokens != 0),
-        ) if on], "the speed runs", " (--quality measures perplexity only)")
+        ) if on], "the speed runs", only)
     if not measure_quality:
         reject_without([flag for flag, on in (
             ("--max-tokens", args.max_tokens != DEFAULT_SWEEP_MAX_TOKENS), ("--chunk", args.chunk is not None),
             ("--ppl-window", args.ppl_window != DEFAULT_PPL_WINDOW),
-        ) if on], "perplexity", " (--speed measures speed only)")
+        ) if on], "perplexity", only)
+    if not measure_retrieval:
+        reject_without([flag for flag, on in (
+            ("--retrieval-task", args.retrieval_task != DEFAULT_RETRIEVAL_TASK),
+            ("--retrieval-lengths", args.retrieval_lengths != DEFAULT_RETRIEVAL_LENGTHS),
+            ("--retrieval-depths", args.retrieval_depths != DEFAULT_NEEDLE_DEPTHS),
+        ) if on], "--retrieval")
+    if not (measure_speed or measure_retrieval):
+        reject_without(["--retentions"] * (args.retentions != DEFAULT_RETENTIONS), "the speed runs or --retrieval",
+                       " (perplexity reads the text as one stream, with no prompt end at which retention would "
+                       "choose)")
     if all(entry == "none" for entry in split_list(args.draft)):
         reject_without(["--gammas"] * (args.gammas is not None) + draft_flags_given(args), "a draft in --draft")
     if measure_quality and args.text is None:
         raise UserError("Perplexity needs --text FILE or --text corpus:NAME (or measure only --speed).")
+    if measure_retrieval and args.text is None:
+        raise UserError("--retrieval plants its needles in --text; give --text FILE or --text corpus:NAME.")
     if args.context_tokens < 0:
         raise UserError(f"--context-tokens must not be negative (got {args.context_tokens}).")
     if args.context_tokens and args.text is None:
@@ -271,7 +307,14 @@ def _check_sweep_args(args: argparse.Namespace) -> tuple[bool, bool]:
     if not args.out.endswith(".jsonl"):
         raise UserError(f"--out names a JSON-lines file; give a name ending in .jsonl (got {args.out}).")
     _check_window(args)
-    return measure_quality, measure_speed
+    retrieval = None
+    if measure_retrieval:
+        from .needle import NeedleSetup
+
+        retrieval = NeedleSetup(
+            task=args.retrieval_task, lengths=_parse_numbers(args.retrieval_lengths, "--retrieval-lengths", int),
+            depths=_parse_numbers(args.retrieval_depths, "--retrieval-depths", float), flag_prefix="retrieval-")
+    return measure_quality, measure_speed, retrieval
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -288,10 +331,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             print(path)
         return 0
 
-    measure_quality, measure_speed = _check_sweep_args(args)
+    measure_quality, measure_speed, retrieval = _check_sweep_args(args)
     points = _sweep_grid(args)
     from .prompts import load_prompts, parse_kinds
-    from .texts import resolve_text
+    from .texts import read_text, resolve_text
 
     prompts = load_prompts(parse_kinds(args.prompts), per_kind=args.max_prompts) if measure_speed else []
     if measure_speed and not prompts:
@@ -323,12 +366,22 @@ def run_sweep(args: argparse.Namespace) -> int:
             context = target.tokenizer.decode(text_ids[: args.context_tokens], skip_special_tokens=True)
         if args.max_tokens is not None:
             text_ids = text_ids[: args.max_tokens]
+    needle_prompts = []
+    if retrieval is not None:
+        from dataclasses import replace
+
+        from .needle import Haystack, build_prompts
+
+        retrieval = replace(retrieval, chat=bool(getattr(target.tokenizer, "chat_template", None)))
+        haystack = Haystack(read_text(args.text), target.tokenizer, args.text)
+        needle_prompts = build_prompts(target.tokenizer, haystack, retrieval)
 
     setup = {
         "model": target.name, "dtype": args.dtype, "weights": args.weights,
         "text": args.text, "max_tokens": len(text_ids) if measure_quality else None,
         "chunk": args.chunk if measure_quality else None, "ppl_window": args.ppl_window if measure_quality else None,
-        "measure": [m for m, on in (("quality", measure_quality), ("speed", measure_speed)) if on],
+        "measure": [m for m, on in (("quality", measure_quality), ("speed", measure_speed),
+                                    ("retrieval", retrieval is not None)) if on],
         "prompts": [p.id for p in prompts], "context_tokens": args.context_tokens if measure_speed else 0,
         "new_tokens": args.new_tokens if measure_speed else None, "prefill_chunk": args.prefill_chunk,
         "force_context": args.force_context, "seed": 0,  # speed runs are greedy; the field keeps setup ids as before
@@ -336,6 +389,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         "draft_cache": _draft_cache_flags(args) if any(p.draft for p in points) else None,
         "threads": args.threads,
     }
+    if retrieval is not None:  # absent otherwise, so setups without retrieval keep their ids
+        setup["retrieval"] = {"task": retrieval.task, "lengths": sorted(set(retrieval.lengths)),
+                              "depths": sorted(set(retrieval.depths)), "keys": retrieval.key_count,
+                              "seed": retrieval.seed, "chat": retrieval.chat,
+                              "answer_tokens": DEFAULT_NEEDLE_NEW_TOKENS}
     loaded_drafts: dict[str, object] = {}
 
     def load_draft(ref: str):
@@ -344,12 +402,14 @@ def run_sweep(args: argparse.Namespace) -> int:
         return loaded_drafts[ref]
 
     options = SweepOptions(
-        quality=measure_quality, speed=measure_speed, context=context, new_tokens=args.new_tokens, chunk=args.chunk,
+        quality=measure_quality, speed=measure_speed, retrieval=retrieval, context=context,
+        new_tokens=args.new_tokens, answer_tokens=DEFAULT_NEEDLE_NEW_TOKENS, chunk=args.chunk,
         window=args.ppl_window, prefill_chunk=args.prefill_chunk, force_context=args.force_context,
         progress=not args.quiet,
     )
     evaluator = SweepEvaluator(
         target, options, text_ids=text_ids if measure_quality else None, prompts=prompts,
+        needle_prompts=needle_prompts,
         draft_cache=lambda positions, budget: _draft_cache(args, positions, budget), load_draft=load_draft,
     )
     for point in points:

@@ -1,22 +1,29 @@
-"""The trade-off study: a grid of cache settings, each measured for quality and/or speed, one JSON line per point.
+"""The trade-off study: a grid of cache settings, each measured for quality, speed and/or retrieval, one JSON line
+per point.
 
 Grid
-    The points are the product policy × KV dtype × budget × position mode × draft × γ, with the axes that do not
-    apply collapsed: the full cache has no budget and one position mode (``original``; with nothing evicted the
-    modes coincide), and a point without a draft has no γ. A draft entry is ``self``, a model reference, or either
-    with ``:BUDGET`` appended (``self:64``), which overrides the draft cache's budget for that entry. Budgets may
-    instead be given as KV bytes (``--kv-bytes``): each (policy, KV dtype) then gets the budget whose quality
-    arena (budget + one chunk of staging) fits those bytes, and speed runs use that budget too.
+    The points are the product policy × KV dtype × budget × position mode × retention × draft × γ, with the axes
+    that do not apply collapsed: the full cache has no budget and one position mode (``original``; with nothing
+    evicted the modes coincide), a policy without heavy hitters (full, window, streaming) has no retention to switch
+    (its points are ``auto``, which is off for it), and a point without a draft has no γ. Retention ``query`` is
+    what ``auto`` does for a heavy-hitter policy, so such points are ``auto`` too. A draft entry is ``self``, a
+    model reference, or either with ``:BUDGET`` appended (``self:64``), which overrides the draft cache's budget
+    for that entry. Budgets may instead be given as KV bytes (``--kv-bytes``): each (policy, KV dtype) then gets
+    the budget whose quality arena (budget + one chunk of staging) fits those bytes, and speed runs use that budget
+    too.
 
 Evaluation (injectable)
     :func:`run_grid` calls ``evaluate(point) -> dict`` for every point not yet in the output file. The real
     evaluator, :class:`SweepEvaluator`, measures
 
     - ``quality``: streaming perplexity of a text (see ``perplexity.py``) for the target with the point's cache
-      (independent of draft and γ, so it is computed once per cache and reused), and/or
+      (independent of draft, γ and retention, which has no prompt end to choose at in one stream, so it is computed
+      once per cache and reused),
     - ``speed``: greedy :func:`~sparsespec.engine.run_generation` over the prompt set (EOS ignored, so every
       prompt yields exactly the requested number of new tokens), optionally after a long context taken from the
-      text: tokens per second, acceptance, tokens per target pass, KV bytes, per prompt kind and overall.
+      text: tokens per second, acceptance, tokens per target pass, KV bytes, per prompt kind and overall, and/or
+    - ``retrieval``: the needle check (see ``needle.py``): a greedy answer, with the point's target cache and
+      draft, to every prompt of a lengths × depths grid whose haystack is the text; how many were right.
 
 Output file (``.jsonl``, appended one line per finished point, flushed immediately)
     Each line is an object with :data:`RECORD_FIELDS`:
@@ -24,14 +31,18 @@ Output file (``.jsonl``, appended one line per finished point, flushed immediate
     ``key``           stable identity of the point: its axes plus ``setup_id``
     ``setup_id``      short hash of ``setup``
     ``setup``         everything besides the axes that changes the numbers (model, dtype, text, token counts, …)
-    ``policy``, ``budget``, ``positions``, ``draft``, ``gamma``, ``kv_dtype``, ``kv_bytes``   the point's axes
-                      (``budget``/``draft``/``gamma``/``kv_bytes`` may be null)
+    ``policy``, ``budget``, ``positions``, ``draft``, ``gamma``, ``kv_dtype``, ``kv_bytes``, ``retention``
+                      the point's axes (``budget``/``draft``/``gamma``/``kv_bytes`` may be null; records written
+                      before the retention axis have no ``retention`` and are read as ``auto``)
     ``cache``         the target cache's description, e.g. ``hybrid(sinks=4, heavy=126, window=126)``
     ``quality``       null or ``{ppl, mean_nll, predicted_tokens, window, window_ppl, tokens, chunk,
                       kv_cache_bytes, kv_metadata_bytes, evicted_tokens, seconds, tokens_per_s}``
     ``speed``         null or ``{prompts, prompt_tokens, new_tokens, tokens_per_s, prefill_seconds,
-                      decode_seconds, kv_cache_bytes, by_kind}`` plus, with a draft, ``acceptance_rate``,
+                      decode_seconds, kv_cache_bytes, kv_peak_bytes, by_kind}`` plus, with a draft, ``acceptance_rate``,
                       ``tokens_per_target_pass``, ``draft_target_cost_ratio``, ``target_passes``
+    ``retrieval``     null or ``{task, lengths, depths, cells, correct, fraction, by_length}``: the needle task,
+                      the prompt lengths (tokens) and depths (percent) asked, prompts asked (``cells``) and answered
+                      right (``correct``), their ratio, and ``by_length`` ``{"LENGTH": {cells, correct, fraction}}``
     ``rss_bytes``     resident memory of the process after the point (psutil)
     ``rss_peak_bytes`` highest resident memory sampled while the point ran
     ``seconds``       wall time of the point; ``finished_at`` ISO time stamp
@@ -53,14 +64,17 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from ..errors import UserError
 from ..flags import DEFAULT_GAMMA
 
+if TYPE_CHECKING:  # needle.py imports torch, which only a run needs
+    from .needle import NeedleSetup
+
 RECORD_FIELDS = (
-    "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "kv_dtype", "kv_bytes", "cache",
-    "quality", "speed",
+    "key", "setup_id", "setup", "policy", "budget", "positions", "draft", "gamma", "kv_dtype", "kv_bytes",
+    "retention", "cache", "quality", "speed", "retrieval",
     "rss_bytes", "rss_peak_bytes", "seconds", "finished_at",
 )
 
@@ -77,6 +91,7 @@ class SweepPoint:
     gamma: int | str | None = None
     kv_dtype: str = "auto"
     kv_bytes: int | None = None  # the bytes the budget was sized for, when the grid was given in bytes
+    retention: str = "auto"  # auto (query-aware where the policy keeps heavy hitters) | off, see cache/retention.py
 
     def key(self, setup_id: str) -> str:
         parts = [
@@ -90,12 +105,16 @@ class SweepPoint:
             parts.append(f"kv={self.kv_dtype}")
         if self.kv_bytes is not None:
             parts.append(f"kv_bytes={self.kv_bytes}")
+        if self.retention != "auto":  # absent from keys written before the retention axis
+            parts.append(f"retention={self.retention}")
         return "|".join(parts + [f"setup={setup_id}"])
 
     def label(self) -> str:
         text = self.policy if self.budget is None else f"{self.policy}@{self.budget}/{self.positions}"
         if self.kv_dtype != "auto":
             text += f" KV {self.kv_dtype}"
+        if self.retention != "auto":
+            text += f" retention {self.retention}"
         if self.draft:
             text += f" draft={self.draft} γ={self.gamma}"
         return text
@@ -139,15 +158,18 @@ def build_grid(
     kv_dtypes: Sequence[str] = ("auto",),
     kv_bytes: Sequence[int] = (),
     budget_for_bytes: Callable[[str, str, int], int] | None = None,
+    retentions: Sequence[str] = ("auto",),
 ) -> list[SweepPoint]:
     """All points of the grid, in a fixed order, with inapplicable axes collapsed and duplicates dropped.
 
     Every budgeted point is checked with :func:`make_policy`, so a budget too small for a policy fails before
     anything runs. With ``kv_bytes``, ``budgets`` must be empty and ``budget_for_bytes(policy, kv_dtype, nbytes)``
-    gives each budget.
+    gives each budget. ``retentions`` are ``--retention`` modes; a point's is ``off`` only where that was asked and
+    its policy keeps heavy hitters, else ``auto``.
     """
     from ..cache.arena import POSITION_MODES
     from ..cache.policy import make_policy
+    from ..cache.retention import RETENTION_MODES
 
     if not policies:
         raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid, hybrid-age, "
@@ -163,22 +185,28 @@ def build_grid(
         raise UserError("--kv-dtypes is empty; give at least one of auto, bf16, int8, int4.")
     if not positions:
         raise UserError("--positions is empty; give original and/or in-cache.")
+    if not retentions:
+        raise UserError("--retentions is empty; give auto and/or off.")
+    for mode in retentions:
+        if mode not in RETENTION_MODES:
+            raise UserError(f"Unknown retention {mode!r} in --retentions; choose auto and/or off.")
     drafts = list(drafts) or [None]
     gammas = list(gammas) or [DEFAULT_GAMMA]
     points: dict[SweepPoint, None] = {}
     sizes = [(b, None) for b in budgets] or [(None, n) for n in kv_bytes] or [(None, None)]
-    for policy, kv, (budget, nbytes), mode, draft, gamma in itertools.product(
-        policies, kv_dtypes, sizes, positions, drafts, gammas
+    for policy, kv, (budget, nbytes), mode, retention, draft, gamma in itertools.product(
+        policies, kv_dtypes, sizes, positions, retentions, drafts, gammas
     ):
         if policy == "full":
             budget, nbytes, mode = None, None, "original"
-        else:
-            if nbytes is not None:
-                budget = budget_for_bytes(policy, kv, nbytes)
-            make_policy(policy, budget)
+        elif nbytes is not None:
+            budget = budget_for_bytes(policy, kv, nbytes)
+        keeps_heavy_hitters = make_policy(policy, budget).needs_scores  # also fails a budget too small now
+        if retention != "off" or not keeps_heavy_hitters:
+            retention = "auto"  # query is auto's choice for heavy hitters; without them every mode is off
         if draft is None:
             gamma = None
-        points.setdefault(SweepPoint(policy, budget, mode, draft, gamma, kv, nbytes))
+        points.setdefault(SweepPoint(policy, budget, mode, draft, gamma, kv, nbytes, retention))
     return list(points)
 
 
@@ -277,9 +305,9 @@ def run_grid(
 ) -> list[dict]:
     """Measure every point whose key is not yet in ``out``, appending one JSON line each; return this grid's records.
 
-    ``evaluate(point)`` returns ``{"cache": str, "quality": dict | None, "speed": dict | None}``; the rest of the
-    record (key, setup, axes, memory, time) is added here. ``on_record(record, reused)`` is called for every point
-    in grid order (``reused`` is True for points found in the file).
+    ``evaluate(point)`` returns ``{"cache": str, "quality": dict | None, "speed": dict | None, "retrieval": dict |
+    None}``; the rest of the record (key, setup, axes, memory, time) is added here. ``on_record(record, reused)``
+    is called for every point in grid order (``reused`` is True for points found in the file).
     """
     out = Path(out)
     setup = dict(setup)
@@ -306,6 +334,7 @@ def run_grid(
             "cache": result.get("cache"),
             "quality": result.get("quality"),
             "speed": result.get("speed"),
+            "retrieval": result.get("retrieval"),
             "rss_bytes": rss.current,
             "rss_peak_bytes": rss.peak,
             "seconds": round(time.perf_counter() - started, 3),
@@ -326,8 +355,10 @@ class SweepOptions:
 
     Args:
         quality, speed: what to measure.
+        retrieval: the needle check to run at every point (a ``needle.NeedleSetup``), or None for none.
         context: text read before every prompt (empty for none).
         new_tokens: new tokens per prompt (speed runs decode greedily, EOS ignored).
+        answer_tokens: most new tokens of each retrieval answer (greedy, ending at end-of-sequence).
         chunk: perplexity chunk (1 = exact decoding semantics); None: 1 for budgeted caches, ``prefill_chunk`` for
             the full cache (whose perplexity does not depend on the chunk).
         window: tokens per window of the perplexity summary.
@@ -338,8 +369,10 @@ class SweepOptions:
 
     quality: bool = True
     speed: bool = True
+    retrieval: NeedleSetup | None = None
     context: str = ""
     new_tokens: int = 64
+    answer_tokens: int = 16
     chunk: int | None = None
     window: int = 256
     prefill_chunk: int = 512
@@ -355,8 +388,12 @@ class SweepEvaluator:
         options: what to measure and how.
         text_ids: token ids of the quality text (needed for ``quality``), already cut to ``--max-tokens``.
         prompts: the speed prompt set (needed for ``speed``).
+        needle_prompts: the retrieval prompts, ``needle.build_prompts`` of ``options.retrieval`` (needed for
+            ``retrieval``).
         draft_cache: ``(positions, budget override) -> CacheOptions`` of the draft.
         load_draft: ``reference -> LoadedModel`` for draft entries other than ``self``.
+        answerer: ``(target, cache, draft, max_new_tokens) -> answer(prompt) -> needle.Answer``, the retrieval's
+            answers (default: ``needle.engine_answerer``, greedy decoding).
     """
 
     def __init__(
@@ -366,16 +403,20 @@ class SweepEvaluator:
         *,
         text_ids: Sequence[int] | None = None,
         prompts: Sequence = (),
+        needle_prompts: Sequence = (),
         draft_cache: Callable[[str, int | None], object] | None = None,
         load_draft: Callable[[str], object] | None = None,
+        answerer: Callable | None = None,
     ) -> None:
         self.target = target
         self.options = options
         self.quality, self.speed = options.quality, options.speed
         self.text_ids = list(text_ids) if text_ids is not None else None
         self.prompts = list(prompts)
+        self.needle_prompts = list(needle_prompts)
         self.draft_cache = draft_cache
         self.load_draft = load_draft
+        self.answerer = answerer
         self._quality_memo: dict[tuple, dict] = {}
         self._drafts: dict[str, object] = {}
         self._prompt_ids: list[list[int]] | None = None
@@ -388,10 +429,12 @@ class SweepEvaluator:
 
         policy = make_policy(point.policy, point.budget)
         o = self.options
-        return CacheOptions(policy, point.positions, o.prefill_chunk, o.force_context, point.kv_dtype)
+        return CacheOptions(policy, point.positions, o.prefill_chunk, o.force_context, point.kv_dtype,
+                            retention=point.retention)
 
     def remember(self, records: Iterable[dict]) -> None:
-        """Reuse quality results of earlier records with the same cache (they do not depend on draft or γ)."""
+        """Reuse quality results of earlier records with the same cache (they do not depend on draft, γ or
+        retention)."""
         for r in records:
             if r.get("quality"):
                 memo_key = (r["policy"], r["budget"], r["positions"], r.get("kv_dtype", "auto"))
@@ -423,7 +466,6 @@ class SweepEvaluator:
         in-cache ranks past the trained context, or int4 keys that would keep a key bias in)."""
         from ..cache.arena import check_key_storage
         from ..engine import check_fits_context, check_in_cache_ranks
-        from ..speculative import GAMMA_MAX, draft_inflight_rows, target_inflight_rows
 
         cache, o = self.cache_options(point), self.options
         check_key_storage(cache.policy, cache.positions, cache.kv_dtype, self.target.config.attention_bias)
@@ -433,22 +475,33 @@ class SweepEvaluator:
             check_in_cache_ranks(self.target, cache, min(chunk, len(self.text_ids)))
         if self.speed and self.prompts:
             longest = max(len(ids) for ids in self.prompt_token_ids()) + o.new_tokens
-            check_fits_context(self.target, cache, longest, "The longest prompt plus context and --new-tokens")
-            draft = self.draft(point)
-            gamma_cap = GAMMA_MAX if point.gamma == "auto" else (point.gamma or 0)
-            staging = min(o.prefill_chunk, longest)
-            check_in_cache_ranks(self.target, cache, max(staging, target_inflight_rows(gamma_cap) if draft else 1))
-            if draft is not None:
-                check_key_storage(draft.cache.policy, draft.cache.positions, draft.cache.kv_dtype,
-                                  draft.model.config.attention_bias)
-                check_fits_context(draft.model, draft.cache, longest,
-                                   "The longest prompt plus context and --new-tokens (for the draft)")
-                check_in_cache_ranks(draft.model, draft.cache, max(staging, draft_inflight_rows(gamma_cap)))
+            self._check_generation(point, cache, longest, "The longest prompt plus context and --new-tokens")
+        if o.retrieval is not None and self.needle_prompts:
+            longest = max(len(prompt.ids) for prompt in self.needle_prompts) + o.answer_tokens
+            self._check_generation(point, cache, longest, "The longest retrieval prompt plus its answer")
+
+    def _check_generation(self, point: SweepPoint, cache, longest: int, what: str) -> None:
+        """:meth:`check` for greedy runs of up to ``longest`` tokens (prompt and new ones, named ``what`` in the
+        error) through ``cache`` and the point's draft."""
+        from ..cache.arena import check_key_storage
+        from ..engine import check_fits_context, check_in_cache_ranks
+        from ..speculative import GAMMA_MAX, draft_inflight_rows, target_inflight_rows
+
+        check_fits_context(self.target, cache, longest, what)
+        draft = self.draft(point)
+        gamma_cap = GAMMA_MAX if point.gamma == "auto" else (point.gamma or 0)
+        staging = min(self.options.prefill_chunk, longest)
+        check_in_cache_ranks(self.target, cache, max(staging, target_inflight_rows(gamma_cap) if draft else 1))
+        if draft is not None:
+            check_key_storage(draft.cache.policy, draft.cache.positions, draft.cache.kv_dtype,
+                              draft.model.config.attention_bias)
+            check_fits_context(draft.model, draft.cache, longest, f"{what} (for the draft)")
+            check_in_cache_ranks(draft.model, draft.cache, max(staging, draft_inflight_rows(gamma_cap)))
 
     # -- measuring
     def __call__(self, point: SweepPoint) -> dict:
         cache = self.cache_options(point)
-        result = {"cache": cache.policy.describe(), "quality": None, "speed": None}
+        result = {"cache": cache.policy.describe(), "quality": None, "speed": None, "retrieval": None}
         if self.quality and self.text_ids is not None:
             memo_key = (point.policy, point.budget, point.positions, point.kv_dtype)
             if memo_key not in self._quality_memo:
@@ -461,7 +514,19 @@ class SweepEvaluator:
             result["quality"] = self._quality_memo[memo_key]
         if self.speed and self.prompts:
             result["speed"] = self.measure_speed(point, cache)
+        if self.options.retrieval is not None and self.needle_prompts:
+            result["retrieval"] = self.measure_retrieval(point, cache)
         return result
+
+    def measure_retrieval(self, point: SweepPoint, cache) -> dict:
+        """:func:`retrieval_summary` of the needle prompts, each answered greedily by the target with ``cache``
+        (the point's ``CacheOptions``) and the point's draft."""
+        from .needle import engine_answerer, run_needle_grid
+
+        o = self.options
+        answer = (self.answerer or engine_answerer)(self.target, cache, self.draft(point), o.answer_tokens)
+        records = run_needle_grid(self.needle_prompts, answer, o.retrieval, {}, progress=o.progress)
+        return retrieval_summary(o.retrieval.task, records)
 
     def measure_speed(self, point: SweepPoint, cache) -> dict:
         from ..engine import RunStats, run_generation
@@ -490,6 +555,25 @@ class SweepEvaluator:
         return summary
 
 
+def retrieval_summary(task: str, records: Sequence[Mapping]) -> dict:
+    """A point's ``retrieval`` field from its needle records (``needle.needle_record``): ``task``, the ``lengths``
+    and ``depths`` asked, ``cells`` (prompts), ``correct`` (right answers), ``fraction`` (their ratio) and
+    ``by_length`` ``{"LENGTH": {cells, correct, fraction}}`` (keys as JSON writes them)."""
+    from .needle import score_grid
+
+    grid = score_grid(records)
+    tally: dict[int, tuple[int, int]] = {}
+    for (length, _), (correct, total) in grid.cells.items():
+        right, cells = tally.get(length, (0, 0))
+        tally[length] = (right + correct, cells + total)
+
+    def score(correct: int, cells: int) -> dict:
+        return {"cells": cells, "correct": correct, "fraction": round(correct / cells, 4) if cells else 0.0}
+
+    return {"task": task, "lengths": grid.lengths, "depths": grid.depths, **score(grid.correct, grid.total),
+            "by_length": {str(length): score(*tally[length]) for length in grid.lengths}}
+
+
 def aggregate_stats(runs: Sequence) -> dict:
     """Totals over several :class:`~sparsespec.engine.RunStats`: speeds are total tokens over total time."""
     new = sum(s.new_tokens for s in runs)
@@ -502,6 +586,7 @@ def aggregate_stats(runs: Sequence) -> dict:
         "prefill_seconds": round(sum(s.prefill_seconds for s in runs), 4),
         "decode_seconds": round(decode, 4),
         "kv_cache_bytes": max((s.kv_cache_bytes for s in runs), default=0),
+        "kv_peak_bytes": max((s.kv_peak_bytes for s in runs), default=0),  # retention's whole-prompt hold
     }
     spec = [s.speculative for s in runs if s.speculative is not None]
     if spec:
@@ -521,21 +606,26 @@ def aggregate_stats(runs: Sequence) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- plots
-def _series_label(record: dict, with_draft: bool) -> str:
+def _series_label(record: dict, with_draft: bool, with_retention: bool = True) -> str:
+    """The plot series a record belongs to: policy, positions, KV dtype, and retention and the draft where the
+    plotted number depends on them."""
     label = record["policy"] if record["policy"] == "full" else f"{record['policy']} ({record['positions']})"
     if record.get("kv_dtype", "auto") != "auto":
         label += f", KV {record['kv_dtype']}"
+    if with_retention and record.get("retention", "auto") != "auto":
+        label += f", retention {record['retention']}"
     if with_draft and record.get("draft"):
         label += f", draft {record['draft']} γ={record['gamma']}"
     return label
 
 
 def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: dict, log_x: str | bool,
-          log_y: bool = False) -> Path:
+          log_y: bool = False, y_range: tuple[float, float] | None = None) -> Path:
     """One figure: lines for ``series`` ({label: [(x, y)]}) and dashed horizontal lines for ``flat`` ({label: y}).
 
     ``log_x="budget"`` draws a base-2 axis ticked at the budgets; ``True`` a plain log axis. ``log_y`` draws a log
-    y axis (perplexities, which span a collapsing window-only cache and the full cache).
+    y axis (perplexities, which span a collapsing window-only cache and the full cache). ``y_range`` fixes the y
+    axis (fractions: 0 to 1, even where every point is 1).
     """
     import matplotlib
 
@@ -557,6 +647,8 @@ def _draw(path: Path, title: str, xlabel: str, ylabel: str, series: dict, flat: 
         _log_axis_in_plain_numbers(ax.xaxis, ax.set_xscale)
     if log_y:
         _log_axis_in_plain_numbers(ax.yaxis, ax.set_yscale)
+    if y_range is not None:
+        ax.set_ylim(*y_range)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -584,22 +676,25 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
 
     ``ppl_vs_budget.png`` (perplexity per policy), ``tokps_vs_budget.png`` (decode speed),
     ``acceptance_vs_budget.png`` (acceptance against the target's budget, runs with a draft) and
-    ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers) and ``ppl_gap_vs_position.png`` (how
-    far each hybrid cache's windowed perplexity lies above the full cache's along the text). The full cache
-    appears as a dashed line: it has no budget, and in the bytes plot it is the quality every budget aims at.
+    ``ppl_vs_kv_bytes.png`` (perplexity against the bytes of the KV buffers), ``ppl_gap_vs_position.png`` (how
+    far each hybrid cache's windowed perplexity lies above the full cache's along the text) and
+    ``retrieval_vs_budget.png`` (fraction of needle questions answered right, per policy and retention). The full
+    cache appears as a dashed line: it has no budget, and in the bytes plot it is the quality every budget aims at.
+    Perplexity does not depend on retention, so its series do not split by it.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
 
-    def collect(metric: Callable[[dict], float | None], with_draft: bool, x_of=lambda r: r["budget"]):
+    def collect(metric: Callable[[dict], float | None], with_draft: bool, x_of=lambda r: r["budget"],
+                with_retention: bool = True):
         series: dict[str, dict] = {}
         flat: dict[str, float] = {}
         for r in records:
             y = metric(r)
             if y is None:
                 continue
-            label = _series_label(r, with_draft)
+            label = _series_label(r, with_draft, with_retention)
             if r["policy"] == "full":
                 flat.setdefault(label, y)
             else:
@@ -616,15 +711,20 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
     def speed(key, draft_only=False):
         return lambda r: None if draft_only and not r.get("draft") else (r.get("speed") or {}).get(key)
 
+    def retrieval(r):
+        return (r.get("retrieval") or {}).get("fraction")
+
     plots = [
         ("ppl_vs_budget.png", "Perplexity vs KV budget", "budget (tokens per layer and KV head)", "perplexity",
-         *collect(quality("ppl"), False), "budget"),
+         *collect(quality("ppl"), False, with_retention=False), "budget"),
         ("tokps_vs_budget.png", "Decode speed vs KV budget", "budget (tokens per layer and KV head)", "tokens / s",
          *collect(speed("tokens_per_s"), True), "budget"),
         ("acceptance_vs_budget.png", "Draft acceptance vs target KV budget", "target budget (tokens)",
          "acceptance rate", *collect(speed("acceptance_rate", draft_only=True), True), "budget"),
         ("ppl_vs_kv_bytes.png", "Perplexity vs KV cache memory", "KV cache MiB (keys + values, all layers)",
-         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib), True),
+         "perplexity", *collect(quality("ppl"), False, x_of=kv_mib, with_retention=False), True),
+        (RETRIEVAL_PLOT, "Needle retrieval vs KV budget", "budget (tokens per layer and KV head)",
+         "fraction answered right", *collect(retrieval, False), "budget"),
     ]
     gap = _hybrid_gap_along_text(records)
     if gap:
@@ -634,9 +734,13 @@ def plot_sweep(records: Sequence[dict], folder: str | Path) -> list[Path]:
                       series, {"full cache": 0.0}, False))
     for name, title, xlabel, ylabel, series, flat, log_x in plots:
         if series or flat:
+            fraction = (0, 1.02) if name == RETRIEVAL_PLOT else None
             written.append(_draw(folder / name, title, xlabel, ylabel, series, flat, log_x,
-                                 log_y=name.startswith("ppl_vs")))
+                                 log_y=name.startswith("ppl_vs"), y_range=fraction))
     return written
+
+
+RETRIEVAL_PLOT = "retrieval_vs_budget.png"
 
 
 GAP_SMOOTHING = 4  # windows averaged per point of the gap plot
@@ -672,8 +776,9 @@ def _hybrid_gap_along_text(records: Sequence[dict], smooth: int = GAP_SMOOTHING)
 def describe_record(record: dict) -> str:
     """A one-line human summary of a record (what the CLI prints per point)."""
     parts = [SweepPoint(record["policy"], record["budget"], record["positions"], record["draft"],
-                        record["gamma"], record.get("kv_dtype", "auto")).label()]
-    q, s = record.get("quality"), record.get("speed")
+                        record["gamma"], record.get("kv_dtype", "auto"),
+                        retention=record.get("retention", "auto")).label()]
+    q, s, n = record.get("quality"), record.get("speed"), record.get("retrieval")
     if q:
         parts.append(f"ppl {q['ppl']:.3f}")
         parts.append(f"kv {q['kv_cache_bytes'] / 2**20:.1f} MiB")
@@ -681,6 +786,8 @@ def describe_record(record: dict) -> str:
         parts.append(f"{s['tokens_per_s']:.1f} tok/s")
         if "acceptance_rate" in s:
             parts.append(f"acc {s['acceptance_rate']:.2f}, {s['tokens_per_target_pass']:.2f} tok/pass")
+    if n:
+        parts.append(f"retrieval {n['correct']}/{n['cells']} ({n['fraction']:.0%})")
     parts.append(f"peak rss {record['rss_peak_bytes'] / 2**20:.0f} MiB")
     return ", ".join(parts)
 
