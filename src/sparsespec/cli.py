@@ -189,7 +189,8 @@ def _register_eval(sub) -> None:
     p = sub.add_parser("ppl", help="streaming perplexity of a text through a KV cache policy")
     add_ppl_arguments(p)
     p.set_defaults(func=run_ppl)
-    p = sub.add_parser("sweep", help="trade-off study over policies, budgets, positions, drafts and γ (resumable)")
+    p = sub.add_parser("sweep", help="trade-off study over policies, budgets, positions, retention, drafts and γ: "
+                                     "perplexity, speed and retrieval (resumable)")
     add_sweep_arguments(p)
     p.set_defaults(func=run_sweep)
     p = sub.add_parser("needle", help="needle in a haystack: which KV cache still recalls a passkey or fact stated "
