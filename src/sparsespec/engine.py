@@ -15,6 +15,7 @@ import torch
 from .cache.arena import KVArena
 from .cache.policy import CachePolicy, make_policy
 from .cache.quant import BITS, check_kv_dtype, recent_window_for
+from .cache.recall import recall_for
 from .cache.retention import retention_for
 from .errors import UserError
 from .generate import generate_tokens, prefill
@@ -50,6 +51,9 @@ class CacheOptions:
     # model's context minus the budget is less).
     retention: str = "auto"
     retention_tokens: int | None = None
+    # Pages each decode row reads back from the cold tier of evicted entries (``--recall-pages``, cache/recall.py);
+    # None: no cold tier.
+    recall_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -62,6 +66,7 @@ class CacheOptions:
             if self.recent_window < 0:
                 raise UserError(f"--kv-recent must be 0 or more (got {self.recent_window}).")
         retention_for(self.retention, self.policy, self.retention_tokens)
+        recall_for(self.recall_pages, self.policy)
 
 
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
@@ -155,6 +160,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
         key_offset=loaded.model.key_biases(),
         recent_window=cache.recent_window,
         retention=retention,
+        recall=recall_for(cache.recall_pages, policy),
     )
 
 
@@ -170,6 +176,7 @@ class RunStats:
     kv_cache_bytes: int = 0
     kv_peak_bytes: int = 0  # the most the KV buffers held during the run (retention holds whole prompts)
     evicted_tokens: int = 0
+    cold_bytes: int = 0  # what the cold tier of evicted entries held at the end (recall), all arenas
     budget: int | None = None  # the target arena's budget (sized from --kv-bytes when that was given)
     speculative: SpeculativeStats | None = None
     final_gamma: int | None = None
@@ -192,6 +199,7 @@ class RunStats:
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_peak_bytes": self.kv_peak_bytes,
             "evicted_tokens": self.evicted_tokens,
+            "cold_bytes": self.cold_bytes,
         }
         if self.speculative is not None:
             s = self.speculative
@@ -385,6 +393,7 @@ class Session:
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before
+            stats.cold_bytes = sum(arena.cold.nbytes for arena in self.arenas if arena.cold is not None)
             stats.budget = self.arenas[0].policy.budget
 
     def _tokens(self, suffix, max_new_tokens, sampling, generator, eos_ids, stats: RunStats,

@@ -61,6 +61,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> No
                         help="with retention: the most prompt tokens held whole before the selection (the arena's "
                         "peak is budget + N entries; earlier tokens are evicted as the policy says) "
                         "(default: 16384, or the model's context minus the budget where less)")
+    parser.add_argument(f"{p}recall-pages", type=int, default=None, metavar="N",
+                        help="keep what a budgeted cache evicts in a cold tier (int4 pages of 16 entries in host "
+                        "memory) and let each decode row also attend to the N pages its query points at "
+                        "(default: no cold tier)")
     if not prefix:
         parser.add_argument("--kv-bytes", default=None, metavar="SIZE",
                             help="the cache's size in bytes (plain, or with a KiB / MiB / GiB suffix) instead of "
@@ -125,7 +129,7 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
     retention = getattr(args, f"{prefix}retention", None) or "auto"
     retention_tokens = getattr(args, f"{prefix}retention_tokens", None)
     return CacheOptions(policy, args.positions, args.prefill_chunk, args.force_context, kv_dtype, kv_bytes,
-                        recent_window, retention, retention_tokens)
+                        recent_window, retention, retention_tokens, getattr(args, f"{prefix}recall_pages", None))
 
 
 def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +187,7 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
     Their defaults are all None, so "set" means "not None".
     """
     names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent", "retention",
-             "retention_tokens"]
+             "retention_tokens", "recall_pages"]
     given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")

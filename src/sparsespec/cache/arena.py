@@ -75,6 +75,7 @@ from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy, choose_evictions
 from .quant import KVStore, bytes_per_vector, recent_window_for
+from .recall import ColdTier, Entries, Recall, merge_attention
 from .retention import Retention, choose_unretained, observation_scores, pool_by_position
 
 POSITION_MODES = ("original", "in-cache")
@@ -108,6 +109,7 @@ class KVArena:
         key_offset: torch.Tensor | None = None,
         recent_window: int | None = None,
         retention: Retention | None = None,
+        recall: Recall | None = None,
     ) -> None:
         """
         Args:
@@ -130,6 +132,8 @@ class KVArena:
                 ``kv_dtype`` (32 for int4, else 0). Only quantized entries can have one.
             retention: query-aware selection at the end of each prompt (``retention.py``, :meth:`hold`); None:
                 prompts evict chunk by chunk as the policy says. Needs a policy with heavy hitters.
+            recall: keep what is evicted in a cold tier that decode rows read back from (``recall.py``); None:
+                evicted entries are gone. Needs a budgeted policy.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -176,6 +180,12 @@ class KVArena:
         self._allocate_slot_metadata()
         self.rope = Rope(hd, config.rope_theta)
         self.scale = 1.0 / math.sqrt(hd)
+        if recall is not None and policy.is_full:
+            raise ValueError("recall needs a budgeted policy")
+        # Recalled keys rotate by their true positions, or (in-cache) by the rank just after the sinks.
+        self.cold = None if recall is None else ColdTier(
+            n_layers, n_kv, hd, self.rope, self.scale, key_offset,
+            rank=policy.sinks if self.positions_mode == "in-cache" else None, recall=recall)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
         self._window_rows = 0  # rows of the open hold's observation window
@@ -386,6 +396,8 @@ class KVArena:
         """Forget every token, keeping the buffers: the arena is as freshly built (stale slots are never read, since
         every slot is written when its row is staged)."""
         self.evicted_at.fill_(NEVER)
+        if self.cold is not None:
+            self.cold.reset()
         self.n_committed = 0
         self.next_position = 0
         self.evicted_tokens = 0
@@ -398,6 +410,8 @@ class KVArena:
         self.commit(0)
 
     def _compact(self, n_rows: int, extent: int, survivors: int) -> None:
+        if self.cold is not None and extent > survivors:
+            self._retire(n_rows, extent, extent - survivors)
         alive = self.evicted_at[..., :extent] >= n_rows  # alive after the last accepted row
         if self.policy.needs_scores:
             if n_rows == self.n_inflight:
@@ -423,6 +437,67 @@ class KVArena:
             self.committed_scores[..., :survivors] = self.scores[..., :survivors]
         self.evicted_at[..., :extent].fill_(NEVER)
 
+    # ------------------------------------------------------------------------------------------------- recall
+    def _departed(self, evicted_at: torch.Tensor, positions: torch.Tensor, before_row: int, n: int) -> torch.Tensor:
+        """``[..., n]`` slots evicted by in-flight rows before ``before_row``, in the order they leave (by the row that
+        evicted them, then by position), from ``evicted_at`` and ``positions [..., S]``."""
+        order = torch.where(evicted_at < before_row, (evicted_at.long() << 40) | positions, MAX_POSITION)
+        return order.argsort(dim=-1)[..., :n]
+
+    def _raw_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Stored keys ``[heads, n, head_dim]`` (float32) as the model produced them: unrotated (the original mode
+        stores them rotated by ``positions [heads, n]``)."""
+        return self.rope.unrotate(keys, positions) if self.positions_mode == "original" else keys
+
+    def _retire(self, n_rows: int, extent: int, n: int) -> None:
+        """Move the ``n`` entries per layer and KV head that the first ``n_rows`` in-flight rows evicted into the cold
+        tier (before compaction writes over them)."""
+        slots = self._departed(self.evicted_at[..., :extent], self.positions[..., :extent], n_rows, n)
+        positions = self.positions.gather(-1, slots)  # [L, n_kv, n]
+        flat = positions.flatten(0, 1)
+        keys = self._raw_keys(self._keys.gather(slots).flatten(0, 1), flat).view(*slots.shape, -1)
+        values = self._values.gather(slots)
+        self.cold.append(keys.transpose(1, 2), values.transpose(1, 2), positions.transpose(1, 2))
+
+    def _pending(self, layer: int, row: int, slot_stop: int) -> Entries | None:
+        """The entries of ``layer`` that in-flight rows before in-flight row ``row`` evicted (slots below
+        ``slot_stop``), in the cold tier's format and order: what an autoregressive run would have committed to the
+        tier before that row. None when there are none."""
+        if row == 0:
+            return None
+        evicted_at, positions = self.evicted_at[layer][:, :slot_stop], self.positions[layer][:, :slot_stop]
+        before = evicted_at < row
+        n = int(before[0].sum())
+        if not n:
+            return None
+        slots = self._departed(evicted_at, positions, row, n)  # [n_kv, n]
+        positions = positions.gather(-1, slots)
+        keys = self._raw_keys(self._keys.gather(slots, layer), positions)
+        values = self._values.gather(slots, layer)
+        return self.cold.encode(keys.transpose(0, 1), values.transpose(0, 1), positions.T, layer)
+
+    def _recall(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, first: int, start: int,
+                visible_before: int, evicts_between_rows: bool) -> torch.Tensor:
+        """The block's outputs ``out [T, n_heads * head_dim]`` (over the resident entries, with log-sum-exps ``lse
+        [T, n_heads]``) merged, row by row, with each row's attention over what it recalls from the cold tier
+        (``recall.py``); ``q: [n_heads, T, head_dim]`` not rotated."""
+        n_heads, n_rows, hd = q.shape
+        n_kv = self.config.num_key_value_heads
+        group = n_heads // n_kv
+        rank = visible_before  # the row's rank in the cache: the tokens visible before it
+        for i in range(n_rows):
+            if i:
+                rank = min(rank + 1, self.policy.budget) if evicts_between_rows else rank + 1
+            position = self.next_position + first + i
+            rotate_by = position if self.positions_mode == "original" else rank
+            query = self.rope.rotate(q[:, i : i + 1].float(), torch.tensor([rotate_by])).view(n_kv, group, hd)
+            recalled = self.cold.attend_row(layer, query, self._pending(layer, first + i, start + i))
+            if recalled is None:
+                continue
+            merged = merge_attention(out[i].view(n_kv, group, hd), lse[i].view(n_kv, group), *recalled)
+            out[i] = merged.view(-1).to(out.dtype)
+        return out
+
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the open block's rows in one layer, updating that layer's scores and evictions.
@@ -444,11 +519,16 @@ class KVArena:
         visible_before = self.n_visible
         # A single row is its own block: evicting after it is the same as evicting after the block.
         evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        # Rows of row-by-row blocks recall from the cold tier; their attention over the resident entries gives its
+        # log-sum-exps for the merge.
+        lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not per_block else None
         if self.native_attention:
             out = self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows,
-                                      budget)
+                                      budget, lse)
             if self._block_mode == "select":
                 self._select_retained(layer, q, first, start, stop, visible_before)
+            if lse is not None:
+                out = self._recall(layer, q, out, lse, first, start, visible_before, evicts_between_rows)
             return out
 
         new_positions = torch.arange(n_rows) + (self.next_position + first)
@@ -462,22 +542,25 @@ class KVArena:
             self.scores[layer][:, start:stop] = 0.0
         recent = self._recent_entries(layer, start, k, v) if self.recent_window else None
         if evicts_between_rows:
-            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before, recent)
+            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before, recent, lse)
         else:
             out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
-                                     recent)
+                                     recent, lse)
         if self._block_mode == "select":
             self._select_retained(layer, q, first, start, stop, visible_before)
         if self.recent_window:
             self._remember_recent(layer, int(new_positions[0]), k, v)
         n_heads, hd = q.shape[0], q.shape[2]
-        return out.transpose(0, 1).reshape(n_rows, n_heads * hd)
+        out = out.transpose(0, 1).reshape(n_rows, n_heads * hd)
+        if lse is not None:
+            out = self._recall(layer, q, out, lse, first, start, visible_before, evicts_between_rows)
+        return out
 
-    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget):
+    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
         """The block's rows through the native op, which also stores them (the steps of the torch path above, in
         one call): ``[T, n_heads * head_dim]`` in the dtype of ``q``, scores and evictions as the torch path's
         (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block, down to
-        ``budget``; None: none)."""
+        ``budget``; None: none); each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
         n_rows = q.shape[1]
         first_position = self.next_position + first
         in_cache = self.positions_mode == "in-cache"
@@ -501,6 +584,7 @@ class KVArena:
             key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
             key_offset=self._keys.offset, recent_keys=self.recent_keys if self.recent_window else None,
             recent_values=self.recent_values if self.recent_window else None, recent_window=self.recent_window,
+            row_lse=lse,
         )
 
     def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -569,10 +653,11 @@ class KVArena:
         return self.rope.rotate(keys, self._ranks(layer, visible))
 
     def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
-                      recent=None):
+                      recent=None, lse=None):
         """All rows at once: no eviction happens between rows (full cache, room to spare, a single row, or a prefill
         chunk); eviction down to ``budget`` (None: none), if needed, happens after the last row. ``recent``: the
-        full-precision window's ``(keys, values)`` (:meth:`_recent_entries`), or None."""
+        full-precision window's ``(keys, values)`` (:meth:`_recent_entries`), or None; ``lse``: ``[T, n_heads]``
+        receives each row's log-sum-exps, or None."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -584,7 +669,7 @@ class KVArena:
         keys = self._keys_for_attention(layer, visible)
         values = self._layer_values(layer, stop)
 
-        if not self.policy.needs_scores and recent is None:
+        if not self.policy.needs_scores and recent is None and lse is None:
             # A single row of the full cache sees every slot: no mask needed (the common decode step).
             head_mask = None if self.policy.is_full and n_rows == 1 else mask.repeat_interleave(group, dim=0)[None]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=head_mask, enable_gqa=True)
@@ -600,6 +685,8 @@ class KVArena:
                 logits = torch.where(in_window[:, None], full, logits)
                 recent_values = recent[1]
             logits = logits.mul_(self.scale).masked_fill_(~mask[:, None], -math.inf)
+            if lse is not None:
+                lse.copy_(torch.logsumexp(logits, dim=-1).view(n_heads, n_rows).T)
             probs = torch.softmax(logits, dim=-1)
             out = self._value_sum(probs, values, recent_values, in_window).view(n_heads, n_rows, hd)
         if self.policy.needs_scores:
@@ -627,9 +714,10 @@ class KVArena:
             self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
         return out
 
-    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before, recent=None):
-        """Rows one after another, each seeing the evictions made by the rows before it (``recent`` as in
-        :meth:`_attend_block`)."""
+    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before, recent=None,
+                           lse=None):
+        """Rows one after another, each seeing the evictions made by the rows before it (``recent`` and ``lse`` as
+        in :meth:`_attend_block`)."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -664,6 +752,8 @@ class KVArena:
                     full = torch.matmul(q_i, full_keys.transpose(1, 2)).float()
                     logits = torch.where(in_window[:, None, i], full, logits)
             logits = logits.mul_(self.scale).masked_fill_(~row_visible[:, None], -math.inf)
+            if lse is not None:
+                lse[i] = torch.logsumexp(logits, dim=-1).view(-1)
             row_probs = torch.softmax(logits, dim=-1)  # [n_kv, group, S]
             probs[:, :, i] = row_probs
             if scores is not None:

@@ -181,6 +181,22 @@ class KVStore:
             self.data[layer, :, start:stop] = codes
             self.params[layer, :, start:stop] = params
 
+    def gather(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """float32 entries of ``slots`` (int64 slot indices), dequantized with the offset added back: ``[n_layers,
+        n_kv_heads, n, head_dim]`` for ``slots [n_layers, n_kv_heads, n]``, or with ``layer``, ``[n_kv_heads, n,
+        head_dim]`` of that layer for ``slots [n_kv_heads, n]``."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            t = t if layer is None else t[layer]
+            lead = slots.dim()
+            index = slots.view(*slots.shape, *([1] * (t.dim() - lead))).expand(*slots.shape, *t.shape[lead:])
+            return t.gather(lead - 1, index)
+        if self.bits is None:
+            return take(self.data).float()
+        x = dequantize(take(self.data), take(self.params), self.bits, torch.float32)
+        if self.offset is None:
+            return x
+        return x.add_((self.offset if layer is None else self.offset[layer])[..., None, :])
+
     def read(self, layer: int, stop: int) -> torch.Tensor:
         """``[n_kv_heads, stop, head_dim]`` entries of slots ``[0, stop)`` of ``layer`` in the compute dtype."""
         data = self.data[layer, :, :stop]

@@ -98,6 +98,9 @@ def run_ppl(args: argparse.Namespace) -> int:
     if given:
         raise UserError(f"{', '.join(given)}: perplexity reads the text as one stream, with no prompt end at which "
                         "retention would choose; drop it (`sparsespec needle` measures retention).")
+    if args.recall_pages is not None:
+        raise UserError("--recall-pages: perplexity reads the text in prefill chunks, and only decode rows recall "
+                        "from the cold tier; drop it (`sparsespec needle` measures recall).")
     cache = cache_options(args)
     chunk = _chunk_for(args, cache.policy)
     _check_window(args)
@@ -433,6 +436,8 @@ def _draft_cache_flags(args: argparse.Namespace) -> dict:
         flags["retention"] = args.draft_retention
     if args.draft_retention_tokens is not None:
         flags["retention_tokens"] = args.draft_retention_tokens
+    if args.draft_recall_pages is not None:
+        flags["recall_pages"] = args.draft_recall_pages
     return flags
 
 

@@ -437,6 +437,8 @@ def cache_label(cache) -> str:
     retention = getattr(cache, "retention", None)
     if retention is not None and not cache.policy.is_full:
         parts.append(f"retention {plain_value(retention)}")
+    if getattr(cache, "recall_pages", None) is not None:
+        parts.append(f"recall {cache.recall_pages} pages")
     return ", ".join(parts)
 
 

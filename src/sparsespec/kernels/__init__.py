@@ -196,7 +196,7 @@ def arena_attention(
     key_params: torch.Tensor | None = None,
     value_params: torch.Tensor | None = None, code_bits: int = 0, key_offset: torch.Tensor | None = None,
     recent_keys: torch.Tensor | None = None, recent_values: torch.Tensor | None = None, recent_window: int = 0,
-    isa: int = ISA_AUTO,
+    row_lse: torch.Tensor | None = None, isa: int = ISA_AUTO,
 ) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
@@ -228,6 +228,8 @@ def arena_attention(
         first_position: true position of the block's first row; ``budget``: None for the full cache.
         age_normalised: rank heavy hitters by score per row that saw them (``hybrid-age``), else by score.
         score_decay: every row multiplies the scores by it before adding its attention (``hybrid-decay``).
+        row_lse: float32 ``[T, n_heads]`` or None: receives each row's log-sum-exp of its scaled logits per query
+            head (what lets a caller merge this attention with attention over other entries, ``cache/recall.py``).
 
     Returns:
         ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
@@ -236,7 +238,7 @@ def arena_attention(
         q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
         start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
         heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset,
-        recent_keys, recent_values, recent_window, isa,
+        recent_keys, recent_values, recent_window, row_lse, isa,
     )
 
 

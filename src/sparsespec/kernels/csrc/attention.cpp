@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -275,6 +276,7 @@ void attend_block(int isa, const AttnBlock& b) {
         for (int d = 0; d < hd; ++d) o[d] += part[d];
       }
       for (int d = 0; d < hd; ++d) o[d] /= sum;
+      if (b.lse) b.lse[(long)i * H * G + (long)h * G + g] = m[(long)h * G + g] + std::log(sum);
     }
     if (!b.scores) return;
     float* score = b.scores + (long)h * b.cap;

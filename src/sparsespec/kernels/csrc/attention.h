@@ -137,6 +137,7 @@ struct AttnBlock {
   float score_decay = 1.0f;     // each row: score = score * score_decay + attention received (hybrid-decay)
   float scale = 1.0f;
   float* out = nullptr;  // [T, n_kv * group * hd]
+  float* lse = nullptr;  // [T, n_kv * group] each row's log-sum-exp of its scaled logits per query head, or null
   // Full-precision window (see the top; recent_window 0: none): the ring [n_kv, recent_slots, hd] in float32 or
   // bfloat16 (recent_bf16), written after the block's last row; block_keys / block_values [n_kv, T, hd], the
   // block's rows as the ring keeps them (rounded to bfloat16 when recent_bf16), written by stage_rows.

@@ -204,9 +204,11 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const c10::optional<at::Tensor>& value_params, int64_t code_bits,
                            const c10::optional<at::Tensor>& key_offset,
                            const c10::optional<at::Tensor>& recent_keys,
-                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t isa) {
+                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
+                           const c10::optional<at::Tensor>& row_lse, int64_t isa) {
   check_cpu("arena_attention", {&q, &k, &v, &keys, &values, &positions, &evicted_at, &cos, &sin});
-  for (const auto* t : {&scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys, &recent_values})
+  for (const auto* t : {&scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys, &recent_values,
+                        &row_lse})
     if (t->has_value()) check_cpu("arena_attention", {&t->value()});
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
@@ -362,6 +364,12 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const bool bf16_out = q.scalar_type() == at::kBFloat16;
   std::vector<float> out_f(bf16_out ? (std::size_t)out.numel() : 0);
   b.out = bf16_out ? out_f.data() : out.data_ptr<float>();
+  if (row_lse.has_value() && row_lse->defined()) {
+    TORCH_CHECK(row_lse->scalar_type() == at::kFloat && row_lse->is_contiguous() &&
+                    row_lse->sizes() == at::IntArrayRef({T, q.size(0)}),
+                "arena_attention: row_lse must be contiguous float32 [T, n_heads]");
+    b.lse = row_lse->data_ptr<float>();
+  }
   attend_block((int)isa, b);
   void* out_data = out.data_ptr();  // once: data_ptr() checks the storage on every call
   for (std::size_t i = 0; i < out_f.size(); ++i) put(out_data, true, (int64_t)i, out_f[i]);

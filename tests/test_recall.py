@@ -1,0 +1,255 @@
+"""Recall from the cold tier (cache/recall.py): the merge, the page choice and the row's attention against float64
+references, what the arena moves to the tier, speculative == autoregressive with recall, and the flags' errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsespec import kernels
+from sparsespec.cache import KVArena, make_policy
+from sparsespec.cache.quant import dequantize
+from sparsespec.cache.recall import PAGE, ColdTier, Recall, merge_attention, recall_for
+from sparsespec.cache.retention import Retention
+from sparsespec.cli import main
+from sparsespec.errors import UserError
+from sparsespec.generate import generate_tokens, prefill
+from sparsespec.model import Transformer
+from sparsespec.rope import Rope
+from sparsespec.sampling import SamplingParams
+from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
+
+from conftest import random_state, tiny_config
+
+CONFIG = tiny_config("llama", tie_word_embeddings=False)
+STATE = random_state(CONFIG, seed=0, scale=1.0)
+TARGET = Transformer(CONFIG, STATE, torch.float32)
+_noise = torch.Generator().manual_seed(5)
+DRAFT = Transformer(CONFIG, {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=_noise) for k, v in STATE.items()},
+                    torch.float32)
+PATHS = [False, True] if kernels.available() else [False]
+
+
+def ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, CONFIG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_arena(model, policy, positions="original", recall=Recall(2), max_inflight=1, retention=None, native=None):
+    arena = KVArena(model.config, policy, dtype=model.dtype, max_tokens=1024, max_block=8, max_inflight=max_inflight,
+                    positions=positions, retention=retention, recall=recall, key_offset=model.key_biases())
+    if native is not None:
+        arena.native_attention = native
+    return arena
+
+
+# ------------------------------------------------------------------------------------------ the pieces
+def test_merge_equals_softmax_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 20, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(3, 20, 8, generator=g, dtype=torch.float64)
+    expected = torch.einsum("hs,hsd->hd", torch.softmax(logits, -1), values)
+    parts = []
+    for part in (slice(0, 7), slice(7, 20)):
+        lse = torch.logsumexp(logits[:, part], -1)
+        parts += [torch.einsum("hs,hsd->hd", torch.softmax(logits[:, part], -1), values[:, part]), lse]
+    got = merge_attention(*(p.float() for p in parts))
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2):
+    """A tier of 2 layers x 2 KV heads holding ``n_entries`` random entries (appended in three parts), and the
+    entries' unrotated keys, values and positions ``[L, n, n_kv, hd]``."""
+    g = torch.Generator().manual_seed(seed)
+    L, n_kv, hd = 2, 2, 16
+    offset = torch.randn(L, n_kv, hd, generator=g) * 4
+    tier = ColdTier(L, n_kv, hd, Rope(hd, 10000.0), 1 / math.sqrt(hd), offset, rank, Recall(pages))
+    keys = torch.randn(L, n_entries, n_kv, hd, generator=g) + offset[:, None]
+    values = torch.randn(L, n_entries, n_kv, hd, generator=g)
+    positions = torch.stack([torch.randperm(4 * n_entries, generator=g)[:n_entries] for _ in range(n_kv)], -1)
+    positions = positions.expand(L, -1, -1).contiguous()
+    cuts = [0, n_entries // 3, n_entries // 3 + 5, n_entries]
+    for a, b in zip(cuts, cuts[1:]):
+        tier.append(keys[:, a:b], values[:, a:b], positions[:, a:b])
+    return tier, keys, values, positions
+
+
+def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
+    """float64 attention of ``query [n_kv, group, hd]`` over what the tier's row should recall: per KV head, the
+    ``pages`` pages with the highest bound Σ_d max(q_d min_d, q_d max_d) (max over the group; ties: older page),
+    then the tail. Returns ``(out, lse, bounds, rotated keys [n_kv, n, hd])``."""
+    n = tier.count
+    codes = tier.key_codes[layer, :n]
+    keys = dequantize(codes, tier.key_params[layer, :n], 4, torch.float64)
+    if tier.key_offset is not None:
+        keys = keys + tier.key_offset[layer].double()
+    values = dequantize(tier.value_codes[layer, :n], tier.value_params[layer, :n], 4, torch.float64)
+    positions = tier.positions[layer, :n]
+    rotate_by = positions if tier.rank is None else torch.full_like(positions, tier.rank)
+    inv_freq = tier.rope.inv_freq.double()
+    angle = rotate_by.double()[..., None] * inv_freq  # [n, n_kv, hd / 2]
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    half = keys.shape[-1] // 2
+    keys = keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [n_kv, n, hd]
+    q = query.double()
+    n_pages = n // PAGE
+    pages = keys[:, : n_pages * PAGE].unflatten(1, (n_pages, PAGE))  # [n_kv, pages, PAGE, hd]
+    low, high = pages.amin(2), pages.amax(2)
+    bounds = torch.maximum(q[:, :, None] * low[:, None], q[:, :, None] * high[:, None]).sum(-1).amax(1)
+    out, lse = [], []
+    for h in range(keys.shape[0]):
+        order = sorted(range(n_pages), key=lambda p: (-float(bounds[h, p]), p))[: tier.pages]
+        read = [p * PAGE + j for p in sorted(order) for j in range(PAGE)] + list(range(n_pages * PAGE, n))
+        logits = q[h] @ keys[h, read].T * tier.scale
+        out.append(torch.softmax(logits, -1) @ values[h, read])
+        lse.append(torch.logsumexp(logits, -1))
+    return torch.stack(out), torch.stack(lse), bounds, keys
+
+
+@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
+@pytest.mark.parametrize("n_entries", [5, 16, 75, 130])
+def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries):
+    tier, *_ = random_tier(n_entries, rank)
+    query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(9)) * 2
+    for layer in range(2):
+        out, lse = tier.attend_row(layer, query, None)
+        ref_out, ref_lse, bounds, keys = reference_row(tier, layer, query)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
+        # The bounds bound: no key of a page scores above its page's bound.
+        n_pages = tier.count // PAGE
+        if n_pages:
+            actual = torch.einsum("kgd,knd->kgn", query.double(), keys[:, : n_pages * PAGE]).amax(1)
+            assert (actual.unflatten(1, (n_pages, PAGE)).amax(-1) <= bounds + 1e-9).all()
+
+
+@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
+def test_pending_entries_are_read_as_if_committed(rank):
+    """A row that sees entries evicted by in-flight rows before it reads exactly what it reads once they are
+    committed (bit for bit: verification rows recall what autoregressive steps recall)."""
+    tier, keys, values, positions = random_tier(70, rank)
+    committed, _, _, _ = random_tier(70, rank)
+    query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
+    for split in (70 - 1, 70 - 3, 70 - 12):
+        partial = ColdTier(2, 2, 16, tier.rope, tier.scale, tier.key_offset, rank, Recall(tier.pages))
+        partial.append(keys[:, :split], values[:, :split], positions[:, :split])
+        for layer in range(2):
+            pending = partial.encode(keys[layer, split:], values[layer, split:], positions[layer, split:], layer)
+            got = partial.attend_row(layer, query, pending)
+            expected = committed.attend_row(layer, query, None)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), split
+
+
+def test_the_tier_reports_the_bytes_it_holds():
+    tier, *_ = random_tier(40, None)
+    stored = sum(getattr(tier, name)[0, 0, 0].nbytes for name in
+                 ("key_codes", "key_params", "value_codes", "value_params", "positions"))
+    summary = tier.summaries[0, 0, 0].nbytes / PAGE
+    assert ColdTier.bytes_per_entry(16) == stored + summary
+    assert tier.nbytes == 40 * 2 * 2 * ColdTier.bytes_per_entry(16)
+
+
+# ------------------------------------------------------------------------------------------- the arena
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(native, positions):
+    policy = make_policy("hybrid", 20, sinks=2, heavy=9)
+    with_recall = make_arena(TARGET, policy, positions, native=native)
+    without = make_arena(TARGET, policy, positions, recall=None, native=native)
+    tokens = ids(90)
+    for arena in (with_recall, without):
+        prefill(TARGET, arena, tokens[:60], 8)
+        for token in tokens[60:]:
+            TARGET.forward(torch.tensor([token]), arena)
+            arena.commit(1)
+    assert with_recall.evicted_tokens == without.evicted_tokens == 90 - 20
+    assert with_recall.cold.count == with_recall.evicted_tokens
+    for layer in range(CONFIG.num_hidden_layers):
+        kept = with_recall.positions[layer][:, : with_recall.n_committed]
+        assert torch.equal(kept.sort().values, without.positions[layer][:, : without.n_committed].sort().values)
+        cold = with_recall.cold.positions[layer, : with_recall.cold.count].T  # [n_kv, n]
+        union = torch.cat((kept, cold), dim=-1).sort().values
+        assert torch.equal(union, torch.arange(90).expand_as(union))  # every token is resident or cold, once
+
+
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+def test_a_decode_row_attends_to_resident_and_recalled_entries(native):
+    """One decode row's output in every layer equals float64 attention over the union of the resident entries
+    (the row's own included) and what a float64 reference of the page choice recalls."""
+    policy = make_policy("hybrid", 20, sinks=2, heavy=9)
+    arena = make_arena(TARGET, policy, "original", native=native)
+    prefill(TARGET, arena, ids(120), 8)
+    n_heads, n_kv, hd = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 1, hd, generator=g) for n in (n_heads, n_kv, n_kv))
+    position = arena.next_position
+    rope = arena.rope
+    q_rot = rope.rotate(q.double(), torch.tensor([position])).view(n_kv, n_heads // n_kv, hd)
+    expected = []
+    for layer in range(CONFIG.num_hidden_layers):
+        stop = arena.n_committed
+        keys = torch.cat((arena.keys[layer][:, :stop].double(), rope.rotate(k.double(), torch.tensor([position]))), 1)
+        values = torch.cat((arena.values[layer][:, :stop].double(), v.double()), 1)
+        logits = torch.einsum("kgd,ksd->kgs", q_rot, keys) * arena.scale
+        resident = torch.einsum("kgs,ksd->kgd", torch.softmax(logits, -1), values)
+        cold_out, cold_lse, _, _ = reference_row(arena.cold, layer, q_rot.float())
+        total = torch.logaddexp(torch.logsumexp(logits, -1), cold_lse)
+        expected.append((torch.logsumexp(logits, -1) - total).exp()[..., None] * resident
+                        + (cold_lse - total).exp()[..., None] * cold_out)
+    arena.begin(1)
+    got = [arena.attend(layer, q, k, v) for layer in range(CONFIG.num_hidden_layers)]
+    arena.end()
+    arena.rollback()
+    assert arena.cold.count > 4 * PAGE
+    for layer in range(CONFIG.num_hidden_layers):
+        torch.testing.assert_close(got[layer].view(n_kv, -1, hd).double(), expected[layer], atol=2e-4, rtol=2e-4)
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize(("name", "positions", "retention"), [
+    ("hybrid", "original", None), ("hybrid", "in-cache", None), ("h2o", "in-cache", None),
+    ("streaming", "original", None), ("hybrid-decay", "in-cache", Retention(max_held=96, observation_rows=6)),
+])
+def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, retention):
+    sizes = {"sinks": 2, "heavy": 9} if name in ("hybrid", "hybrid-decay") else {"heavy": 9} if name == "h2o" else {}
+    policy = make_policy(name, 20, **sizes)
+    tokens = ids(100)
+    run = dict(max_new_tokens=64, sampling=SamplingParams(), prefill_chunk=8)
+    expected_arena = make_arena(TARGET, policy, positions, retention=retention)
+    expected = list(generate_tokens(TARGET, expected_arena, tokens, **run))
+    plain = list(generate_tokens(TARGET, make_arena(TARGET, policy, positions, recall=None, retention=retention),
+                                 tokens, **run))
+    assert plain != expected  # recall changed what was decoded
+    for gamma in (1, 3, 5):
+        target = make_arena(TARGET, policy, positions, max_inflight=target_inflight_rows(gamma), retention=retention)
+        draft = make_arena(DRAFT, make_policy("hybrid", 12, sinks=2, heavy=5), positions,
+                           max_inflight=draft_inflight_rows(gamma))
+        stats = SpeculativeStats()
+        got = list(speculative_tokens(TARGET, target, DRAFT, draft, tokens, gamma=gamma, stats=stats, **run))
+        assert got == expected, gamma
+        assert stats.accepted < stats.drafted  # rejections (and so rollbacks) happened
+        assert target.cold.count == expected_arena.cold.count == target.evicted_tokens > 0
+
+
+# --------------------------------------------------------------------------------------------- the flags
+def test_recall_needs_pages_and_a_budget():
+    assert recall_for(None, make_policy("hybrid", 64)) is None
+    assert recall_for(4, make_policy("streaming", 64)) == Recall(4)
+    with pytest.raises(UserError, match="at least 1"):
+        recall_for(0, make_policy("hybrid", 64))
+    with pytest.raises(UserError, match="the full cache evicts nothing"):
+        recall_for(4, make_policy("full"))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--recall-pages", "4", "-p", "x"], "the full cache evicts nothing"),
+    (["generate", "--budget", "64", "--recall-pages", "0", "-p", "x"], "at least 1"),
+    (["generate", "--draft-recall-pages", "2", "-p", "x"], "--draft-recall-pages does nothing without --draft"),
+    (["ppl", "--text", "corpus:hamlet", "--budget", "64", "--recall-pages", "4"], "only decode rows recall"),
+])
+def test_recall_flag_mistakes_are_one_sentence(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
