@@ -80,11 +80,12 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     ``pages`` pages with the highest bound Σ_d max(q_d min_d, q_d max_d) (max over the group; ties: older page),
     then the tail. Returns ``(out, lse, bounds, rotated keys [n_kv, n, hd])``."""
     n = tier.count
-    codes = tier.key_codes[layer, :n]
-    keys = dequantize(codes, tier.key_params[layer, :n], 4, torch.float64)
+    packed, hd = tier.entries[layer, :n], tier.head_dim
+    params = packed[..., hd:].view(torch.float16).unflatten(-1, (2, -1, 2))  # key, value: [n, n_kv, groups, 2]
+    keys = dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4, torch.float64)
     if tier.key_offset is not None:
         keys = keys + tier.key_offset[layer].double()
-    values = dequantize(tier.value_codes[layer, :n], tier.value_params[layer, :n], 4, torch.float64)
+    values = dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4, torch.float64)
     positions = tier.positions[layer, :n]
     rotate_by = positions if tier.rank is None else torch.full_like(positions, tier.rank)
     inv_freq = tier.rope.inv_freq.double()
@@ -144,8 +145,7 @@ def test_pending_entries_are_read_as_if_committed(rank):
 
 def test_the_tier_reports_the_bytes_it_holds():
     tier, *_ = random_tier(40, None)
-    stored = sum(getattr(tier, name)[0, 0, 0].nbytes for name in
-                 ("key_codes", "key_params", "value_codes", "value_params", "positions"))
+    stored = tier.entries[0, 0, 0].nbytes + tier.positions[0, 0, 0].nbytes
     summary = tier.summaries[0, 0, 0].nbytes / PAGE
     assert ColdTier.bytes_per_entry(16) == stored + summary
     assert tier.nbytes == 40 * 2 * 2 * ColdTier.bytes_per_entry(16)

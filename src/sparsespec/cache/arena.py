@@ -31,6 +31,11 @@ With retention (``retention.py``) a prompt's last tokens are read inside :meth:`
 them all, their chunks evict nothing, and the chunk that ends the hold (the observation window) evicts down to the
 budget by the attention its rows pay each entry; the buffers then shrink back to ``budget + staging`` slots.
 
+With recall (``recall.py``) the entries a commit evicts move to a cold tier of int4 pages instead of being lost, and
+every row of a row-by-row block (not a prefill chunk) also attends to the pages its query points at: its attention
+over the resident slots (native op or torch path, which report each row's log-sum-exp) is merged with its attention
+over the recalled entries. Recall changes outputs only: scores, evictions and slots are those of the arena without it.
+
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
 ever reaches ``budget + staging``. Quantized keys in the ``in-cache`` mode are stored minus the model's key bias
@@ -490,7 +495,7 @@ class KVArena:
                 rank = min(rank + 1, self.policy.budget) if evicts_between_rows else rank + 1
             position = self.next_position + first + i
             rotate_by = position if self.positions_mode == "original" else rank
-            query = self.rope.rotate(q[:, i : i + 1].float(), torch.tensor([rotate_by])).view(n_kv, group, hd)
+            query = self.rope.rotate_range(q[:, i : i + 1].float(), rotate_by).view(n_kv, group, hd)
             recalled = self.cold.attend_row(layer, query, self._pending(layer, first + i, start + i))
             if recalled is None:
                 continue

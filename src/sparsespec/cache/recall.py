@@ -4,11 +4,13 @@ its query points at (Quest's page selection, over compact int4 pages as ShadowKV
 Storage, per layer, the entries in the order they left the arena (by the in-flight row that evicted them, then by
 position); every KV head has the same number of them::
 
-    key_codes, value_codes     [n_layers, capacity, n_kv, head_dim // 2]        uint8 int4 codes (``quant.py``)
-    key_params, value_params   [n_layers, capacity, n_kv, head_dim // 16, 2]    float16 (scale, zero) per group
-    positions                  [n_layers, capacity, n_kv]                       int64 true positions
-    summaries                  [n_layers, capacity // PAGE, n_kv, 2, head_dim]  float32 min and max per channel of
-                                                                                each complete page's keys
+    entries     [n_layers, capacity, n_kv, width]                uint8: per entry, the int4 codes of its key and of
+                                                                 its value (``head_dim / 2`` bytes each, ``quant.py``'s
+                                                                 nibble order), then their float16 (scale, zero) per
+                                                                 group of 16 channels, as bytes
+    positions   [n_layers, capacity, n_kv]                       int64 true positions
+    summaries   [n_layers, capacity // PAGE, n_kv, 2 * head_dim]  float32 max, then min, per channel of each complete
+                                                                 page's keys as rows score them
 
 Keys are stored unrotated and minus the model's key bias (the offset ``quant.py`` takes out of in-cache keys, without
 which 4 bits fail on Qwen2's keys). A recalled key is read as dequantized + bias, rotated by its true position in the
@@ -78,16 +80,23 @@ def recall_for(pages: int | None, policy: CachePolicy) -> Recall | None:
 
 @dataclass
 class Entries:
-    """Cold entries of one layer in the tier's format, ``n`` of them per KV head (entry-major)."""
+    """Cold entries in the tier's format: ``packed [..., width]`` uint8 (see the top) and ``positions [...]``."""
 
-    key_codes: torch.Tensor  # [n, n_kv, head_dim // 2] uint8
-    key_params: torch.Tensor  # [n, n_kv, groups, 2] float16
-    value_codes: torch.Tensor
-    value_params: torch.Tensor
-    positions: torch.Tensor  # [n, n_kv] int64
+    packed: torch.Tensor
+    positions: torch.Tensor
 
     def __len__(self) -> int:
         return self.positions.shape[0]
+
+    def __getitem__(self, index) -> "Entries":
+        return Entries(self.packed[index], self.positions[index])
+
+    def transposed(self) -> "Entries":
+        """Entry-major ``[n, n_kv]`` as head-major ``[n_kv, n]`` (or back)."""
+        return Entries(self.packed.transpose(0, 1), self.positions.T)
+
+    def cat(self, other: "Entries") -> "Entries":
+        return Entries(torch.cat((self.packed, other.packed)), torch.cat((self.positions, other.positions)))
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -113,25 +122,26 @@ class ColdTier:
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
         self.rope, self.scale, self.rank, self.pages = rope, scale, rank, recall.pages
         self.key_offset = None if key_offset is None else key_offset.float()
+        self.groups = head_dim // group_size(head_dim, BITS)
+        self.codes_width = head_dim * BITS // 8  # bytes of one vector's codes
+        self.width = 2 * self.codes_width + 2 * self.groups * 4  # codes, then float16 (scale, zero) per group
+        # In the in-cache mode every recalled key turns by the same rank: its cos / sin rows, once.
+        self._rank_rotation = None if rank is None else rope.cos_sin(torch.tensor(rank))
+        self._page_offsets = torch.arange(PAGE)
         self.count = 0  # entries per layer and KV head
-        self._allocate(0)
+        self.capacity = 0
+        self.entries = torch.zeros(n_layers, 0, n_kv, self.width, dtype=torch.uint8)
+        self.positions = torch.zeros(n_layers, 0, n_kv, dtype=torch.int64)
+        self.summaries = torch.zeros(n_layers, 0, n_kv, 2 * head_dim)
 
-    def _allocate(self, capacity: int) -> None:
-        """(Re)allocate room for ``capacity`` entries per layer and KV head, keeping the first :attr:`count`."""
-        L, n_kv, hd = self.n_layers, self.n_kv, self.head_dim
-        codes, groups = hd * BITS // 8, hd // group_size(hd, BITS)
-        shapes = {"key_codes": ((codes,), torch.uint8), "value_codes": ((codes,), torch.uint8),
-                  "key_params": ((groups, 2), torch.float16), "value_params": ((groups, 2), torch.float16),
-                  "positions": ((), torch.int64)}
-        for name, (tail, dtype) in shapes.items():
-            new = torch.zeros(L, capacity, n_kv, *tail, dtype=dtype)
-            if self.count:
-                new[:, : self.count] = getattr(self, name)[:, : self.count]
+    def _grow(self, capacity: int) -> None:
+        """Reallocate room for ``capacity`` entries per layer and KV head, keeping the first :attr:`count`."""
+        n, pages = self.count, self.count // PAGE
+        for name, size in (("entries", capacity), ("positions", capacity), ("summaries", capacity // PAGE)):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], size, *old.shape[2:])
+            new[:, : n if name != "summaries" else pages] = old[:, : n if name != "summaries" else pages]
             setattr(self, name, new)
-        summaries = torch.zeros(L, capacity // PAGE, n_kv, 2, hd)
-        if self.count >= PAGE:
-            summaries[:, : self.count // PAGE] = self.summaries[:, : self.count // PAGE]
-        self.summaries = summaries
         self.capacity = capacity
 
     def reset(self) -> None:
@@ -141,8 +151,7 @@ class ColdTier:
     @property
     def nbytes(self) -> int:
         """Bytes the tier holds in use: its entries and page summaries."""
-        per_entry = self.bytes_per_entry(self.head_dim) * self.n_layers * self.n_kv
-        return self.count * per_entry
+        return self.count * self.bytes_per_entry(self.head_dim) * self.n_layers * self.n_kv
 
     @staticmethod
     def bytes_per_entry(head_dim: int) -> int:
@@ -159,7 +168,24 @@ class ColdTier:
             keys = keys.float() - self.key_offset[layer]
         key_codes, key_params = quantize(keys, BITS)
         value_codes, value_params = quantize(values, BITS)
-        return Entries(key_codes, key_params, value_codes, value_params, positions)
+        params = torch.stack((key_params, value_params), dim=-3).view(torch.uint8).flatten(-3)
+        return Entries(torch.cat((key_codes, value_codes, params), dim=-1), positions)
+
+    def decode(self, entries: Entries, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values) [n_kv, n, head_dim]`` float32 of head-major ``entries [n_kv, n]``: keys as rows score them
+        (dequantized, bias in, rotated), values dequantized."""
+        packed = entries.packed
+        codes = packed[..., : 2 * self.codes_width].unflatten(-1, (2, self.codes_width))  # [n_kv, n, k/v, hd / 2]
+        codes = torch.cat((codes & 15, codes >> 4), dim=-1).unflatten(-1, (self.groups, -1))
+        params = packed[..., 2 * self.codes_width :].view(torch.float16).unflatten(-1, (2, self.groups, 2)).float()
+        both = torch.addcmul(params[..., 1:], codes.float(), params[..., :1]).flatten(-2)  # [n_kv, n, k/v, hd]
+        keys, values = both[..., 0, :], both[..., 1, :]
+        if self.key_offset is not None:
+            keys = keys + self.key_offset[layer][:, None]
+        cos, sin = self.rope.cos_sin(entries.positions) if self.rank is None else self._rank_rotation
+        half = self.head_dim // 2
+        keys = keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), dim=-1) * sin
+        return keys, values
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add ``n`` entries per layer and KV head: ``keys, values: [n_layers, n, n_kv, head_dim]`` (keys unrotated,
@@ -168,37 +194,27 @@ class ColdTier:
         if not n:
             return
         if self.count + n > self.capacity:
-            self._allocate(max(2 * self.capacity, self.count + n, 4 * PAGE))
+            self._grow(max(2 * self.capacity, self.count + n, 4 * PAGE))
         stop = self.count + n
+        first_page, end_page = self.count // PAGE, stop // PAGE
         for layer in range(self.n_layers):
             new = self.encode(keys[layer], values[layer], positions[layer], layer)
-            for name in ("key_codes", "key_params", "value_codes", "value_params", "positions"):
-                getattr(self, name)[layer, self.count : stop] = getattr(new, name)
-        first_page, end_page = self.count // PAGE, stop // PAGE
-        self.count = stop
-        for layer in range(self.n_layers):
+            self.entries[layer, self.count : stop] = new.packed
+            self.positions[layer, self.count : stop] = new.positions
             if end_page > first_page:
-                stored = self.stored(layer, first_page * PAGE, end_page * PAGE)
-                self.summaries[layer, first_page:end_page] = self.summarise(stored, layer)
+                self.summaries[layer, first_page:end_page] = self.summarise(
+                    self.stored(layer)[first_page * PAGE : end_page * PAGE], layer)
+        self.count = stop
 
-    def stored(self, layer: int, start: int, stop: int) -> Entries:
-        """The committed entries ``[start, stop)`` of ``layer``."""
-        return Entries(*(getattr(self, name)[layer, start:stop] for name in
-                         ("key_codes", "key_params", "value_codes", "value_params", "positions")))
-
-    def keys(self, entries: Entries, layer: int) -> torch.Tensor:
-        """``[n, n_kv, head_dim]`` float32: the entries' keys as rows score them (dequantized, bias in, rotated)."""
-        keys = dequantize(entries.key_codes, entries.key_params, BITS, torch.float32)
-        if self.key_offset is not None:
-            keys = keys + self.key_offset[layer]
-        rotate_by = entries.positions if self.rank is None else torch.full_like(entries.positions, self.rank)
-        return self.rope.rotate(keys.transpose(0, 1), rotate_by.T).transpose(0, 1)
+    def stored(self, layer: int) -> Entries:
+        """The buffers of ``layer`` as entries (the first :attr:`count` are committed)."""
+        return Entries(self.entries[layer], self.positions[layer])
 
     def summarise(self, entries: Entries, layer: int) -> torch.Tensor:
-        """``[n / PAGE, n_kv, 2, head_dim]``: each page's channel-wise min and max of its keys (``n`` a multiple of
-        :data:`PAGE`)."""
-        keys = self.keys(entries, layer).unflatten(0, (-1, PAGE))
-        return torch.stack((keys.amin(dim=1), keys.amax(dim=1)), dim=2)
+        """``[n / PAGE, n_kv, 2 * head_dim]``: each page's channel-wise max, then min, of its keys (``n`` entries, a
+        multiple of :data:`PAGE`)."""
+        keys = self.decode(entries.transposed(), layer)[0].unflatten(1, (-1, PAGE))  # [n_kv, pages, PAGE, hd]
+        return torch.cat((keys.amax(dim=2), keys.amin(dim=2)), dim=-1).transpose(0, 1)
 
     # ---------------------------------------------------------------------------------------------- a row
     def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None):
@@ -206,71 +222,53 @@ class ColdTier:
 
         Args:
             query: ``[n_kv, group, head_dim]`` float32, rotated as the row attends (the in-cache mode: by its rank).
-            pending: the entries evicted by in-flight rows before this one (in eviction order), or None.
+            pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
+                None.
 
         Returns:
             ``(out [n_kv, group, head_dim], lse [n_kv, group])`` float32 over the recalled entries, or None when the
             row's view of the tier is empty.
         """
         n_committed = self.count
-        n_pending = len(pending) if pending is not None else 0
-        total = n_committed + n_pending
+        total = n_committed + (len(pending) if pending is not None else 0)
         if not total:
             return None
         stored_pages = n_committed // PAGE
-        # Entries after the stored pages: the committed tail, then the pending ones; their complete pages are
-        # summarised here, as a commit would summarise them.
-        extra = self.stored(layer, stored_pages * PAGE, n_committed)
-        if n_pending:
-            extra = Entries(*(torch.cat((getattr(extra, name), getattr(pending, name))) for name in
-                              ("key_codes", "key_params", "value_codes", "value_params", "positions")))
-        extra_pages = len(extra) // PAGE
-        n_pages = stored_pages + extra_pages
+        stored = self.stored(layer)
+        # The view's entries from the end of the stored pages on: the committed tail, then the pending entries. Their
+        # complete pages are summarised here, as a commit would summarise them.
+        extra = stored[stored_pages * PAGE : n_committed]
+        if pending is not None:
+            extra = extra.cat(pending)
+        n_pages = total // PAGE
+        summaries = self.summaries[layer, :stored_pages]
+        if n_pages > stored_pages:
+            summaries = torch.cat((summaries, self.summarise(extra[: (n_pages - stored_pages) * PAGE], layer)))
         read = torch.arange(n_pages * PAGE, total).expand(self.n_kv, -1)  # the tail: always read
         if n_pages:
-            bounds = [self._bounds(query, self.summaries[layer, :stored_pages])] if stored_pages else []
-            if extra_pages:
-                summaries = self.summarise(Entries(*(getattr(extra, name)[: extra_pages * PAGE] for name in
-                                                     ("key_codes", "key_params", "value_codes", "value_params",
-                                                      "positions"))), layer)
-                bounds.append(self._bounds(query, summaries))
-            bound = torch.cat(bounds, dim=-1)  # [n_kv, n_pages]
+            signed = torch.cat((query.clamp(min=0), query.clamp(max=0)), dim=-1)  # [n_kv, group, 2 hd]
+            bound = torch.matmul(signed, summaries.permute(1, 2, 0)).amax(dim=1)  # [n_kv, n_pages]
             chosen = torch.sort(bound, dim=-1, descending=True, stable=True).indices[:, : self.pages]
-            chosen = chosen.sort(dim=-1).values  # page order
-            entries = (chosen[..., None] * PAGE + torch.arange(PAGE)).flatten(1)
-            read = torch.cat((entries, read), dim=-1)
-        entries = self._gather(layer, extra, stored_pages * PAGE, read)
-        keys = self.keys(entries, layer).transpose(0, 1)  # [n_kv, R, hd]
-        values = dequantize(entries.value_codes, entries.value_params, BITS, torch.float32).transpose(0, 1)
-        logits = torch.matmul(query, keys.transpose(1, 2)) * self.scale  # [n_kv, group, R]
+            read = torch.cat(((chosen[..., None] * PAGE + self._page_offsets).flatten(1), read), dim=-1)
+        heads = torch.arange(self.n_kv)[:, None]
+        if pending is None:  # the view is the stored tier
+            recalled = stored[read, heads]
+        else:
+            recalled = self._gather(stored, extra, stored_pages * PAGE, read)
+        keys, values = self.decode(recalled, layer)  # [n_kv, R, hd]
+        logits = torch.matmul(query, keys.transpose(1, 2)).mul_(self.scale)  # [n_kv, group, R]
         lse = torch.logsumexp(logits, dim=-1)
-        out = torch.matmul((logits - lse[..., None]).exp_(), values)
+        out = torch.matmul(logits.sub_(lse[..., None]).exp_(), values)
         return out, lse
 
-    @staticmethod
-    def _bounds(query: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-        """``[n_kv, pages]``: for ``query [n_kv, group, hd]`` and ``summaries [pages, n_kv, 2, hd]``, the largest over
-        the group of ``Σ_d max(q_d · min_d, q_d · max_d)`` (an upper bound of q · k for any key of the page)."""
-        low, high = summaries[:, :, 0].permute(1, 2, 0), summaries[:, :, 1].permute(1, 2, 0)  # [n_kv, hd, pages]
-        bound = torch.matmul(query.clamp(min=0), high) + torch.matmul(query.clamp(max=0), low)
-        return bound.amax(dim=1)
-
-    def _gather(self, layer: int, extra: Entries, extra_start: int, index: torch.Tensor) -> Entries:
-        """Entries ``index [n_kv, R]`` of the row's view (entry-major ``[R, n_kv, ...]``): below ``extra_start`` from
-        the stored tier, from there on from ``extra``."""
+    def _gather(self, stored: Entries, extra: Entries, extra_start: int, index: torch.Tensor) -> Entries:
+        """Entries ``index [n_kv, R]`` of a row's view (head-major ``[n_kv, R]``): below ``extra_start`` from the
+        stored tier, from there on from ``extra`` (the view's entries from ``extra_start`` on)."""
         heads = torch.arange(self.n_kv)[:, None]
+        from_extra = extra[(index - extra_start).clamp_(min=0), heads]
+        if not extra_start:
+            return from_extra
+        from_stored = stored[index.clamp(max=extra_start - 1), heads]
         in_extra = index >= extra_start
-        stored_index = index.clamp(max=max(extra_start - 1, 0))
-        extra_index = (index - extra_start).clamp(min=0)
-        parts = []
-        for name in ("key_codes", "key_params", "value_codes", "value_params", "positions"):
-            extra_part = getattr(extra, name)[extra_index, heads] if len(extra) else None
-            if extra_start:
-                part = getattr(self, name)[layer][stored_index, heads]
-                if extra_part is not None:
-                    mask = in_extra.view(*in_extra.shape, *([1] * (part.dim() - 2)))
-                    part = torch.where(mask, extra_part, part)
-            else:
-                part = extra_part
-            parts.append(part.transpose(0, 1))
-        return Entries(*parts)
+        return Entries(torch.where(in_extra[..., None], from_extra.packed, from_stored.packed),
+                       torch.where(in_extra, from_extra.positions, from_stored.positions))
