@@ -109,13 +109,14 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     return torch.stack(out), torch.stack(lse), bounds, keys
 
 
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
 @pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
 @pytest.mark.parametrize("n_entries", [5, 16, 75, 130])
-def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries):
+def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries, native):
     tier, *_ = random_tier(n_entries, rank)
     query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(9)) * 2
     for layer in range(2):
-        out, lse = tier.attend_row(layer, query, None)
+        out, lse = tier.attend_row(layer, query, None, native)
         ref_out, ref_lse, bounds, keys = reference_row(tier, layer, query)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
@@ -126,8 +127,9 @@ def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries)
             assert (actual.unflatten(1, (n_pages, PAGE)).amax(-1) <= bounds + 1e-9).all()
 
 
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
 @pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
-def test_pending_entries_are_read_as_if_committed(rank):
+def test_pending_entries_are_read_as_if_committed(rank, native):
     """A row that sees entries evicted by in-flight rows before it reads exactly what it reads once they are
     committed (bit for bit: verification rows recall what autoregressive steps recall)."""
     tier, keys, values, positions = random_tier(70, rank)
@@ -138,8 +140,8 @@ def test_pending_entries_are_read_as_if_committed(rank):
         partial.append(keys[:, :split], values[:, :split], positions[:, :split])
         for layer in range(2):
             pending = partial.encode(keys[layer, split:], values[layer, split:], positions[layer, split:], layer)
-            got = partial.attend_row(layer, query, pending)
-            expected = committed.attend_row(layer, query, None)
+            got = partial.attend_row(layer, query, pending, native)
+            expected = committed.attend_row(layer, query, None, native)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), split
 
 
@@ -208,24 +210,29 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries(native):
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-@pytest.mark.parametrize(("name", "positions", "retention"), [
-    ("hybrid", "original", None), ("hybrid", "in-cache", None), ("h2o", "in-cache", None),
-    ("streaming", "original", None), ("hybrid-decay", "in-cache", Retention(max_held=96, observation_rows=6)),
+@pytest.mark.parametrize(("name", "positions", "retention", "native"), [
+    ("hybrid", "original", None, True), ("hybrid", "in-cache", None, True), ("h2o", "in-cache", None, True),
+    ("streaming", "original", None, True),
+    ("hybrid-decay", "in-cache", Retention(max_held=96, observation_rows=6), True),
+    ("hybrid", "in-cache", None, False),
 ])
-def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, retention):
+def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, retention, native):
+    if native and not kernels.available():
+        pytest.skip("native kernels not built here")
     sizes = {"sinks": 2, "heavy": 9} if name in ("hybrid", "hybrid-decay") else {"heavy": 9} if name == "h2o" else {}
     policy = make_policy(name, 20, **sizes)
     tokens = ids(100)
     run = dict(max_new_tokens=64, sampling=SamplingParams(), prefill_chunk=8)
-    expected_arena = make_arena(TARGET, policy, positions, retention=retention)
+    expected_arena = make_arena(TARGET, policy, positions, retention=retention, native=native)
     expected = list(generate_tokens(TARGET, expected_arena, tokens, **run))
-    plain = list(generate_tokens(TARGET, make_arena(TARGET, policy, positions, recall=None, retention=retention),
-                                 tokens, **run))
+    plain = list(generate_tokens(TARGET, make_arena(TARGET, policy, positions, recall=None, retention=retention,
+                                                    native=native), tokens, **run))
     assert plain != expected  # recall changed what was decoded
     for gamma in (1, 3, 5):
-        target = make_arena(TARGET, policy, positions, max_inflight=target_inflight_rows(gamma), retention=retention)
+        target = make_arena(TARGET, policy, positions, max_inflight=target_inflight_rows(gamma), retention=retention,
+                            native=native)
         draft = make_arena(DRAFT, make_policy("hybrid", 12, sinks=2, heavy=5), positions,
-                           max_inflight=draft_inflight_rows(gamma))
+                           max_inflight=draft_inflight_rows(gamma), native=native)
         stats = SpeculativeStats()
         got = list(speculative_tokens(TARGET, target, DRAFT, draft, tokens, gamma=gamma, stats=stats, **run))
         assert got == expected, gamma

@@ -496,7 +496,8 @@ class KVArena:
             position = self.next_position + first + i
             rotate_by = position if self.positions_mode == "original" else rank
             query = self.rope.rotate_range(q[:, i : i + 1].float(), rotate_by).view(n_kv, group, hd)
-            recalled = self.cold.attend_row(layer, query, self._pending(layer, first + i, start + i))
+            recalled = self.cold.attend_row(layer, query, self._pending(layer, first + i, start + i),
+                                            native=self.native_attention)
             if recalled is None:
                 continue
             merged = merge_attention(out[i].view(n_kv, group, hd), lse[i].view(n_kv, group), *recalled)

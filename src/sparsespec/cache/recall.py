@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy
@@ -130,6 +131,7 @@ class ColdTier:
         self._page_offsets = torch.arange(PAGE)
         self.count = 0  # entries per layer and KV head
         self.capacity = 0
+        self.highest_position = -1  # of every entry appended (the RoPE tables the native op needs reach it)
         self.entries = torch.zeros(n_layers, 0, n_kv, self.width, dtype=torch.uint8)
         self.positions = torch.zeros(n_layers, 0, n_kv, dtype=torch.int64)
         self.summaries = torch.zeros(n_layers, 0, n_kv, 2 * head_dim)
@@ -197,6 +199,7 @@ class ColdTier:
             self._grow(max(2 * self.capacity, self.count + n, 4 * PAGE))
         stop = self.count + n
         first_page, end_page = self.count // PAGE, stop // PAGE
+        self.highest_position = max(self.highest_position, int(positions.max()))
         for layer in range(self.n_layers):
             new = self.encode(keys[layer], values[layer], positions[layer], layer)
             self.entries[layer, self.count : stop] = new.packed
@@ -217,13 +220,15 @@ class ColdTier:
         return torch.cat((keys.amax(dim=2), keys.amin(dim=2)), dim=-1).transpose(0, 1)
 
     # ---------------------------------------------------------------------------------------------- a row
-    def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None):
+    def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None, native: bool):
         """Attention of one row over what it recalls from ``layer``.
 
         Args:
             query: ``[n_kv, group, head_dim]`` float32, rotated as the row attends (the in-cache mode: by its rank).
             pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
                 None.
+            native: through the native op (``kernels.recall_attention``), else through the torch steps below, its
+                fallback and reference.
 
         Returns:
             ``(out [n_kv, group, head_dim], lse [n_kv, group])`` float32 over the recalled entries, or None when the
@@ -241,14 +246,20 @@ class ColdTier:
         if pending is not None:
             extra = extra.cat(pending)
         n_pages = total // PAGE
+        extra_summaries = self.summarise(extra[: (n_pages - stored_pages) * PAGE], layer) \
+            if n_pages > stored_pages else None
+        if native:
+            return self._attend_row_native(layer, query, extra if pending is not None else None, extra_summaries,
+                                           stored_pages * PAGE, total)
         summaries = self.summaries[layer, :stored_pages]
-        if n_pages > stored_pages:
-            summaries = torch.cat((summaries, self.summarise(extra[: (n_pages - stored_pages) * PAGE], layer)))
+        if extra_summaries is not None:
+            summaries = torch.cat((summaries, extra_summaries))
         read = torch.arange(n_pages * PAGE, total).expand(self.n_kv, -1)  # the tail: always read
         if n_pages:
             signed = torch.cat((query.clamp(min=0), query.clamp(max=0)), dim=-1)  # [n_kv, group, 2 hd]
             bound = torch.matmul(signed, summaries.permute(1, 2, 0)).amax(dim=1)  # [n_kv, n_pages]
             chosen = torch.sort(bound, dim=-1, descending=True, stable=True).indices[:, : self.pages]
+            chosen = chosen.sort(dim=-1).values  # page order
             read = torch.cat(((chosen[..., None] * PAGE + self._page_offsets).flatten(1), read), dim=-1)
         heads = torch.arange(self.n_kv)[:, None]
         if pending is None:  # the view is the stored tier
@@ -260,6 +271,22 @@ class ColdTier:
         lse = torch.logsumexp(logits, dim=-1)
         out = torch.matmul(logits.sub_(lse[..., None]).exp_(), values)
         return out, lse
+
+    def _attend_row_native(self, layer: int, query: torch.Tensor, extra: Entries | None,
+                           extra_summaries: torch.Tensor | None, extra_start: int, total: int):
+        """:meth:`attend_row` through the native op (``extra``: the view's entries from ``extra_start`` on, when
+        pending entries make the view differ from the stored tier)."""
+        highest = self.rank if self.rank is not None else self.highest_position
+        if extra is not None:
+            highest = max(highest, int(extra.positions.max()))
+        cos, sin = self.rope.tables(highest + 1)
+        return kernels.recall_attention(
+            query.contiguous(), self.entries[layer], self.positions[layer], self.summaries[layer], total,
+            extra=None if extra is None else extra.packed.contiguous(),
+            extra_positions=None if extra is None else extra.positions.contiguous(),
+            extra_summaries=extra_summaries, extra_start=extra_start,
+            key_offset=None if self.key_offset is None else self.key_offset[layer], cos=cos, sin=sin,
+            rank=-1 if self.rank is None else self.rank, pages=self.pages, page_size=PAGE, scale=self.scale)
 
     def _gather(self, stored: Entries, extra: Entries, extra_start: int, index: torch.Tensor) -> Entries:
         """Entries ``index [n_kv, R]`` of a row's view (head-major ``[n_kv, R]``): below ``extra_start`` from the

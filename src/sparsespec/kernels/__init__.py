@@ -41,6 +41,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
+    "recall.cpp",
 )
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON, ISA_AMX = -1, 0, 1, 2, 3, 4
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
@@ -240,6 +241,35 @@ def arena_attention(
         heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset,
         recent_keys, recent_values, recent_window, row_lse, isa,
     )
+
+
+def recall_attention(
+    query: torch.Tensor, entries: torch.Tensor, positions: torch.Tensor, summaries: torch.Tensor, total: int, *,
+    extra: torch.Tensor | None, extra_positions: torch.Tensor | None, extra_summaries: torch.Tensor | None,
+    extra_start: int, key_offset: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rank: int, pages: int,
+    page_size: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's attention over what it recalls from one layer of the cold tier, as ``ColdTier.attend_row``'s torch
+    steps compute it (``cache/recall.py``; the float steps differ in order, so the two agree to rounding).
+
+    Args:
+        query: ``[n_kv, group, hd]`` float32, rotated.
+        entries: ``[N, n_kv, width]`` uint8 packed entries and ``positions [N, n_kv]`` int64: the stored tier;
+            ``summaries [pages, n_kv, 2 * hd]`` float32 its pages' max and min keys.
+        total: the entries of the row's view: the stored ones, or (with ``extra``) the first ``extra_start`` of them
+            followed by ``extra [E, n_kv, width]`` (positions ``extra_positions``, the complete pages among them
+            summarised by ``extra_summaries``).
+        key_offset: ``[n_kv, hd]`` added to each dequantized key, or None.
+        cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by row ``rank``, or (``rank`` -1) by its
+            position.
+
+    Returns:
+        ``(out [n_kv, group, hd], lse [n_kv, group])`` float32.
+    """
+    out, lse = _load().recall_attention(query, entries, positions, summaries, total, extra, extra_positions,
+                                        extra_summaries, extra_start, key_offset, cos, sin, rank, pages, page_size,
+                                        scale)
+    return out, lse
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

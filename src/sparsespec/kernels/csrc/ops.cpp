@@ -8,6 +8,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "qmatmul.h"
+#include "recall.h"
 
 namespace sparsespec {
 namespace {
@@ -376,6 +377,106 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// One row's attention over the pages it recalls from one layer of the cold tier (recall.h): out [n_kv, group, hd]
+// and lse [n_kv, group], float32.
+std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tensor& entries,
+                                         const at::Tensor& positions, const at::Tensor& summaries, int64_t total,
+                                         const c10::optional<at::Tensor>& extra,
+                                         const c10::optional<at::Tensor>& extra_positions,
+                                         const c10::optional<at::Tensor>& extra_summaries, int64_t extra_start,
+                                         const c10::optional<at::Tensor>& key_offset, const at::Tensor& cos,
+                                         const at::Tensor& sin, int64_t rank, int64_t pages, int64_t page_size,
+                                         double scale) {
+  check_cpu("recall_attention", {&query, &entries, &positions, &summaries, &cos, &sin});
+  for (const auto* t : {&extra, &extra_positions, &extra_summaries, &key_offset})
+    if (t->has_value()) check_cpu("recall_attention", {&t->value()});
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "recall_attention: query must be contiguous float32 [n_kv, group, hd]");
+  const int64_t n_kv = query.size(0), group = query.size(1), hd = query.size(2);
+  const int64_t width = entries.dim() == 3 ? entries.size(2) : 0;
+  const int64_t code_group = std::min<int64_t>(16, hd);
+  TORCH_CHECK(hd >= 2 && hd % 2 == 0 && hd % code_group == 0 && width == hd + 2 * (hd / code_group) * 4,
+              "recall_attention: entries of ", hd, "-channel heads are ", hd + 2 * (hd / code_group) * 4, " bytes");
+  TORCH_CHECK(entries.scalar_type() == at::kByte && entries.is_contiguous() && entries.size(1) == n_kv &&
+                  positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.sizes() == at::IntArrayRef({entries.size(0), n_kv}),
+              "recall_attention: entries must be contiguous uint8 [N, n_kv, width] with int64 positions [N, n_kv]");
+  TORCH_CHECK(page_size >= 1 && pages >= 1 && total >= 0, "recall_attention: page_size, pages and total");
+  const bool has_extra = extra.has_value() && extra->defined();
+  const int64_t extra_rows = has_extra ? extra->size(0) : 0;
+  if (has_extra) {
+    TORCH_CHECK(extra->scalar_type() == at::kByte && extra->is_contiguous() &&
+                    extra->sizes() == at::IntArrayRef({extra_rows, n_kv, width}) && extra_positions.has_value() &&
+                    extra_positions->scalar_type() == at::kLong && extra_positions->is_contiguous() &&
+                    extra_positions->sizes() == at::IntArrayRef({extra_rows, n_kv}) && extra_start >= 0 &&
+                    extra_start % page_size == 0 && extra_start <= entries.size(0) && extra_start + extra_rows == total,
+                "recall_attention: extra entries [E, n_kv, width] with positions [E, n_kv] must end the view");
+  } else {
+    TORCH_CHECK(total <= entries.size(0), "recall_attention: ", total, " entries past the tier's ", entries.size(0));
+  }
+  const int64_t stored_pages = (has_extra ? extra_start : total) / page_size;
+  const int64_t extra_pages = has_extra ? total / page_size - stored_pages : 0;
+  TORCH_CHECK(summaries.scalar_type() == at::kFloat && summaries.is_contiguous() && summaries.dim() == 3 &&
+                  summaries.size(0) >= stored_pages && summaries.size(1) == n_kv && summaries.size(2) == 2 * hd,
+              "recall_attention: summaries must be contiguous float32 [pages, n_kv, 2 * hd]");
+  if (extra_pages) {
+    TORCH_CHECK(extra_summaries.has_value() && extra_summaries->scalar_type() == at::kFloat &&
+                    extra_summaries->is_contiguous() &&
+                    extra_summaries->sizes() == at::IntArrayRef({extra_pages, n_kv, 2 * hd}),
+                "recall_attention: extra_summaries must be contiguous float32 [", extra_pages, ", n_kv, 2 * hd]");
+  }
+  if (key_offset.has_value() && key_offset->defined())
+    TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
+                    key_offset->sizes() == at::IntArrayRef({n_kv, hd}),
+                "recall_attention: key_offset must be contiguous float32 [n_kv, hd]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd,
+              "recall_attention: cos and sin must be contiguous float32 [rows, hd]");
+  // Every rotation must fall inside the tables: the fixed rank, or every position of the view.
+  int64_t highest = rank;
+  if (rank < 0) {
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t n_stored = has_extra ? extra_start : total;
+    for (int64_t i = 0; i < n_stored * n_kv; ++i) highest = std::max(highest, pos[i]);
+    if (has_extra) {
+      const int64_t* more = extra_positions->data_ptr<int64_t>();
+      for (int64_t i = 0; i < extra_rows * n_kv; ++i) highest = std::max(highest, more[i]);
+    }
+  }
+  TORCH_CHECK(highest >= 0 || total == 0, "recall_attention: a negative position or rank");
+  TORCH_CHECK(highest < cos.size(0), "recall_attention: the RoPE tables end before row ", highest);
+  at::Tensor out = at::empty({n_kv, group, hd}, query.options());
+  at::Tensor lse = at::empty({n_kv, group}, query.options());
+  RecallRow r;
+  r.n_kv = (int)n_kv;
+  r.group = (int)group;
+  r.hd = (int)hd;
+  r.code_group = (int)code_group;
+  r.width = (int)width;
+  r.page_size = (int)page_size;
+  r.pages = (int)pages;
+  r.total = (int)total;
+  r.query = query.data_ptr<float>();
+  r.entries = entries.data_ptr<uint8_t>();
+  r.positions = positions.data_ptr<int64_t>();
+  r.summaries = summaries.data_ptr<float>();
+  if (has_extra) {
+    r.extra = extra->data_ptr<uint8_t>();
+    r.extra_positions = extra_positions->data_ptr<int64_t>();
+    r.extra_summaries = extra_pages ? extra_summaries->data_ptr<float>() : nullptr;
+    r.extra_start = (int)extra_start;
+  }
+  if (key_offset.has_value() && key_offset->defined()) r.key_offset = key_offset->data_ptr<float>();
+  r.cos = cos.data_ptr<float>();
+  r.sin = sin.data_ptr<float>();
+  r.rank = rank;
+  r.scale = (float)scale;
+  r.out = out.data_ptr<float>();
+  r.lse = lse.data_ptr<float>();
+  recall_row(r);
+  return {out, lse};
+}
+
 // RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's fused
 // rms_norm computes it: in float32, y = x * rsqrt(mean(x^2) + eps) * weight, rounded once to x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -443,6 +544,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gguf_linear", &sparsespec::gguf_linear, unlocked);
   module.def("gguf_dequantize", &sparsespec::gguf_dequantize, unlocked);
   module.def("arena_attention", &sparsespec::arena_attention, unlocked);
+  module.def("recall_attention", &sparsespec::recall_attention, unlocked);
   module.def("rms_norm", &sparsespec::rms_norm, unlocked);
   module.def("silu_mul", &sparsespec::silu_mul, unlocked);
   module.def("best_isa", &sparsespec::best_isa);

@@ -1,0 +1,38 @@
+// One row's attention over what it recalls from a layer of the cold tier (recall.cpp; cache/recall.py describes the
+// tier and holds the torch reference).
+#pragma once
+
+#include <cstdint>
+
+namespace sparsespec {
+
+// The row's view of the tier is `total` entries: entry e is entries[e] (head h at [e][h], `width` bytes: int4 key
+// codes, int4 value codes, then float16 (scale, zero) per group of code_group channels, key then value), or, with
+// `extra` and e >= extra_start, extra[e - extra_start]. Page p (page_size entries) is summarised by summaries[p]
+// ([n_kv][2 * hd]: max, then min, per channel of its rotated keys), or extra_summaries[p - extra_start / page_size].
+struct RecallRow {
+  int n_kv = 0, group = 0, hd = 0, code_group = 16, width = 0, page_size = 16, pages = 0, total = 0;
+  const float* query = nullptr;  // [n_kv, group, hd] rotated
+  const uint8_t* entries = nullptr;
+  const int64_t* positions = nullptr;  // [e][h]
+  const float* summaries = nullptr;
+  const uint8_t* extra = nullptr;  // or null: the view is `entries`
+  const int64_t* extra_positions = nullptr;
+  const float* extra_summaries = nullptr;
+  int extra_start = 0;  // a multiple of page_size
+  const float* key_offset = nullptr;  // [n_kv, hd] added to each dequantized key, or null
+  const float* cos = nullptr;  // [rows, hd] RoPE tables; a key rotates by row `rank`, or (rank < 0) its position
+  const float* sin = nullptr;
+  int64_t rank = -1;
+  float scale = 1.0f;
+  float* out = nullptr;  // [n_kv, group, hd]
+  float* lse = nullptr;  // [n_kv, group]
+};
+
+// Per KV head: the `pages` pages of highest bound sum_d max(q_d max_d, q_d min_d) (largest over the group; ties:
+// the older page), in page order, then the tail (entries past the last complete page); their keys dequantized,
+// offset added and rotated, softmax attention of each query head over them: out, and lse (log-sum-exp of the
+// scaled logits).
+void recall_row(const RecallRow& r);
+
+}  // namespace sparsespec
