@@ -17,6 +17,12 @@ own time.
         --kv-dtypes bf16,int8,int4 --paths native
     python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 8192 \
         --rows 1,5 --paths native   # a γ = 4 verification block against one row
+    python benchmarks/bench_attention.py --shapes qwen2.5-coder-0.5b --policy hybrid --budget 1024 \
+        --entries 4096,16384 --recall-pages 0,8 --paths native   # with recall from a cold tier of the evicted rest
+
+With ``--recall-pages`` a budgeted arena also keeps a cold tier (``cache/recall.py``) holding the ``entries -
+budget`` tokens it has evicted (random, as the resident ones), and every row recalls that many pages of it (0: no
+cold tier); the step's time includes the recall.
 """
 
 from __future__ import annotations
@@ -34,11 +40,14 @@ from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
 from sparsespec.cache.quant import BITS, bytes_per_vector
+from sparsespec.cache.recall import Recall
 from sparsespec.config import ModelConfig
 
 SHAPES = {
     "smollm2-135m": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                          hidden_size=576, attention_bias=False),
+    "qwen2.5-coder-0.5b": dict(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                               hidden_size=896, attention_bias=True),
     "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                                hidden_size=1536, attention_bias=True),
 }
@@ -52,12 +61,12 @@ def make_config(shapes: dict) -> ModelConfig:
 
 
 def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entries: int, steps: int,
-                 kv_dtype: str, rows: int = 1, recent_window: int | None = None) -> KVArena:
+                 kv_dtype: str, rows: int = 1, recent_window: int | None = None, recall_pages: int = 0) -> KVArena:
     """An arena as after ``entries`` tokens of text: random KV stored in ``kv_dtype``; the full cache keeps them all,
     a budgeted one its budget (4 sinks and the most recent tokens) with random scores. Shapes with key biases (the
     Qwen2 models) get a random key bias, which quantized keys are stored without in the in-cache mode. Quantized
     entries keep ``recent_window`` (None: the dtype's default) positions in full precision, the ring filled with the
-    newest rows."""
+    newest rows. ``recall_pages``: a cold tier holding the evicted ``entries - budget`` tokens (0: none)."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +74,8 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     if config.attention_bias:
         key_bias = torch.randn(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, generator=gen)
     arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=entries + steps, max_block=rows,
-                    positions=positions, kv_dtype=kv_dtype, key_offset=key_bias, recent_window=recent_window)
+                    positions=positions, kv_dtype=kv_dtype, key_offset=key_bias, recent_window=recent_window,
+                    recall=Recall(recall_pages) if recall_pages else None)
     kept = entries if policy.is_full else min(policy.budget, entries)
     shape = (config.num_key_value_heads, kept, config.head_dim)
     newest = min(arena.recent_slots, kept - min(4, kept))  # rows of the window, the last slots
@@ -81,6 +91,11 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
         arena.committed_scores.copy_(arena.scores)
     arena.n_committed = kept
     arena.next_position = entries
+    if recall_pages and entries > kept:
+        cold = (config.num_hidden_layers, entries - kept, config.num_key_value_heads, config.head_dim)
+        evicted = torch.arange(min(4, kept), entries - (kept - min(4, kept)))
+        arena.cold.append(torch.randn(cold, generator=gen), torch.randn(cold, generator=gen),
+                          evicted[None, :, None].expand(cold[:3]).contiguous())
     return arena
 
 
@@ -131,6 +146,8 @@ def main() -> None:
                         help="int8 / int4: positions kept in full precision (default: the dtype's, 32 for int4)")
     parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
     parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
+    parser.add_argument("--recall-pages", default="0",
+                        help="comma-separated pages each row recalls from a cold tier of the evicted tokens (0: none)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -142,12 +159,13 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable_reason()}")
     config = make_config(SHAPES[args.shapes])
     facts = machine()
-    for entries, kv_dtype, rows, path in itertools.product((int(e) for e in args.entries.split(",")),
-                                                       args.kv_dtypes.split(","),
-                                                       (int(r) for r in args.rows.split(",")), paths):
+    for entries, kv_dtype, rows, path, pages in itertools.product((int(e) for e in args.entries.split(",")),
+                                                              args.kv_dtypes.split(","),
+                                                              (int(r) for r in args.rows.split(",")), paths,
+                                                              (int(p) for p in args.recall_pages.split(","))):
         steps = args.steps + args.warmup
         recent = args.kv_recent if kv_dtype in BITS else None
-        arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent)
+        arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent, pages)
         times, attention = time_steps(arena, path == "native", rows, args.steps, args.warmup)
         step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
         visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
@@ -160,6 +178,7 @@ def main() -> None:
             "policy": arena.policy.describe(),
             "positions": arena.positions_mode, "entries": entries, "visible": visible, "rows": rows, "path": path,
             "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
+            "recall_pages": pages, "cold_entries": arena.cold.count if arena.cold else 0,
             "ms_per_step": round(step * 1e3, 3),
             "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),
             "kv_mib_per_step": round(kv_bytes / 2**20, 2), "effective_gb_s": round(kv_bytes / inside / 1e9, 2),

@@ -495,13 +495,16 @@ class KVArena:
                 rank = min(rank + 1, self.policy.budget) if evicts_between_rows else rank + 1
             position = self.next_position + first + i
             rotate_by = position if self.positions_mode == "original" else rank
-            query = self.rope.rotate_range(q[:, i : i + 1].float(), rotate_by).view(n_kv, group, hd)
-            recalled = self.cold.attend_row(layer, query, self._pending(layer, first + i, start + i),
-                                            native=self.native_attention)
-            if recalled is None:
+            pending = self._pending(layer, first + i, start + i)
+            if self.native_attention:
+                query = q[:, i].float().contiguous().view(n_kv, group, hd)
+                self.cold.merge_native(layer, query, rotate_by, pending, out[i], lse[i])
                 continue
-            merged = merge_attention(out[i].view(n_kv, group, hd), lse[i].view(n_kv, group), *recalled)
-            out[i] = merged.view(-1).to(out.dtype)
+            query = self.rope.rotate_range(q[:, i : i + 1].float(), rotate_by).view(n_kv, group, hd)
+            recalled = self.cold.attend_row(layer, query, pending)
+            if recalled is not None:
+                merged = merge_attention(out[i].view(n_kv, group, hd), lse[i].view(n_kv, group), *recalled)
+                out[i] = merged.view(-1).to(out.dtype)
         return out
 
     # ---------------------------------------------------------------------------------------------- attention

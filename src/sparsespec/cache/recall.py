@@ -163,11 +163,12 @@ class ColdTier:
         return 2 * (head_dim * BITS // 8 + groups * 4) + 8 + 2 * head_dim * 4 // PAGE
 
     # ---------------------------------------------------------------------------------------------- entries
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer: int) -> Entries:
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               layer: int | None = None) -> Entries:
         """``keys, values: [n, n_kv, head_dim]`` (keys unrotated, bias in), ``positions [n, n_kv]`` of ``layer`` in
-        the tier's format."""
+        the tier's format; with ``layer`` None, of every layer: ``[n_layers, n, n_kv, ...]``."""
         if self.key_offset is not None:
-            keys = keys.float() - self.key_offset[layer]
+            keys = keys.float() - (self.key_offset[:, None] if layer is None else self.key_offset[layer])
         key_codes, key_params = quantize(keys, BITS)
         value_codes, value_params = quantize(values, BITS)
         params = torch.stack((key_params, value_params), dim=-3).view(torch.uint8).flatten(-3)
@@ -200,13 +201,12 @@ class ColdTier:
         stop = self.count + n
         first_page, end_page = self.count // PAGE, stop // PAGE
         self.highest_position = max(self.highest_position, int(positions.max()))
-        for layer in range(self.n_layers):
-            new = self.encode(keys[layer], values[layer], positions[layer], layer)
-            self.entries[layer, self.count : stop] = new.packed
-            self.positions[layer, self.count : stop] = new.positions
-            if end_page > first_page:
-                self.summaries[layer, first_page:end_page] = self.summarise(
-                    self.stored(layer)[first_page * PAGE : end_page * PAGE], layer)
+        new = self.encode(keys, values, positions)
+        self.entries[:, self.count : stop] = new.packed
+        self.positions[:, self.count : stop] = new.positions
+        for layer in range(self.n_layers if end_page > first_page else 0):
+            self.summaries[layer, first_page:end_page] = self.summarise(
+                self.stored(layer)[first_page * PAGE : end_page * PAGE], layer)
         self.count = stop
 
     def stored(self, layer: int) -> Entries:
@@ -220,38 +220,39 @@ class ColdTier:
         return torch.cat((keys.amax(dim=2), keys.amin(dim=2)), dim=-1).transpose(0, 1)
 
     # ---------------------------------------------------------------------------------------------- a row
-    def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None, native: bool):
-        """Attention of one row over what it recalls from ``layer``.
+    def view(self, layer: int, pending: Entries | None) -> tuple[int, Entries, torch.Tensor | None, int]:
+        """A row's view of ``layer``: the committed entries, then ``pending`` (those evicted by in-flight rows before
+        the row, ``[n, n_kv]`` in eviction order, or None). Returns ``(extra_start, extra, extra_summaries,
+        total)``: the view's entries from ``extra_start`` (the end of the stored pages) on, the committed tail then
+        the pending ones, with the summaries of their complete pages (None: no such page), summarised here as a
+        commit would summarise them; ``total`` entries in all."""
+        n_committed = self.count
+        total = n_committed + (len(pending) if pending is not None else 0)
+        extra_start = n_committed // PAGE * PAGE
+        extra = self.stored(layer)[extra_start:n_committed]
+        if pending is not None:
+            extra = extra.cat(pending)
+        complete = total // PAGE * PAGE - extra_start
+        return extra_start, extra, self.summarise(extra[:complete], layer) if complete else None, total
+
+    def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None):
+        """One row's attention over what it recalls from ``layer``, in torch (the reference of
+        :meth:`merge_native`'s op, and the path without native kernels).
 
         Args:
             query: ``[n_kv, group, head_dim]`` float32, rotated as the row attends (the in-cache mode: by its rank).
             pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
                 None.
-            native: through the native op (``kernels.recall_attention``), else through the torch steps below, its
-                fallback and reference.
 
         Returns:
             ``(out [n_kv, group, head_dim], lse [n_kv, group])`` float32 over the recalled entries, or None when the
             row's view of the tier is empty.
         """
-        n_committed = self.count
-        total = n_committed + (len(pending) if pending is not None else 0)
+        extra_start, extra, extra_summaries, total = self.view(layer, pending)
         if not total:
             return None
-        stored_pages = n_committed // PAGE
-        stored = self.stored(layer)
-        # The view's entries from the end of the stored pages on: the committed tail, then the pending entries. Their
-        # complete pages are summarised here, as a commit would summarise them.
-        extra = stored[stored_pages * PAGE : n_committed]
-        if pending is not None:
-            extra = extra.cat(pending)
         n_pages = total // PAGE
-        extra_summaries = self.summarise(extra[: (n_pages - stored_pages) * PAGE], layer) \
-            if n_pages > stored_pages else None
-        if native:
-            return self._attend_row_native(layer, query, extra if pending is not None else None, extra_summaries,
-                                           stored_pages * PAGE, total)
-        summaries = self.summaries[layer, :stored_pages]
+        summaries = self.summaries[layer, : extra_start // PAGE]
         if extra_summaries is not None:
             summaries = torch.cat((summaries, extra_summaries))
         read = torch.arange(n_pages * PAGE, total).expand(self.n_kv, -1)  # the tail: always read
@@ -261,32 +262,44 @@ class ColdTier:
             chosen = torch.sort(bound, dim=-1, descending=True, stable=True).indices[:, : self.pages]
             chosen = chosen.sort(dim=-1).values  # page order
             read = torch.cat(((chosen[..., None] * PAGE + self._page_offsets).flatten(1), read), dim=-1)
-        heads = torch.arange(self.n_kv)[:, None]
+        stored = self.stored(layer)
         if pending is None:  # the view is the stored tier
-            recalled = stored[read, heads]
+            recalled = stored[read, torch.arange(self.n_kv)[:, None]]
         else:
-            recalled = self._gather(stored, extra, stored_pages * PAGE, read)
+            recalled = self._gather(stored, extra, extra_start, read)
         keys, values = self.decode(recalled, layer)  # [n_kv, R, hd]
         logits = torch.matmul(query, keys.transpose(1, 2)).mul_(self.scale)  # [n_kv, group, R]
         lse = torch.logsumexp(logits, dim=-1)
         out = torch.matmul(logits.sub_(lse[..., None]).exp_(), values)
         return out, lse
 
-    def _attend_row_native(self, layer: int, query: torch.Tensor, extra: Entries | None,
-                           extra_summaries: torch.Tensor | None, extra_start: int, total: int):
-        """:meth:`attend_row` through the native op (``extra``: the view's entries from ``extra_start`` on, when
-        pending entries make the view differ from the stored tier)."""
-        highest = self.rank if self.rank is not None else self.highest_position
-        if extra is not None:
+    def merge_native(self, layer: int, query: torch.Tensor, query_row: int, pending: Entries | None,
+                     out_row: torch.Tensor, lse_row: torch.Tensor) -> None:
+        """One row's recall through the native op, merged into its resident attention in place.
+
+        Args:
+            query: ``[n_kv, group, head_dim]`` float32 before RoPE; it rotates by ``query_row`` (position or rank).
+            pending: as in :meth:`attend_row`.
+            out_row: ``[n_kv * group * head_dim]`` the row's attention over the resident entries, and ``lse_row [n_kv
+                * group]`` its log-sum-exps: replaced by the attention over the union.
+        """
+        pending_given = pending is not None
+        if not pending_given:  # the view is the stored tier
+            extra_start, extra, extra_summaries, total = 0, None, None, self.count
+        else:
+            extra_start, extra, extra_summaries, total = self.view(layer, pending)
+        highest = max(self.rank if self.rank is not None else self.highest_position, query_row)
+        if pending_given:
             highest = max(highest, int(extra.positions.max()))
         cos, sin = self.rope.tables(highest + 1)
-        return kernels.recall_attention(
-            query.contiguous(), self.entries[layer], self.positions[layer], self.summaries[layer], total,
-            extra=None if extra is None else extra.packed.contiguous(),
-            extra_positions=None if extra is None else extra.positions.contiguous(),
+        kernels.recall_attention(
+            query, query_row, self.entries[layer], self.positions[layer], self.summaries[layer], total,
+            extra=extra.packed.contiguous() if pending_given else None,
+            extra_positions=extra.positions.contiguous() if pending_given else None,
             extra_summaries=extra_summaries, extra_start=extra_start,
             key_offset=None if self.key_offset is None else self.key_offset[layer], cos=cos, sin=sin,
-            rank=-1 if self.rank is None else self.rank, pages=self.pages, page_size=PAGE, scale=self.scale)
+            rank=-1 if self.rank is None else self.rank, pages=self.pages, page_size=PAGE, scale=self.scale,
+            out_row=out_row, lse_row=lse_row)
 
     def _gather(self, stored: Entries, extra: Entries, extra_start: int, index: torch.Tensor) -> Entries:
         """Entries ``index [n_kv, R]`` of a row's view (head-major ``[n_kv, R]``): below ``extra_start`` from the

@@ -244,16 +244,19 @@ def arena_attention(
 
 
 def recall_attention(
-    query: torch.Tensor, entries: torch.Tensor, positions: torch.Tensor, summaries: torch.Tensor, total: int, *,
-    extra: torch.Tensor | None, extra_positions: torch.Tensor | None, extra_summaries: torch.Tensor | None,
-    extra_start: int, key_offset: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rank: int, pages: int,
-    page_size: int, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's attention over what it recalls from one layer of the cold tier, as ``ColdTier.attend_row``'s torch
-    steps compute it (``cache/recall.py``; the float steps differ in order, so the two agree to rounding).
+    query: torch.Tensor, query_row: int, entries: torch.Tensor, positions: torch.Tensor, summaries: torch.Tensor,
+    total: int, *, extra: torch.Tensor | None, extra_positions: torch.Tensor | None,
+    extra_summaries: torch.Tensor | None, extra_start: int, key_offset: torch.Tensor | None, cos: torch.Tensor,
+    sin: torch.Tensor, rank: int, pages: int, page_size: int, scale: float, out_row: torch.Tensor,
+    lse_row: torch.Tensor,
+) -> None:
+    """One row's attention over what it recalls from one layer of the cold tier, merged into its attention over
+    the resident entries in place: the steps of the torch path (``KVArena._recall``, ``ColdTier.attend_row``,
+    ``recall.merge_attention``; ``cache/recall.py``), whose float steps run in another order, so the two agree to
+    rounding.
 
     Args:
-        query: ``[n_kv, group, hd]`` float32, rotated.
+        query: ``[n_kv, group, hd]`` float32 before RoPE, rotated by table row ``query_row``.
         entries: ``[N, n_kv, width]`` uint8 packed entries and ``positions [N, n_kv]`` int64: the stored tier;
             ``summaries [pages, n_kv, 2 * hd]`` float32 its pages' max and min keys.
         total: the entries of the row's view: the stored ones, or (with ``extra``) the first ``extra_start`` of them
@@ -262,14 +265,12 @@ def recall_attention(
         key_offset: ``[n_kv, hd]`` added to each dequantized key, or None.
         cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by row ``rank``, or (``rank`` -1) by its
             position.
-
-    Returns:
-        ``(out [n_kv, group, hd], lse [n_kv, group])`` float32.
+        out_row: ``[n_kv * group * hd]`` float32 or bfloat16, the row's attention over the resident entries, and
+            ``lse_row [n_kv * group]`` float32 its log-sum-exps: replaced by the attention over the union.
     """
-    out, lse = _load().recall_attention(query, entries, positions, summaries, total, extra, extra_positions,
-                                        extra_summaries, extra_start, key_offset, cos, sin, rank, pages, page_size,
-                                        scale)
-    return out, lse
+    _load().recall_attention(query, query_row, entries, positions, summaries, total, extra, extra_positions,
+                             extra_summaries, extra_start, key_offset, cos, sin, rank, pages, page_size, scale,
+                             out_row, lse_row)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

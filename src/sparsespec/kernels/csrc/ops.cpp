@@ -377,17 +377,19 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// One row's attention over the pages it recalls from one layer of the cold tier (recall.h): out [n_kv, group, hd]
-// and lse [n_kv, group], float32.
-std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tensor& entries,
+// One row's attention over the pages it recalls from one layer of the cold tier (recall.h), merged into the row's
+// attention over the resident entries: out_row [n_kv * group * hd] (float32 or bfloat16) with its log-sum-exps
+// lse_row [n_kv * group] (float32), in place. query [n_kv, group, hd] float32 before RoPE, rotated by table row
+// query_row.
+void recall_attention(const at::Tensor& query, int64_t query_row, const at::Tensor& entries,
                                          const at::Tensor& positions, const at::Tensor& summaries, int64_t total,
                                          const c10::optional<at::Tensor>& extra,
                                          const c10::optional<at::Tensor>& extra_positions,
                                          const c10::optional<at::Tensor>& extra_summaries, int64_t extra_start,
                                          const c10::optional<at::Tensor>& key_offset, const at::Tensor& cos,
                                          const at::Tensor& sin, int64_t rank, int64_t pages, int64_t page_size,
-                                         double scale) {
-  check_cpu("recall_attention", {&query, &entries, &positions, &summaries, &cos, &sin});
+                                         double scale, at::Tensor out_row, const at::Tensor& lse_row) {
+  check_cpu("recall_attention", {&query, &entries, &positions, &summaries, &cos, &sin, &out_row, &lse_row});
   for (const auto* t : {&extra, &extra_positions, &extra_summaries, &key_offset})
     if (t->has_value()) check_cpu("recall_attention", {&t->value()});
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
@@ -395,8 +397,9 @@ std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tens
   const int64_t n_kv = query.size(0), group = query.size(1), hd = query.size(2);
   const int64_t width = entries.dim() == 3 ? entries.size(2) : 0;
   const int64_t code_group = std::min<int64_t>(16, hd);
-  TORCH_CHECK(hd >= 2 && hd % 2 == 0 && hd % code_group == 0 && width == hd + 2 * (hd / code_group) * 4,
-              "recall_attention: entries of ", hd, "-channel heads are ", hd + 2 * (hd / code_group) * 4, " bytes");
+  TORCH_CHECK(hd >= 8 && hd % 8 == 0 && hd % code_group == 0 && width == hd + 2 * (hd / code_group) * 4,
+              "recall_attention: heads of a multiple of 8 channels, whose entries are ", hd + 2 * (hd / code_group) * 4,
+              " bytes");
   TORCH_CHECK(entries.scalar_type() == at::kByte && entries.is_contiguous() && entries.size(1) == n_kv &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.sizes() == at::IntArrayRef({entries.size(0), n_kv}),
@@ -444,9 +447,12 @@ std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tens
     }
   }
   TORCH_CHECK(highest >= 0 || total == 0, "recall_attention: a negative position or rank");
-  TORCH_CHECK(highest < cos.size(0), "recall_attention: the RoPE tables end before row ", highest);
-  at::Tensor out = at::empty({n_kv, group, hd}, query.options());
-  at::Tensor lse = at::empty({n_kv, group}, query.options());
+  TORCH_CHECK(query_row >= 0 && std::max(highest, query_row) < cos.size(0),
+              "recall_attention: the RoPE tables end before row ", std::max(highest, query_row));
+  TORCH_CHECK(float_or_bf16(out_row) && out_row.is_contiguous() && out_row.numel() == n_kv * group * hd &&
+                  lse_row.scalar_type() == at::kFloat && lse_row.is_contiguous() && lse_row.numel() == n_kv * group,
+              "recall_attention: out_row must be contiguous float32 or bfloat16 [n_kv * group * hd] and lse_row "
+              "float32 [n_kv * group]");
   RecallRow r;
   r.n_kv = (int)n_kv;
   r.group = (int)group;
@@ -457,6 +463,7 @@ std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tens
   r.pages = (int)pages;
   r.total = (int)total;
   r.query = query.data_ptr<float>();
+  r.query_row = query_row;
   r.entries = entries.data_ptr<uint8_t>();
   r.positions = positions.data_ptr<int64_t>();
   r.summaries = summaries.data_ptr<float>();
@@ -471,10 +478,10 @@ std::vector<at::Tensor> recall_attention(const at::Tensor& query, const at::Tens
   r.sin = sin.data_ptr<float>();
   r.rank = rank;
   r.scale = (float)scale;
-  r.out = out.data_ptr<float>();
-  r.lse = lse.data_ptr<float>();
-  recall_row(r);
-  return {out, lse};
+  r.out = out_row.data_ptr();
+  r.out_bf16 = out_row.scalar_type() == at::kBFloat16;
+  r.lse = lse_row.data_ptr<float>();
+  if (total) recall_row(r);
 }
 
 // RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16), as torch's fused

@@ -12,7 +12,8 @@ namespace sparsespec {
 // ([n_kv][2 * hd]: max, then min, per channel of its rotated keys), or extra_summaries[p - extra_start / page_size].
 struct RecallRow {
   int n_kv = 0, group = 0, hd = 0, code_group = 16, width = 0, page_size = 16, pages = 0, total = 0;
-  const float* query = nullptr;  // [n_kv, group, hd] rotated
+  const float* query = nullptr;  // [n_kv, group, hd] before RoPE; rotated by table row query_row
+  int64_t query_row = 0;
   const uint8_t* entries = nullptr;
   const int64_t* positions = nullptr;  // [e][h]
   const float* summaries = nullptr;
@@ -25,14 +26,17 @@ struct RecallRow {
   const float* sin = nullptr;
   int64_t rank = -1;
   float scale = 1.0f;
-  float* out = nullptr;  // [n_kv, group, hd]
-  float* lse = nullptr;  // [n_kv, group]
+  // The row's attention over the resident entries, merged in place with its attention over the recalled ones:
+  // out [n_kv * group * hd] (float32, or bfloat16 when out_bf16) and its log-sum-exps lse [n_kv * group].
+  void* out = nullptr;
+  bool out_bf16 = false;
+  const float* lse = nullptr;
 };
 
-// Per KV head: the `pages` pages of highest bound sum_d max(q_d max_d, q_d min_d) (largest over the group; ties:
-// the older page), in page order, then the tail (entries past the last complete page); their keys dequantized,
-// offset added and rotated, softmax attention of each query head over them: out, and lse (log-sum-exp of the
-// scaled logits).
+// Per KV head: the query rotated; the `pages` pages of highest bound sum_d max(q_d max_d, q_d min_d) (largest over
+// the group; ties: the older page), in page order, then the tail (entries past the last complete page); their keys
+// dequantized, offset added and rotated; softmax attention of each query head over them, merged with the resident
+// attention by the two log-sum-exps.
 void recall_row(const RecallRow& r);
 
 }  // namespace sparsespec
