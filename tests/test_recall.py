@@ -75,25 +75,31 @@ def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2)
     return tier, keys, values, positions
 
 
+def rotated64(keys: torch.Tensor, by: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """float64 RoPE ("rotate half") of ``keys [..., hd]`` by ``by [...]``."""
+    angle = by.double()[..., None] * inv_freq.double()
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    half = keys.shape[-1] // 2
+    return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
+
+
 def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     """float64 attention of ``query [n_kv, group, hd]`` over what the tier's row should recall: per KV head, the
-    ``pages`` pages with the highest bound Σ_d max(q_d min_d, q_d max_d) (max over the group; ties: older page),
-    then the tail. Returns ``(out, lse, bounds, rotated keys [n_kv, n, hd])``."""
+    ``pages`` pages with the highest bound Σ_d max(q_d min_d, q_d max_d) (max over the group; ties: older page)
+    over keys rotated by their positions (or the first rank), then the tail; the read keys rotated by their
+    positions, or by the first rank plus their place in position order. Returns ``(out, lse, bounds, the keys the
+    bounds are of [n_kv, n, hd])``."""
     n = tier.count
     packed, hd = tier.entries[layer, :n], tier.head_dim
     params = packed[..., hd:].view(torch.float16).unflatten(-1, (2, -1, 2))  # key, value: [n, n_kv, groups, 2]
-    keys = dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4, torch.float64)
+    raw = dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4, torch.float64)
     if tier.key_offset is not None:
-        keys = keys + tier.key_offset[layer].double()
-    values = dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4, torch.float64)
-    positions = tier.positions[layer, :n]
-    rotate_by = positions if tier.rank is None else torch.full_like(positions, tier.rank)
-    inv_freq = tier.rope.inv_freq.double()
-    angle = rotate_by.double()[..., None] * inv_freq  # [n, n_kv, hd / 2]
-    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
-    half = keys.shape[-1] // 2
-    keys = keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
-    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [n_kv, n, hd]
+        raw = raw + tier.key_offset[layer].double()
+    values = dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4, torch.float64).transpose(0, 1)
+    positions = tier.positions[layer, :n].T  # [n_kv, n]
+    raw = raw.transpose(0, 1)  # [n_kv, n, hd]
+    inv_freq = tier.rope.inv_freq
+    keys = rotated64(raw, positions if tier.rank is None else torch.full_like(positions, tier.rank), inv_freq)
     q = query.double()
     n_pages = n // PAGE
     pages = keys[:, : n_pages * PAGE].unflatten(1, (n_pages, PAGE))  # [n_kv, pages, PAGE, hd]
@@ -103,7 +109,13 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     for h in range(keys.shape[0]):
         order = sorted(range(n_pages), key=lambda p: (-float(bounds[h, p]), p))[: tier.pages]
         read = [p * PAGE + j for p in sorted(order) for j in range(PAGE)] + list(range(n_pages * PAGE, n))
-        logits = q[h] @ keys[h, read].T * tier.scale
+        read_keys = keys[h, read]
+        if tier.rank is not None:
+            by_position = sorted(range(len(read)), key=lambda i: int(positions[h, read[i]]))
+            ranks = torch.empty(len(read), dtype=torch.int64)
+            ranks[by_position] = torch.arange(len(read)) + tier.rank
+            read_keys = rotated64(raw[h, read], ranks, inv_freq)
+        logits = q[h] @ read_keys.T * tier.scale
         out.append(torch.softmax(logits, -1) @ values[h, read])
         lse.append(torch.logsumexp(logits, -1))
     return torch.stack(out), torch.stack(lse), bounds, keys
@@ -122,7 +134,7 @@ def recalled_alone(tier: ColdTier, layer: int, query: torch.Tensor, pending, nat
 
 
 @pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
-@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
+@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
 @pytest.mark.parametrize("n_entries", [5, 16, 75, 130])
 def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries, native):
     tier, *_ = random_tier(n_entries, rank)
@@ -133,7 +145,7 @@ def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries,
         torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
         if lse is not None:
             torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
-        # The bounds bound: no key of a page scores above its page's bound.
+        # The bounds bound: no key of a page, rotated as the summaries are, scores above its page's bound.
         n_pages = tier.count // PAGE
         if n_pages:
             actual = torch.einsum("kgd,knd->kgn", query.double(), keys[:, : n_pages * PAGE]).amax(1)
@@ -141,7 +153,7 @@ def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries,
 
 
 @pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
-@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "fixed-rank"])
+@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
 def test_pending_entries_are_read_as_if_committed(rank, native):
     """A row that sees entries evicted by in-flight rows before it reads exactly what it reads once they are
     committed (bit for bit: verification rows recall what autoregressive steps recall)."""

@@ -14,9 +14,11 @@ position); every KV head has the same number of them::
 
 Keys are stored unrotated and minus the model's key bias (the offset ``quant.py`` takes out of in-cache keys, without
 which 4 bits fail on Qwen2's keys). A recalled key is read as dequantized + bias, rotated by its true position in the
-``original`` position mode, or in the ``in-cache`` mode by the fixed rank :attr:`ColdTier.rank` (the policy's sink
-count: recalled entries sit just after the sinks, as the oldest entries of the cache, so no rank passes the cache's
-and the page summaries, taken of the rotated keys, stay valid while the resident ranks move).
+``original`` position mode. In the ``in-cache`` mode the recalled entries of a row take the ranks from
+:attr:`ColdTier.rank` (the policy's sink count) on, in position order: they sit just after the sinks, as the oldest
+entries of the cache, in the order they were written (a number's digits keep their order), and no rank passes the
+cache's. The page summaries there are of keys rotated by that first rank, so their bounds are estimates of a page's
+q · k rather than bounds; in the ``original`` mode they bound it.
 
 A row of a row-by-row block (decode steps, verification rows, draft steps; prefill chunks read the resident entries
 only) recalls in three steps (:meth:`ColdTier.attend_row`):
@@ -127,7 +129,7 @@ class ColdTier:
         self.codes_width = head_dim * BITS // 8  # bytes of one vector's codes
         self.width = 2 * self.codes_width + 2 * self.groups * 4  # codes, then float16 (scale, zero) per group
         # In the in-cache mode every recalled key turns by the same rank: its cos / sin rows, once.
-        self._rank_rotation = None if rank is None else rope.cos_sin(torch.tensor(rank))
+        self._rank_rotation = None if rank is None else rope.cos_sin(torch.tensor(rank))  # the summaries' rotation
         self._page_offsets = torch.arange(PAGE)
         self.count = 0  # entries per layer and KV head
         self.capacity = 0
@@ -174,9 +176,11 @@ class ColdTier:
         params = torch.stack((key_params, value_params), dim=-3).view(torch.uint8).flatten(-3)
         return Entries(torch.cat((key_codes, value_codes, params), dim=-1), positions)
 
-    def decode(self, entries: Entries, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values) [n_kv, n, head_dim]`` float32 of head-major ``entries [n_kv, n]``: keys as rows score them
-        (dequantized, bias in, rotated), values dequantized."""
+    def decode(self, entries: Entries, layer: int,
+               ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values) [n_kv, n, head_dim]`` float32 of head-major ``entries [n_kv, n]``: keys dequantized, bias
+        in, rotated by their positions (the original mode), else by ``ranks [n_kv, n]`` or, None, the first rank
+        (the summaries' keys); values dequantized."""
         packed = entries.packed
         codes = packed[..., : 2 * self.codes_width].unflatten(-1, (2, self.codes_width))  # [n_kv, n, k/v, hd / 2]
         codes = torch.cat((codes & 15, codes >> 4), dim=-1).unflatten(-1, (self.groups, -1))
@@ -185,7 +189,10 @@ class ColdTier:
         keys, values = both[..., 0, :], both[..., 1, :]
         if self.key_offset is not None:
             keys = keys + self.key_offset[layer][:, None]
-        cos, sin = self.rope.cos_sin(entries.positions) if self.rank is None else self._rank_rotation
+        if self.rank is None:
+            cos, sin = self.rope.cos_sin(entries.positions)
+        else:
+            cos, sin = self._rank_rotation if ranks is None else self.rope.cos_sin(ranks)
         half = self.head_dim // 2
         keys = keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), dim=-1) * sin
         return keys, values
@@ -267,7 +274,8 @@ class ColdTier:
             recalled = stored[read, torch.arange(self.n_kv)[:, None]]
         else:
             recalled = self._gather(stored, extra, extra_start, read)
-        keys, values = self.decode(recalled, layer)  # [n_kv, R, hd]
+        ranks = None if self.rank is None else self.rank + recalled.positions.argsort(dim=-1).argsort(dim=-1)
+        keys, values = self.decode(recalled, layer, ranks)  # [n_kv, R, hd]
         logits = torch.matmul(query, keys.transpose(1, 2)).mul_(self.scale)  # [n_kv, group, R]
         lse = torch.logsumexp(logits, dim=-1)
         out = torch.matmul(logits.sub_(lse[..., None]).exp_(), values)
@@ -288,7 +296,8 @@ class ColdTier:
             extra_start, extra, extra_summaries, total = 0, None, None, self.count
         else:
             extra_start, extra, extra_summaries, total = self.view(layer, pending)
-        highest = max(self.rank if self.rank is not None else self.highest_position, query_row)
+        recalled = self.pages * PAGE + PAGE  # the most entries a row reads, which take the ranks from self.rank on
+        highest = max(self.rank + recalled if self.rank is not None else self.highest_position, query_row)
         if pending_given:
             highest = max(highest, int(extra.positions.max()))
         cos, sin = self.rope.tables(highest + 1)

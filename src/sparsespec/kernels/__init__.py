@@ -263,8 +263,8 @@ def recall_attention(
             followed by ``extra [E, n_kv, width]`` (positions ``extra_positions``, the complete pages among them
             summarised by ``extra_summaries``).
         key_offset: ``[n_kv, hd]`` added to each dequantized key, or None.
-        cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by row ``rank``, or (``rank`` -1) by its
-            position.
+        cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by its position (``rank`` -1), or by
+            ``rank`` plus its place in position order among the row's recalled entries.
         out_row: ``[n_kv * group * hd]`` float32 or bfloat16, the row's attention over the resident entries, and
             ``lse_row [n_kv * group]`` float32 its log-sum-exps: replaced by the attention over the union.
     """

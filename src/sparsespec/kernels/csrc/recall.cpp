@@ -72,7 +72,8 @@ void recall_row(const RecallRow& r) {
   at::parallel_for(0, r.n_kv, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> bounds(n_pages), key(hd), rotated(hd), value(hd), logits, sums(G), q((std::size_t)G * hd);
     std::vector<float> recalled((std::size_t)G * hd);
-    std::vector<int> chosen(n_pages), read;
+    std::vector<int> chosen(n_pages), read, by_position;
+    std::vector<int64_t> ranks;
     for (int h = (int)h0; h < (int)h1; ++h) {
       for (int g = 0; g < G; ++g)
         rotate(r.query + ((long)h * G + g) * hd, r.cos + r.query_row * hd, r.sin + r.query_row * hd, hd,
@@ -108,14 +109,23 @@ void recall_row(const RecallRow& r) {
         return r.extra && e >= r.extra_start ? r.extra_positions[(long)(e - r.extra_start) * r.n_kv + h]
                                              : r.positions[(long)e * r.n_kv + h];
       };
-      // Logits: each key dequantized, its bias added, rotated by its position or the fixed rank.
+      // Ranks (the in-cache mode): the recalled entries in position order from the fixed rank on.
+      if (r.rank >= 0) {
+        by_position.resize(R);
+        std::iota(by_position.begin(), by_position.end(), 0);
+        std::sort(by_position.begin(), by_position.end(),
+                  [&](int a, int b) { return position(read[a]) < position(read[b]); });
+        ranks.resize(R);
+        for (int i = 0; i < R; ++i) ranks[by_position[i]] = r.rank + i;
+      }
+      // Logits: each key dequantized, its bias added, rotated by its position or its rank.
       logits.assign((std::size_t)G * R, 0.0f);
       for (int i = 0; i < R; ++i) {
         const uint8_t* bytes = entry(read[i]);
         dequantize_entry(bytes, reinterpret_cast<const uint16_t*>(bytes + hd), hd, r.code_group, key.data());
         if (r.key_offset)
           for (int c = 0; c < hd; ++c) key[c] += r.key_offset[(long)h * hd + c];
-        const int64_t row = r.rank >= 0 ? r.rank : position(read[i]);
+        const int64_t row = r.rank >= 0 ? ranks[i] : position(read[i]);
         rotate(key.data(), r.cos + row * hd, r.sin + row * hd, hd, rotated.data());
         for (int g = 0; g < G; ++g)
           logits[(long)g * R + i] = dot8(q.data() + (long)g * hd, rotated.data(), hd) * r.scale;

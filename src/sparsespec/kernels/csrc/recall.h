@@ -22,7 +22,9 @@ struct RecallRow {
   const float* extra_summaries = nullptr;
   int extra_start = 0;  // a multiple of page_size
   const float* key_offset = nullptr;  // [n_kv, hd] added to each dequantized key, or null
-  const float* cos = nullptr;  // [rows, hd] RoPE tables; a key rotates by row `rank`, or (rank < 0) its position
+  // [rows, hd] RoPE tables. A key rotates by its position, or (rank >= 0) by rank + its place in position order
+  // among the row's recalled entries; the summaries are of keys rotated by `rank`.
+  const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t rank = -1;
   float scale = 1.0f;
