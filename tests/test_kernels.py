@@ -241,6 +241,22 @@ def test_bad_inputs_raise():
             call()
 
 
+def test_a_k_that_splits_the_blocks_raises():
+    """``k`` must cut whole rows: below a quarter (or a tile's span) a row would be 0 bytes and gguf_dequantize
+    would divide by it (SIGFPE); a K-quant row layout of a partial 256-input chunk would be read past its end by
+    the matmul, whose K-quant kernels take whole chunks (as every GGUF K-quant row is)."""
+    blob, _, _ = packed(random_blocks(2, 4, 64, seed=0), 2, 64)  # Q4_0, 4 rows of 64
+    with pytest.raises(RuntimeError, match="k must be a positive multiple of 64, not 32"):
+        kernels.gguf_dequantize(blob, 2, 32, torch.arange(1))
+    tiles, _, kind = packed(random_blocks(12, 16, 256, seed=0), 12, 256, tiles=True)
+    with pytest.raises(RuntimeError, match="tiles' span, not 64"):
+        kernels.gguf_dequantize(tiles, kind, 64, torch.arange(1))
+    rows, k = 3, 320  # Q4_K rows of one chunk and a quarter, with the bytes the row layout gives them
+    weight = torch.zeros(kernels.weight_bytes(12, k, rows), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="K-quant type 12 needs k a multiple of 256"):
+        kernels.gguf_linear(torch.randn(1, k), [weight], [12], [rows], k)
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, capsys):
     """A build killed outright leaves torch's lock file behind; a start does not wait on it forever."""
     import threading

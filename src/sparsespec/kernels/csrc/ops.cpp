@@ -55,6 +55,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
     TORCH_CHECK(!is_tiled((int)types[s]) || k % tile_span((int)types[s]) == 0,
                 "gguf_linear: a tiled weight of type ", types[s], " needs k a multiple of ", tile_span((int)types[s]));
+    // The K-quant row kernels read whole 256-input chunks (a GGUF K-quant row is made of them).
+    TORCH_CHECK(!is_k_quant((int)types[s]) || k % kChunk == 0, "gguf_linear: a weight of K-quant type ", types[s],
+                " needs k a multiple of ", kChunk);
     TORCH_CHECK((std::size_t)weights[s].numel() == weight_bytes((int)types[s], (int)k, rows[s]),
                 "gguf_linear: segment ", s, " has ", weights[s].numel(), " bytes, not ",
                 weight_bytes((int)types[s], (int)k, rows[s]));
@@ -137,6 +140,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, const at::Tensor& index) {
   check_cpu("gguf_dequantize", {&weight, &index});
   TORCH_CHECK(supported_type((int)type), "gguf_dequantize: unsupported block type ", type);
+  // Rows (tiles) of k inputs have whole quarters (chunks); below one they would have 0 bytes to divide by.
+  TORCH_CHECK(k > 0 && k % kQuarter == 0 && (!is_tiled((int)type) || k % tile_span((int)type) == 0),
+              "gguf_dequantize: k must be a positive multiple of ", kQuarter,
+              is_tiled((int)type) ? " and of the tiles' span" : "", ", not ", k);
   const at::Tensor idx = index.to(at::kLong).contiguous();
   const int64_t n = is_tiled((int)type) ? weight.numel() / (int64_t)tile_bytes((int)type, (int)k) * kTileColumns
                                          : weight.numel() / (int64_t)row_bytes((int)type, (int)k);
