@@ -241,15 +241,20 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(keys.size(3) == hd, "arena_attention: keys must be [L, n_kv, cap, ", hd, "]");
   }
   TORCH_CHECK(layer >= 0 && layer < n_layers, "arena_attention: layer ", layer, " outside the arena");
-  TORCH_CHECK(float_or_bf16(q) && q.size(0) % n_kv == 0 &&
-                  q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
-              "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, ", hd,
-              "] (group <= 64, even hd <= 256)");
+  TORCH_CHECK(float_or_bf16(q) && n_kv >= 1 && q.size(0) % n_kv == 0 && q.size(0) >= n_kv &&
+                  q.size(0) / n_kv <= kAttnMaxGroup && hd >= 2 && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
+              "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, hd] with n_kv >= 1 KV heads, "
+              "1 <= group <= 64 and even 2 <= hd <= 256, not [", q.size(0), ", ", q.size(1), ", ", hd, "] for ", n_kv,
+              " KV heads");
   TORCH_CHECK(k.sizes() == at::IntArrayRef({n_kv, T, hd}) && v.sizes() == k.sizes() && float_or_bf16(k) &&
                   float_or_bf16(v), "arena_attention: k and v must be float32 or bfloat16 [", n_kv, ", ", T, ", ", hd,
               "]");
   TORCH_CHECK(T >= 1 && start >= 0 && start + T <= cap, "arena_attention: rows [", start, ", ", start + T,
               ") outside the arena's ", cap, " slots");
+  // Positions and ranks index the ranks' bitmap, the RoPE tables and the full-precision window's ring.
+  TORCH_CHECK(first_position >= 0 && visible_before >= 0, "arena_attention: first_position (", first_position,
+              ") and visible_before (", visible_before, ") must be >= 0");
+  TORCH_CHECK(!per_row || budget >= 0, "arena_attention: per_row evictions need a budget");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.sizes() == at::IntArrayRef({n_layers, n_kv, cap}),
               "arena_attention: positions must be contiguous int64 [L, n_kv, cap]");
