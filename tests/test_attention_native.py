@@ -406,6 +406,44 @@ def test_threads_on_different_heads_and_rows_keep_apart(n_kv):
     assert evicted > 0 and arenas[0].n_committed > 2 * 256
 
 
+@pytest.mark.parametrize("name,mode", [("hybrid", "in-cache"), ("h2o", "original")])
+def test_two_kv_heads_on_three_threads_run_by_chunks_as_the_torch_path(name, mode):
+    """Qwen's 2 KV heads on 3 threads: the heads do not share the threads evenly and there are more threads than
+    heads, so the op spreads every step over (head, chunk) items, the threads meeting after each
+    (``csrc/attention.cpp``'s by-chunks schedule). Random blocks in lockstep with the torch path, then prefill
+    blocks across several 256-slot chunks and verification blocks evicting between rows; the arena ends bit for
+    bit as one thread (by whole heads) leaves it."""
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    sizes = dict(sinks=4, heavy=300, window=300) if name == "hybrid" else dict(heavy=300, window=300)
+    states = []
+    previous = torch.get_num_threads()
+    for threads in (3, 1):
+        torch.set_num_threads(threads)
+        try:
+            if threads == 3:
+                evictions = _run(config, name, mode, torch.bfloat16, seed=zlib.crc32(f"chunks {name}".encode()))
+                assert evictions["within"] > 0 and evictions["other"] > 0
+            native, ref = (KVArena(config, make_policy(name, **sizes), dtype=dtype, max_tokens=800, max_block=64,
+                                   max_inflight=MAX_INFLIGHT, positions=mode) for dtype in (torch.bfloat16, torch.float32))
+            ref.native_attention = False
+            gen = torch.Generator().manual_seed(9)
+            for step in range(11):
+                _block(native, ref, _rows(config, 64, gen, torch.bfloat16), True, f"chunk {step}")
+                native.commit(64)
+                ref.commit(64)
+            within = 0
+            for step in range(3):
+                within += _block(native, ref, _rows(config, 3, gen, torch.bfloat16), False, f"block {step}")
+                native.commit(3)
+                ref.commit(3)
+        finally:
+            torch.set_num_threads(previous)
+        assert native.n_committed > 2 * 256 and within > 0
+        states.append((native.keys.clone(), native.evicted_at.clone(), native.scores.clone()))
+    for by_chunks, by_heads in zip(*states):
+        assert torch.equal(by_chunks, by_heads)
+
+
 NEVER = torch.iinfo(torch.int32).max
 
 
