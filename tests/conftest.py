@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,62 @@ def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict
 def tiny_model(architecture: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
     config = tiny_config(architecture, **overrides)
     return Transformer(config, random_state(config, seed), dtype)
+
+
+def kernels_must_build() -> bool:
+    """Whether a failed build of the native kernels fails the tests that need them: on x86-64 and AArch64 (the CPUs
+    they are written for) under CI (``CI=true``) or with the C++ compiler torch builds with (``$CXX``, else ``c++``);
+    never when ``SPARSESPEC_KERNELS=torch`` turns them off. Elsewhere they are skipped, as users without a
+    compiler get the torch kernels after one warning line."""
+    from sparsespec import kernels
+
+    if os.environ.get(kernels.KERNELS_ENV, "").strip().lower() == "torch":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return False
+    return os.environ.get("CI", "").lower() in ("true", "1") or shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+# What the native_kernels fixture found (for the run's summary line): unset until a test asks for the kernels.
+_native_outcome: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The native kernels, for every test of the modules that test them (``pytestmark``): skipped where they
+    cannot be built, a failure naming the build's error where they must be (:func:`kernels_must_build`)."""
+    from sparsespec import kernels
+
+    if kernels.available():
+        _native_outcome["state"] = "built"
+        return kernels
+    reason = kernels.unavailable_reason()
+    if kernels_must_build():
+        _native_outcome["state"] = f"failed to build ({reason})"
+        pytest.fail(f"the native kernels failed to build on a host that builds them: {reason}", pytrace=False)
+    _native_outcome["state"] = f"not tested ({reason})"
+    pytest.skip(f"native kernels unavailable here ({reason})")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line saying which instruction sets of the native kernels the run covered (the tests run every one the
+    CPU runs; NEON also under qemu-aarch64, in test_kernels_arm.py), or why it covered none."""
+    state = _native_outcome.get("state")
+    if state is None:  # no test asked for the kernels
+        return
+    if state != "built":
+        terminalreporter.write_line(f"native kernels: {state}")
+        return
+    from sparsespec import kernels
+
+    ran = [name for name, isa in kernels.ISA_NAMES.items() if kernels.isa_available(isa)]
+    lacks = [name for name in kernels.ISA_NAMES if name not in ran]
+    qemu = any("test_kernels_arm.py::test_aarch64" in r.nodeid for r in terminalreporter.stats.get("passed", []))
+    if qemu and "neon-dotprod" in lacks:
+        ran.append("neon-dotprod under qemu-aarch64")
+        lacks.remove("neon-dotprod")
+    terminalreporter.write_line(f"native kernels: built; instruction sets covered (every one this CPU runs): "
+                                f"{', '.join(ran)}; not covered: {', '.join(lacks) or 'none'}")
 
 
 @pytest.fixture(scope="session")

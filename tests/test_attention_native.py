@@ -26,7 +26,8 @@ from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, specul
 
 from conftest import tiny_config
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+# Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 MAX_BLOCK = 5
 MAX_INFLIGHT = 5
@@ -404,3 +405,115 @@ def test_threads_on_different_heads_and_rows_keep_apart(n_kv):
     finally:
         torch.set_num_threads(previous)
     assert evicted > 0 and arenas[0].n_committed > 2 * 256
+
+
+@pytest.mark.parametrize("name,mode", [("hybrid", "in-cache"), ("h2o", "original")])
+def test_two_kv_heads_on_three_threads_run_by_chunks_as_the_torch_path(name, mode):
+    """Qwen's 2 KV heads on 3 threads: the heads do not share the threads evenly and there are more threads than
+    heads, so the op spreads every step over (head, chunk) items, the threads meeting after each
+    (``csrc/attention.cpp``'s by-chunks schedule). Random blocks in lockstep with the torch path, then prefill
+    blocks across several 256-slot chunks and verification blocks evicting between rows; the arena ends bit for
+    bit as one thread (by whole heads) leaves it."""
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    sizes = dict(sinks=4, heavy=300, window=300) if name == "hybrid" else dict(heavy=300, window=300)
+    states = []
+    previous = torch.get_num_threads()
+    for threads in (3, 1):
+        torch.set_num_threads(threads)
+        try:
+            if threads == 3:
+                evictions = _run(config, name, mode, torch.bfloat16, seed=zlib.crc32(f"chunks {name}".encode()))
+                assert evictions["within"] > 0 and evictions["other"] > 0
+            native, ref = (KVArena(config, make_policy(name, **sizes), dtype=dtype, max_tokens=800, max_block=64,
+                                   max_inflight=MAX_INFLIGHT, positions=mode) for dtype in (torch.bfloat16, torch.float32))
+            ref.native_attention = False
+            gen = torch.Generator().manual_seed(9)
+            for step in range(11):
+                _block(native, ref, _rows(config, 64, gen, torch.bfloat16), True, f"chunk {step}")
+                native.commit(64)
+                ref.commit(64)
+            within = 0
+            for step in range(3):
+                within += _block(native, ref, _rows(config, 3, gen, torch.bfloat16), False, f"block {step}")
+                native.commit(3)
+                ref.commit(3)
+        finally:
+            torch.set_num_threads(previous)
+        assert native.n_committed > 2 * 256 and within > 0
+        states.append((native.keys.clone(), native.evicted_at.clone(), native.scores.clone()))
+    for by_chunks, by_heads in zip(*states):
+        assert torch.equal(by_chunks, by_heads)
+
+
+NEVER = torch.iinfo(torch.int32).max
+
+
+def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, recent_window=0, **overrides):
+    """Keyword arguments of a valid :func:`kernels.arena_attention` call: a one-layer arena whose first
+    ``committed`` slots hold positions 0, 1, ... (alive, random scores), ``n_rows`` rows entering after them in the
+    in-cache mode with a hybrid policy whose budget makes every row evict; ``overrides`` replace any of them."""
+    gen = torch.Generator().manual_seed(0)
+    cap = committed + n_rows + 2
+    entry, store = (head_dim * code_bits // 8, torch.uint8) if code_bits else (head_dim, torch.float32)
+    args = dict(
+        q=torch.randn(n_kv * group, n_rows, head_dim, generator=gen),
+        k=torch.randn(n_kv, n_rows, head_dim, generator=gen), v=torch.randn(n_kv, n_rows, head_dim, generator=gen),
+        keys=torch.zeros(1, n_kv, cap, entry, dtype=store), values=torch.zeros(1, n_kv, cap, entry, dtype=store),
+        positions=torch.arange(cap).repeat(1, n_kv, 1), evicted_at=torch.full((1, n_kv, cap), NEVER, dtype=torch.int32),
+        scores=torch.rand(1, n_kv, cap, generator=gen), row_scores=None, cos=torch.ones(cap, head_dim),
+        sin=torch.zeros(cap, head_dim), table_offset=0, in_cache=True, layer=0, start=committed, first=0,
+        visible_before=committed, first_position=committed, snapshots=0, per_row=True, budget=committed - 2,
+        sinks=1, heavy=3, window=1, scale=0.35, code_bits=code_bits, recent_window=recent_window,
+    )
+    if code_bits:  # one group of codes per head vector, and a full-precision window of 8 rows
+        args.update(key_params=torch.zeros(1, n_kv, cap, 1, 2, dtype=torch.half),
+                    value_params=torch.zeros(1, n_kv, cap, 1, 2, dtype=torch.half),
+                    recent_keys=torch.zeros(1, n_kv, 8, head_dim), recent_values=torch.zeros(1, n_kv, 8, head_dim))
+    args.update(overrides)
+    return args
+
+
+def test_the_checks_pass_the_valid_calls_the_tests_below_break():
+    args = _op_args()
+    out = kernels.arena_attention(**args)
+    assert out.shape == (2, 4 * 8) and torch.isfinite(out).all()
+    assert set(args["evicted_at"].unique().tolist()) == {0, 1, NEVER}  # both rows evicted
+    windowed = _op_args(committed=4, code_bits=4, recent_window=8, in_cache=False)
+    assert torch.isfinite(kernels.arena_attention(**windowed)).all()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (lambda: _op_args(n_kv=0), "n_kv >= 1"),  # q.size(0) % n_kv: a division by zero
+    (lambda: _op_args(group=0), "1 <= group"),
+    (lambda: _op_args(head_dim=0), "2 <= hd"),
+    (lambda: _op_args(first_position=-3), "first_position"),  # negative positions index the ranks' bitmap
+    (lambda: _op_args(visible_before=-4), "visible_before"),  # a negative rank reads before the RoPE tables
+    (lambda: _op_args(budget=None), "need a budget"),  # the ranks would stop at -1
+], ids=["no-kv-heads", "no-query-heads", "head-dim-0", "negative-first-position", "negative-visible-before",
+        "per-row-without-budget"])
+def test_integers_the_op_would_misuse_are_errors(args, says):
+    with pytest.raises(RuntimeError, match=says):
+        kernels.arena_attention(**args())
+
+
+@pytest.mark.parametrize("position", [-1, 100])
+@pytest.mark.parametrize("reader", ["ranks", "window"])
+def test_a_slot_outside_the_rows_positions_is_an_error(reader, position):
+    """A committed slot whose position is negative or above the attending row's: the in-cache ranks would set a
+    bit outside their bitmap, the full-precision window read outside its ring or block."""
+    if reader == "ranks":
+        args = _op_args()
+    else:  # original positions, int4 codes with a window of 8 positions (row 0 at position 4 reads from -3 up)
+        args = _op_args(committed=4, code_bits=4, recent_window=8, in_cache=False)
+    args["positions"][0, 1, 2] = position
+    with pytest.raises(RuntimeError, match=f"slot 2 of KV head 1 holds position {position}, outside"):
+        kernels.arena_attention(**args)
+
+
+@pytest.mark.parametrize("age_normalised", [False, True])
+def test_a_nan_heavy_hitter_score_is_an_error(age_normalised):
+    """NaN breaks the order the eviction's nth_element needs (undefined behaviour); the op says so instead."""
+    args = _op_args(age_normalised=age_normalised)
+    args["scores"][0, 0, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="score of slot 3 of KV head 0 is NaN"):
+        kernels.arena_attention(**args)

@@ -60,8 +60,10 @@ def cached_smollm2(monkeypatch, smollm2_f32):
 
 
 # ------------------------------------------------------------------------------------------ files written here
-def write_gguf(path: Path, arch: str = "llama", *, heads: int = 2, vocab: int = 16) -> Path:
-    """A complete one-layer GGUF (hidden 8, GQA 2:1, float32 tensors) without tokenizer metadata."""
+def write_gguf(path: Path, arch: str = "llama", *, heads: int = 2, vocab: int = 16,
+               shapes: dict[str, tuple[int, ...]] | None = None, types: dict[str, int] | None = None) -> Path:
+    """A complete one-layer GGUF (hidden 8, GQA 2:1, float32 tensors) without tokenizer metadata; ``shapes`` and
+    ``types`` (GGML type ids written as they are) replace those of the tensors they name."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -74,15 +76,15 @@ def write_gguf(path: Path, arch: str = "llama", *, heads: int = 2, vocab: int = 
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(0)
-    shapes = {
+    tensors = {
         "token_embd.weight": (vocab, 8), "output_norm.weight": (8,),
         "blk.0.attn_norm.weight": (8,), "blk.0.ffn_norm.weight": (8,),
         "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8), "blk.0.attn_v.weight": (4, 8),
         "blk.0.attn_output.weight": (8, 8),
         "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16),
-    }
-    for name, shape in shapes.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    } | (shapes or {})
+    for name, shape in tensors.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32), raw_dtype=(types or {}).get(name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -187,6 +189,17 @@ def test_hf_folder_with_unsupported_model_type(capsys, tmp_path):
 def test_gguf_with_zero_heads(capsys, tmp_path):
     path = write_gguf(tmp_path / "zero-heads.gguf", heads=0)
     assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT), "head")
+
+
+@pytest.mark.parametrize("weights", ["dense", "native"])
+@pytest.mark.parametrize(("damage", "says"), [
+    (dict(shapes={"blk.0.attn_q.weight": (2, 4, 8)}), ("blk.0.attn_q.weight", "has 3 dimensions")),
+    (dict(types={"blk.0.ffn_up.weight": 99}), ("blk.0.ffn_up.weight", "GGML type 99", "does not know")),
+], ids=["3-d-tensor", "unknown-type"])
+def test_gguf_with_a_tensor_the_loaders_cannot_take(capsys, tmp_path, damage, says, weights):
+    path = write_gguf(tmp_path / "odd.gguf", **damage)
+    assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", PROMPT, "--weights", weights),
+                      str(path), *says)
 
 
 def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path, smollm2_path):

@@ -29,7 +29,8 @@ from gguf.quants import dequantize
 from sparsespec import kernels
 from sparsespec.kernels.repack import BLOCK_TYPES, TILED_TYPES, pack, repack, repack_tiles
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
+# Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 TYPES = sorted(BLOCK_TYPES)
 # (GGML type, column tiles?): every block type in the row layout, and Q4_K / Q6_K / Q5_0 also in 16-column tiles.
@@ -239,6 +240,22 @@ def test_bad_inputs_raise():
                  lambda: kernels.silu_mul(meta)):
         with pytest.raises(RuntimeError, match="on the CPU"):
             call()
+
+
+def test_a_k_that_splits_the_blocks_raises():
+    """``k`` must cut whole rows: below a quarter (or a tile's span) a row would be 0 bytes and gguf_dequantize
+    would divide by it (SIGFPE); a K-quant row layout of a partial 256-input chunk would be read past its end by
+    the matmul, whose K-quant kernels take whole chunks (as every GGUF K-quant row is)."""
+    blob, _, _ = packed(random_blocks(2, 4, 64, seed=0), 2, 64)  # Q4_0, 4 rows of 64
+    with pytest.raises(RuntimeError, match="k must be a positive multiple of 64, not 32"):
+        kernels.gguf_dequantize(blob, 2, 32, torch.arange(1))
+    tiles, _, kind = packed(random_blocks(12, 16, 256, seed=0), 12, 256, tiles=True)
+    with pytest.raises(RuntimeError, match="tiles' span, not 64"):
+        kernels.gguf_dequantize(tiles, kind, 64, torch.arange(1))
+    rows, k = 3, 320  # Q4_K rows of one chunk and a quarter, with the bytes the row layout gives them
+    weight = torch.zeros(kernels.weight_bytes(12, k, rows), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="K-quant type 12 needs k a multiple of 256"):
+        kernels.gguf_linear(torch.randn(1, k), [weight], [12], [rows], k)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, capsys):

@@ -98,6 +98,17 @@ def _chosen_isa() -> int | None:
     return ISA_NAMES[value]
 
 
+def _failure_reason(exc: Exception) -> str:
+    """The line of a failed build that says why: a failed build's message is ninja's log, which ends in "ninja:
+    build stopped", so the compiler's first error, else the log's last other line (a shell's "not found")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[-1].startswith("ninja: build stopped"):
+        lines.pop()
+    return next((line for line in lines if "error:" in line), lines[-1])
+
+
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
@@ -121,7 +132,7 @@ def _load():
                 verbose=False,
             )
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back to the torch kernels
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        reason = _failure_reason(exc)
         print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
               file=sys.stderr)
         return reason

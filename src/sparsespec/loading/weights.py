@@ -46,7 +46,7 @@ from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
 from .fetch import stamped_sha256
 from .fixtures import cache_dir
-from .source import ModelSource, open_gguf, read_gguf_header, read_gguf_tensor_table
+from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_tensor_table
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -76,6 +76,24 @@ def _hf_name(gguf_name: str) -> str | None:
     return _GGUF_TO_HF.get(gguf_name)
 
 
+def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
+    """:func:`read_gguf_tensor_table` for the loaders, which read every tensor's GGML type and take the model's
+    tensors as vectors or matrices: a type the ``gguf`` package does not know, or a model tensor of other than one
+    or two dimensions, is a :class:`UserError` naming it (not a ValueError deep inside the loading)."""
+    from gguf import GGMLQuantizationType
+
+    metadata, tensors = read_gguf_tensor_table(path)
+    known = {t.value for t in GGMLQuantizationType}
+    for t in tensors.values():
+        if t.ggml_type not in known:
+            raise UserError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which the installed gguf "
+                            "package does not know.")
+        if _hf_name(t.name) is not None and len(t.dims) not in (1, 2):
+            raise UserError(f"{path}: tensor {t.name} has {len(t.dims)} dimensions, but a Llama or Qwen2 model's "
+                            "weights have one or two.")
+    return metadata, tensors
+
+
 def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (llama-arch GGUF files) to get the Hugging Face layout.
 
@@ -94,7 +112,8 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 state dict of a GGUF file (every tensor dequantized)."""
     from gguf.quants import dequantize
 
-    config = ModelConfig.from_gguf_metadata(*read_gguf_header(path))
+    metadata, tensors = gguf_weight_table(path)
+    config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -121,7 +140,7 @@ def gguf_native_types(path: Path) -> set[str]:
 
     from gguf import GGMLQuantizationType
 
-    _, tensors = read_gguf_tensor_table(path)
+    _, tensors = gguf_weight_table(path)
     return {GGMLQuantizationType(t.ggml_type).name for t in tensors.values()
             if len(t.dims) == 2 and not supported(t.ggml_type)}
 
@@ -139,7 +158,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    metadata, tensors = read_gguf_tensor_table(path)
+    metadata, tensors = gguf_weight_table(path)
     config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
     shapes = expected_shapes(config)
     file = np.memmap(path, dtype=np.uint8, mode="r")

@@ -5,6 +5,7 @@
 #include "elementwise.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,12 +31,22 @@ namespace {
 
 bool alive(const AttnBlock& b, int h, int s) { return b.evicted_at[(long)h * b.cap + s] == kNever; }
 
+// A row at position `newest` sees only positions in [0, newest]: the ranks' bitmap and the full-precision window
+// index by position, so a slot holding any other (a corrupt arena) is an error, not a write or read astray.
+void check_position(int h, int s, int64_t position, int64_t newest) {
+  TORCH_CHECK(position >= 0 && position <= newest, "arena_attention: slot ", s, " of KV head ", h,
+              " holds position ", position, ", outside [0, ", newest, "] of the row attending");
+}
+
 // ranks[s] for the slots s <= last alive in head h: the number of such slots with a smaller position.
 void compute_ranks(const AttnBlock& b, int h, int last, int64_t newest, int32_t* ranks) {
   std::vector<uint64_t> bits((std::size_t)(newest >> 6) + 1, 0);
   const int64_t* pos = b.positions + (long)h * b.cap;
   for (int s = 0; s <= last; ++s)
-    if (alive(b, h, s)) bits[pos[s] >> 6] |= 1ull << (pos[s] & 63);
+    if (alive(b, h, s)) {
+      check_position(h, s, pos[s], newest);
+      bits[pos[s] >> 6] |= 1ull << (pos[s] & 63);
+    }
   std::vector<int32_t> before(bits.size());
   int32_t count = 0;
   for (std::size_t w = 0; w < bits.size(); ++w) {
@@ -69,6 +80,10 @@ void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, i
       for (int s : candidates) per_age[s] = key[s] / (float)std::max<int64_t>(newest + 1 - pos[s], 1);
       key = per_age.data();
     }
+    // A NaN key would break the strict weak order nth_element relies on (undefined behaviour).
+    for (int s : candidates)
+      TORCH_CHECK(!std::isnan(key[s]), "arena_attention: the heavy-hitter score of slot ", s, " of KV head ", h,
+                  " is NaN");
     auto lower = [&](int x, int y) { return key[x] < key[y] || (key[x] == key[y] && pos[x] < pos[y]); };
     std::nth_element(candidates.begin(), candidates.begin() + (n_evict - 1), candidates.end(), lower);
     candidates.resize(n_evict);
@@ -243,6 +258,10 @@ void attend_block(int isa, const AttnBlock& b) {
   auto chunk_end = [&](int i, int c) { return std::min(b.start + i + 1, (c + 1) * kAttnChunk); };
   auto head_ranks = [&](int h, int i) {
     if (b.cos) compute_ranks(b, h, b.start + i, b.first_position + i, ranks.data() + (long)h * b.cap);
+    // The window reads every slot the row covers (alive or not) from the ring or the block, by position.
+    if (b.recent_window)
+      for (int s = 0; s <= b.start + i; ++s)
+        check_position(h, s, b.positions[(long)h * b.cap + s], b.first_position + i);
   };
   auto chunk_logits = [&](int h, int i, int c) {
     kernels.logits(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c),

@@ -56,6 +56,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
     TORCH_CHECK(!is_tiled((int)types[s]) || k % tile_span((int)types[s]) == 0,
                 "gguf_linear: a tiled weight of type ", types[s], " needs k a multiple of ", tile_span((int)types[s]));
+    // The K-quant row kernels read whole 256-input chunks (a GGUF K-quant row is made of them).
+    TORCH_CHECK(!is_k_quant((int)types[s]) || k % kChunk == 0, "gguf_linear: a weight of K-quant type ", types[s],
+                " needs k a multiple of ", kChunk);
     TORCH_CHECK((std::size_t)weights[s].numel() == weight_bytes((int)types[s], (int)k, rows[s]),
                 "gguf_linear: segment ", s, " has ", weights[s].numel(), " bytes, not ",
                 weight_bytes((int)types[s], (int)k, rows[s]));
@@ -138,6 +141,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, const at::Tensor& index) {
   check_cpu("gguf_dequantize", {&weight, &index});
   TORCH_CHECK(supported_type((int)type), "gguf_dequantize: unsupported block type ", type);
+  // Rows (tiles) of k inputs have whole quarters (chunks); below one they would have 0 bytes to divide by.
+  TORCH_CHECK(k > 0 && k % kQuarter == 0 && (!is_tiled((int)type) || k % tile_span((int)type) == 0),
+              "gguf_dequantize: k must be a positive multiple of ", kQuarter,
+              is_tiled((int)type) ? " and of the tiles' span" : "", ", not ", k);
   const at::Tensor idx = index.to(at::kLong).contiguous();
   const int64_t n = is_tiled((int)type) ? weight.numel() / (int64_t)tile_bytes((int)type, (int)k) * kTileColumns
                                          : weight.numel() / (int64_t)row_bytes((int)type, (int)k);
@@ -237,15 +244,20 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(keys.size(3) == hd, "arena_attention: keys must be [L, n_kv, cap, ", hd, "]");
   }
   TORCH_CHECK(layer >= 0 && layer < n_layers, "arena_attention: layer ", layer, " outside the arena");
-  TORCH_CHECK(float_or_bf16(q) && q.size(0) % n_kv == 0 &&
-                  q.size(0) / n_kv <= kAttnMaxGroup && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
-              "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, ", hd,
-              "] (group <= 64, even hd <= 256)");
+  TORCH_CHECK(float_or_bf16(q) && n_kv >= 1 && q.size(0) % n_kv == 0 && q.size(0) >= n_kv &&
+                  q.size(0) / n_kv <= kAttnMaxGroup && hd >= 2 && hd % 2 == 0 && hd <= kAttnMaxHeadDim,
+              "arena_attention: q must be float32 or bfloat16 [n_kv * group, T, hd] with n_kv >= 1 KV heads, "
+              "1 <= group <= 64 and even 2 <= hd <= 256, not [", q.size(0), ", ", q.size(1), ", ", hd, "] for ", n_kv,
+              " KV heads");
   TORCH_CHECK(k.sizes() == at::IntArrayRef({n_kv, T, hd}) && v.sizes() == k.sizes() && float_or_bf16(k) &&
                   float_or_bf16(v), "arena_attention: k and v must be float32 or bfloat16 [", n_kv, ", ", T, ", ", hd,
               "]");
   TORCH_CHECK(T >= 1 && start >= 0 && start + T <= cap, "arena_attention: rows [", start, ", ", start + T,
               ") outside the arena's ", cap, " slots");
+  // Positions and ranks index the ranks' bitmap, the RoPE tables and the full-precision window's ring.
+  TORCH_CHECK(first_position >= 0 && visible_before >= 0, "arena_attention: first_position (", first_position,
+              ") and visible_before (", visible_before, ") must be >= 0");
+  TORCH_CHECK(!per_row || budget >= 0, "arena_attention: per_row evictions need a budget");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.sizes() == at::IntArrayRef({n_layers, n_kv, cap}),
               "arena_attention: positions must be contiguous int64 [L, n_kv, cap]");
