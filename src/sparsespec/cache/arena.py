@@ -174,7 +174,7 @@ class KVArena:
         self.recent_keys = torch.zeros(n_layers, n_kv, self.recent_slots, hd, dtype=dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
         self._allocate_slot_metadata()
-        self.rope = Rope(hd, config.rope_theta)
+        self.rope = Rope.for_model(config)
         self.scale = 1.0 / math.sqrt(hd)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
