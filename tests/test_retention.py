@@ -103,7 +103,7 @@ def _reference_selection(model, policy, tokens, rows, pool):
     finally:
         KVArena.attend = original
     cfg = model.config
-    rope = Rope(cfg.head_dim, cfg.rope_theta)
+    rope = Rope.for_model(cfg)
     n_kv, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
     positions = torch.arange(len(tokens))
     kept = []

@@ -6,9 +6,10 @@ This module imports no torch, so the edge simulator can read model shapes withou
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .errors import UserError
 
@@ -16,6 +17,56 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 # Hugging Face ``model_type`` / ``architectures`` entries that map to our two decoder families.
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+ROPE_SCALING_KINDS = ("none", "linear", "llama3", "yarn")
+# The GGUF tensor of per-frequency RoPE divisors (llama.cpp's ``LLM_TENSOR_ROPE_FREQS``).
+GGUF_ROPE_FREQS = "rope_freqs.weight"
+# GGUF YaRN keys whose meaning changed between llama.cpp versions: a file that sets one is refused, not guessed.
+_GGUF_YARN_UNREAD = ("rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_ext_factor",
+                     "rope.scaling.yarn_log_multiplier")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies are stretched past the pre-training context, as transformers'
+    ``ROPE_INIT_FUNCTIONS`` define it (computed in :mod:`sparsespec.rope`).
+
+    ``kind``:
+
+    - ``none``: only ``freq_factors``;
+    - ``linear``: every inverse frequency divided by ``factor``;
+    - ``llama3`` (Llama 3.1): frequencies with wavelength above ``original_max_position_embeddings /
+      low_freq_factor`` divided by ``factor``, those below ``original_max_position_embeddings / high_freq_factor``
+      kept, a smooth blend between;
+    - ``yarn``: frequency pairs below ``beta_fast``'s correction dimension (the fast ones) kept, those above
+      ``beta_slow``'s divided by ``factor``, a linear ramp between (bounds rounded outwards when ``truncate``);
+      cos and sin are multiplied by ``attention_factor``.
+
+    ``freq_factors``: ``[head_dim / 2]`` divisors of the inverse frequencies applied before ``kind``'s rule, as
+    llama.cpp does: a GGUF file's ``rope_freqs.weight``, which is how llama.cpp stores Llama 3.1's scaling.
+    """
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # JSON gives a list
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise UserError(f"RoPE scaling {self.kind!r} is not supported; sparsespec reads linear, llama3 and yarn.")
+        if not self.factor > 0 or not all(f > 0 for f in self.freq_factors):
+            raise UserError(f"The {self.kind} RoPE scaling's factors must be positive.")
+        if self.kind in ("llama3", "yarn") and self.original_max_position_embeddings < 1:
+            raise UserError(f"The {self.kind} RoPE scaling needs original_max_position_embeddings of at least 1.")
+        if self.kind == "llama3" and self.low_freq_factor == self.high_freq_factor:
+            raise UserError("The llama3 RoPE scaling needs low_freq_factor and high_freq_factor to differ.")
 
 
 @dataclass(frozen=True)
@@ -38,6 +89,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    rope_scaling: RopeScaling | None = None  # None: RoPE as trained
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -51,6 +103,10 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads.")
+        factors = self.rope_scaling.freq_factors if self.rope_scaling else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise UserError(f"The model gives {len(factors)} RoPE frequency factors for head_dim {self.head_dim}; "
+                            f"it needs {self.head_dim // 2}.")
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -72,6 +128,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
+        """The inverse of :meth:`to_dict` (also after a JSON round trip)."""
+        fields = dict(fields)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        return cls(**fields)
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
@@ -98,6 +162,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            rope_scaling=_hf_rope_scaling(cfg),
         )
 
     @classmethod
@@ -112,10 +177,12 @@ class ModelConfig:
             raise UserError(f"Cannot read a model config from {path}: {exc!s}.") from None
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], tensor_names: set[str],
+                           rope_freqs: Sequence[float] = ()) -> "ModelConfig":
         """Build from GGUF key/value metadata (``{arch}.block_count`` …) and the set of tensor names.
 
-        ``tensor_names`` decides tied vs untied heads (``output.weight`` present or not) and q/k/v bias.
+        ``tensor_names`` decides tied vs untied heads (``output.weight`` present or not) and q/k/v bias;
+        ``rope_freqs``: the values of the file's ``rope_freqs.weight`` tensor, which must be given when it has one.
         """
         arch = str(meta.get("general.architecture", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -131,6 +198,8 @@ class ModelConfig:
         heads = int(get("attention.head_count"))
         if heads < 1:
             raise UserError(f"The GGUF file gives {arch}.attention.head_count = {heads}; it must be at least 1.")
+        if GGUF_ROPE_FREQS in tensor_names and not rope_freqs:
+            raise ValueError(f"the GGUF file has {GGUF_ROPE_FREQS}: pass its values as rope_freqs")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
@@ -148,4 +217,70 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            rope_scaling=_gguf_rope_scaling(arch, meta, tuple(rope_freqs)),
         )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for ``factor`` (Eq. 21 of the paper, as transformers' ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling | None:
+    """The RoPE scaling of a Hugging Face config: ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5), its kind in ``rope_type`` or ``type``, defaults as transformers fills them in."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise UserError(f"The model config's partial_rotary_factor is {partial}; sparsespec rotates whole heads only.")
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALING_KINDS[1:]:
+        raise UserError(f"RoPE scaling {kind!r} is not supported; sparsespec reads linear, llama3 and yarn.")
+
+    def need(key: str) -> float:
+        if params.get(key) is None:
+            raise UserError(f"The model config's {kind} RoPE scaling lacks {key}.")
+        return float(params[key])
+
+    original = int(params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    if kind == "linear":
+        return RopeScaling("linear", factor=need("factor"))
+    if kind == "llama3":
+        return RopeScaling("llama3", factor=need("factor"), low_freq_factor=need("low_freq_factor"),
+                           high_freq_factor=need("high_freq_factor"), original_max_position_embeddings=original)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", 2048)) / original
+    attention, mscale, mscale_all_dim = (params.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim"))
+    if attention is None:
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else _yarn_mscale(factor))
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       attention_factor=float(attention), truncate=bool(params.get("truncate", True)))
+
+
+def _gguf_rope_scaling(arch: str, meta: Mapping[str, Any], freq_factors: tuple[float, ...]) -> RopeScaling | None:
+    """The RoPE scaling of a GGUF file as llama.cpp reads it: ``{arch}.rope.scaling.type`` (default linear) with
+    ``.factor`` (absent or 1: none) and ``.original_context_length``, and the ``rope_freqs.weight`` divisors."""
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "linear"))
+    factor = float(meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear") or 1.0)
+    if kind == "linear" and factor == 1.0:
+        kind = "none"
+    if kind not in ("none", "linear", "yarn"):
+        raise UserError(f"GGUF RoPE scaling {kind!r} is not supported; sparsespec reads none, linear and yarn.")
+    if kind == "none":
+        return RopeScaling("none", freq_factors=freq_factors) if freq_factors else None
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor, freq_factors=freq_factors)
+    for key in _GGUF_YARN_UNREAD:
+        if f"{arch}.{key}" in meta:
+            raise UserError(f"The GGUF file sets {arch}.{key}, which sparsespec's YaRN does not read.")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise UserError(f"The GGUF file's yarn RoPE scaling lacks {arch}.rope.scaling.original_context_length.")
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=int(original),
+                       beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                       beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                       attention_factor=_yarn_mscale(factor), freq_factors=freq_factors)

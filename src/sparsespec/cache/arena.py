@@ -183,7 +183,7 @@ class KVArena:
         self.recent_keys = torch.zeros(n_layers, n_kv, self.recent_slots, hd, dtype=dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
         self._allocate_slot_metadata()
-        self.rope = Rope(hd, config.rope_theta)
+        self.rope = Rope.for_model(config)
         self.scale = 1.0 / math.sqrt(hd)
         if recall is not None and policy.is_full:
             raise ValueError("recall needs a budgeted policy")

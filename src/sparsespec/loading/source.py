@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..config import GGUF_ROPE_FREQS, ModelConfig
 from ..errors import UserError
 from .fixtures import MODEL_FIXTURES
 
@@ -188,8 +188,30 @@ def read_gguf_tensor_bytes(path: Path) -> dict[str, int]:
     return sizes
 
 
+def read_gguf_config(path: Path, table: tuple[dict, dict[str, GGUFTensorInfo]] | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a GGUF file: its header (``table``: :func:`read_gguf_tensor_table`'s, if read
+    already) and the values of its ``rope_freqs.weight``, the one tensor that is part of the config."""
+    metadata, tensors = table or read_gguf_tensor_table(path)
+    info = tensors.get(GGUF_ROPE_FREQS)
+    return ModelConfig.from_gguf_metadata(metadata, set(tensors), _read_float_vector(path, info) if info else ())
+
+
+def _read_float_vector(path: Path, info: GGUFTensorInfo) -> tuple[float, ...]:
+    """The values of a 1-D float32 or float16 tensor of a GGUF file."""
+    formats = {0: "f", 1: "e"}  # GGML types F32, F16
+    if info.ggml_type not in formats or len(info.dims) != 1:
+        raise UserError(f"{path}: {info.name} is not a float vector.")
+    fmt = f"<{info.dims[0]}{formats[info.ggml_type]}"
+    try:
+        with open(path, "rb") as file:
+            file.seek(info.offset)
+            return struct.unpack(fmt, file.read(struct.calcsize(fmt)))
+    except (OSError, struct.error):
+        raise UserError(f"{path} is truncated: tensor {info.name} runs past the end of the file.") from None
+
+
 def read_config(source: ModelSource) -> ModelConfig:
     """The model's :class:`ModelConfig`, read from metadata only (no weights are touched)."""
     if source.kind == "hf":
         return ModelConfig.from_hf_folder(source.path)
-    return ModelConfig.from_gguf_metadata(*read_gguf_header(source.path))
+    return read_gguf_config(source.path)

@@ -46,7 +46,7 @@ from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
 from .fetch import stamped_sha256
 from .fixtures import cache_dir
-from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_tensor_table
+from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -112,8 +112,7 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 state dict of a GGUF file (every tensor dequantized)."""
     from gguf.quants import dequantize
 
-    metadata, tensors = gguf_weight_table(path)
-    config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
+    config = read_gguf_config(path, gguf_weight_table(path))
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -159,7 +158,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     metadata, tensors = gguf_weight_table(path)
-    config = ModelConfig.from_gguf_metadata(metadata, set(tensors))
+    config = read_gguf_config(path, (metadata, tensors))
     shapes = expected_shapes(config)
     file = np.memmap(path, dtype=np.uint8, mode="r")
     tiles = kernels.tiles_preferred()
@@ -298,7 +297,7 @@ def _check_complete(config: ModelConfig, state: dict[str, torch.Tensor], where: 
 # ------------------------------------------------------------------------------------------------ tensor cache
 
 TENSOR_CACHE_ENV = "SPARSESPEC_TENSOR_CACHE"
-TENSOR_CACHE_VERSION = 1
+TENSOR_CACHE_VERSION = 2  # 2: the config carries RoPE scaling (entries without it may be wrong, so rebuild)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -466,7 +465,7 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
             or metadata.get("weights") != fmt
         ):
             return None
-        config = ModelConfig(**json.loads(metadata["config"]))
+        config = ModelConfig.from_dict(json.loads(metadata["config"]))
         linear_meta = json.loads(metadata["linears"])
         state = {"model.embed_tokens.weight": tensors.pop("embed"), "model.norm.weight": tensors.pop("norm")}
         for i in range(config.num_hidden_layers):
