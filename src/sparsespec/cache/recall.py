@@ -53,12 +53,11 @@ from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
 from .policy import CachePolicy
-from .quant import dequantize, group_size, quantize
+from .quant import group_size, quantize
 
 PAGE = 16  # entries per page (Quest's page size)
 DEFAULT_PAGES = 8  # pages a row recalls: 128 entries, an eighth of a 1024-entry budget
 BITS = 4
-MAX_ORDER = torch.iinfo(torch.int64).max
 
 
 @dataclass(frozen=True)
