@@ -155,10 +155,10 @@ def row_by_row(monkeypatch):
         count(self)
         return torch_path(self, *args, **kwargs)
 
-    def spy_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget):
+    def spy_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
         if per_row:
             count(self)
-        return native_path(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget)
+        return native_path(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse)
 
     monkeypatch.setattr(KVArena, "_attend_row_by_row", spy_torch)
     monkeypatch.setattr(KVArena, "_attend_native", spy_native)
