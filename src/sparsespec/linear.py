@@ -466,7 +466,8 @@ class NativeEmbedding:
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
         rows = kernels.gguf_dequantize(t.blobs[0], t.types[0], t.padded_in, ids.reshape(-1))
-        return rows[:, : t.in_features].to(self.dtype).reshape(*ids.shape, t.in_features)
+        # contiguous: rows padded past in_features leave a strided slice, which .to() keeps when the dtype matches
+        return rows[:, : t.in_features].to(self.dtype).contiguous().reshape(*ids.shape, t.in_features)
 
 
 Linear = DenseLinear | Int8Linear | Int4Linear | NativeLinear
