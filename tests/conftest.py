@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama / Qwen2 models built in-process, and the real SmolLM2 weights."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 models built in-process, and the real SmolLM2 weights."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict
         if config.attention_bias:
             for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 state[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(size, generator=g)
+        if config.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                state[p + f"self_attn.{name}.weight"] = 1 + 0.3 * torch.randn(hd, generator=g)
         state[p + "mlp.gate_proj.weight"] = w(i, h)
         state[p + "mlp.up_proj.weight"] = w(i, h)
         state[p + "mlp.down_proj.weight"] = w(h, i)

@@ -1,6 +1,6 @@
 """The decoder against Hugging Face ``transformers`` on the same weights: logits, incremental decoding, greedy text.
 
-Tiny random Llama and Qwen2 models are rebuilt in ``transformers`` from the very state dict ours is built from;
+Tiny random Llama, Qwen2 and Qwen3 models are rebuilt in ``transformers`` from the very state dict ours is built from;
 SmolLM2-135M is read by both from the same GGUF file. Everything runs in float32, where the two implementations
 agree up to summation order, so logits must match to 1e-4 of their largest magnitude and greedy decoding must
 give the same tokens.
@@ -48,9 +48,12 @@ def hf_reference(config, state: dict[str, torch.Tensor]):
     if config.architecture == "llama":
         hf_config = transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=False, **fields)
         model = transformers.LlamaForCausalLM(hf_config)
-    else:
+    elif config.architecture == "qwen2":
         hf_config = transformers.Qwen2Config(**fields)
         model = transformers.Qwen2ForCausalLM(hf_config)
+    else:
+        hf_config = transformers.Qwen3Config(attention_bias=False, **fields)
+        model = transformers.Qwen3ForCausalLM(hf_config)
     model = model.float().eval()
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys
@@ -66,10 +69,12 @@ def hf_reference(config, state: dict[str, torch.Tensor]):
         assert torch.equal(layer.k_proj.bias, state["model.layers.0.self_attn.k_proj.bias"])
     else:
         assert model.model.layers[0].self_attn.q_proj.bias is None
+    if config.qk_norm:
+        assert torch.equal(model.model.layers[1].self_attn.k_norm.weight, state["model.layers.1.self_attn.k_norm.weight"])
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny_pair(request):
     """(our tiny model, the transformers model with the same weights) for each architecture."""
     config = tiny_config(request.param)
@@ -81,11 +86,13 @@ def prompt_tokens(vocab: int, n: int = 21, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_tiny_configs_cover_both_head_layouts():
-    """Llama is tied and bias-free, Qwen2 untied with q/k/v bias: the two fixtures test different code paths."""
-    llama, qwen = tiny_config("llama"), tiny_config("qwen2")
-    assert llama.tie_word_embeddings and not llama.attention_bias
-    assert not qwen.tie_word_embeddings and qwen.attention_bias
+def test_tiny_configs_cover_every_head_layout():
+    """Llama is tied and bias-free, Qwen2 untied with q/k/v bias, Qwen3 untied, bias-free, with q/k norms: the
+    fixtures test different code paths."""
+    llama, qwen, qwen3 = tiny_config("llama"), tiny_config("qwen2"), tiny_config("qwen3")
+    assert llama.tie_word_embeddings and not llama.attention_bias and not llama.qk_norm
+    assert not qwen.tie_word_embeddings and qwen.attention_bias and not qwen.qk_norm
+    assert not qwen3.tie_word_embeddings and not qwen3.attention_bias and qwen3.qk_norm
     assert llama.num_attention_heads != llama.num_key_value_heads  # grouped-query attention
 
 

@@ -13,10 +13,17 @@ from typing import Any, Mapping, Sequence
 
 from .errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
-# Hugging Face ``model_type`` / ``architectures`` entries that map to our two decoder families.
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+# Hugging Face ``model_type`` entries that map to the decoder's families.
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
+_QK_NORM_ARCHITECTURES = ("qwen3",)
+
+
+def _unsupported(arch: str) -> UserError:
+    return UserError(f"Unsupported architecture {arch or 'unknown'!r}; sparsespec runs "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
 
 ROPE_SCALING_KINDS = ("none", "linear", "llama3", "yarn")
 # The GGUF tensor of per-frequency RoPE divisors (llama.cpp's ``LLM_TENSOR_ROPE_FREQS``).
@@ -73,7 +80,8 @@ class RopeScaling:
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder.
 
-    ``architecture`` is ``"llama"`` (Llama, SmolLM2: no q/k/v bias) or ``"qwen2"`` (q/k/v bias).
+    ``architecture`` is ``"llama"`` (Llama, SmolLM2: no q/k/v bias), ``"qwen2"`` (q/k/v bias) or ``"qwen3"`` (no
+    bias; each query and key head RMS-normalised over ``head_dim`` before RoPE, :attr:`qk_norm`).
     """
 
     architecture: str
@@ -98,15 +106,18 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise UserError(f"The model config gives {name} = {getattr(self, name)}; it must be at least 1.")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UserError(
-                f"Unsupported architecture {self.architecture!r}; sparsespec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
-            )
+            raise _unsupported(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads.")
         factors = self.rope_scaling.freq_factors if self.rope_scaling else ()
         if factors and len(factors) != self.head_dim // 2:
             raise UserError(f"The model gives {len(factors)} RoPE frequency factors for head_dim {self.head_dim}; "
                             f"it needs {self.head_dim // 2}.")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised (weights ``[head_dim]`` per layer) before RoPE."""
+        return self.architecture in _QK_NORM_ARCHITECTURES
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -122,7 +133,7 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head
 
@@ -143,7 +154,7 @@ class ModelConfig:
         model_type = str(cfg.get("model_type", ""))
         arch = _HF_MODEL_TYPES.get(model_type)
         if arch is None:
-            raise UserError(f"Unsupported architecture {model_type or 'unknown'!r}; sparsespec runs llama and qwen2.")
+            raise _unsupported(model_type)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         if heads < 1:
@@ -186,7 +197,7 @@ class ModelConfig:
         """
         arch = str(meta.get("general.architecture", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise UserError(f"Unsupported architecture {arch or 'unknown'!r}; sparsespec runs llama and qwen2.")
+            raise _unsupported(arch)
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -200,6 +211,11 @@ class ModelConfig:
             raise UserError(f"The GGUF file gives {arch}.attention.head_count = {heads}; it must be at least 1.")
         if GGUF_ROPE_FREQS in tensor_names and not rope_freqs:
             raise ValueError(f"the GGUF file has {GGUF_ROPE_FREQS}: pass its values as rope_freqs")
+        head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+        rotated = meta.get(f"{arch}.rope.dimension_count")
+        if rotated is not None and int(rotated) != head_dim:
+            raise UserError(f"The GGUF file rotates {rotated} of each head's {head_dim} dimensions; sparsespec rotates "
+                            "whole heads only.")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
@@ -211,7 +227,7 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("rope.dimension_count", hidden // heads)),
+            head_dim=head_dim,  # Qwen3 files give it as attention.key_length (it is not hidden / heads there)
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(get("context_length")),

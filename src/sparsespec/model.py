@@ -1,4 +1,5 @@
-"""One compact Llama-family decoder: Llama / SmolLM2 and Qwen2 (q/k/v bias), grouped-query attention.
+"""One compact Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm),
+grouped-query attention.
 
 The model knows nothing about caching policy: each layer hands its queries, keys and values to the KV arena,
 which stores them and computes attention (see ``cache/arena.py``).
@@ -24,7 +25,8 @@ from .linear import default_linear_options, make_linear, resolve_format
 @dataclass
 class DecoderLayer:
     """Weights of one block. ``qkv`` maps ``[T, hidden]`` to ``[T, (n_heads + 2 n_kv) head_dim]``;
-    ``gate_up`` maps ``[T, hidden]`` to ``[T, 2 intermediate]``."""
+    ``gate_up`` maps ``[T, hidden]`` to ``[T, 2 intermediate]``; ``q_norm`` / ``k_norm`` ``[head_dim]`` (Qwen3;
+    None elsewhere) RMS-normalise each query and key head before RoPE."""
 
     attn_norm: torch.Tensor
     qkv: object
@@ -32,6 +34,13 @@ class DecoderLayer:
     mlp_norm: torch.Tensor
     gate_up: object
     down: object
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+# The norm weights of a layer: DecoderLayer field -> Hugging Face name inside ``model.layers.{i}.`` (+ ``.weight``).
+LAYER_NORMS = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
+               ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
 
 
 class Transformer:
@@ -94,6 +103,8 @@ class Transformer:
                     mlp_norm=tensor(p + "post_attention_layernorm.weight"),
                     gate_up=fused(f"layers.{i}.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"], False),
                     down=fused(f"layers.{i}.down", [p + "mlp.down_proj"], False),
+                    q_norm=tensor(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                    k_norm=tensor(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 )
             )
         self.norm = tensor("model.norm.weight")
@@ -152,7 +163,7 @@ class Transformer:
         """Bytes of all weights as stored for computation."""
         total = self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes
         for layer in self.layers:
-            total += layer.attn_norm.nbytes + layer.mlp_norm.nbytes
+            total += sum(getattr(layer, field).nbytes for field, _ in LAYER_NORMS if getattr(layer, field) is not None)
             total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         if self.head_shares_embedding:
             total -= self.lm_head.nbytes
@@ -209,6 +220,9 @@ class Transformer:
             qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
             # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
             q, k, v = qkv.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1).split((n_heads, n_kv, n_kv))
+            if layer.q_norm is not None:
+                q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
+                k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
             x = x + layer.o_proj(cache.attend(index, q, k, v))
             x = x + layer.down(self._silu_mul(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
         cache.end()

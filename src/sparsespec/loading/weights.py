@@ -44,6 +44,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import int4_layout_tag, linear_from_tensors
+from ..model import LAYER_NORMS
 from .fetch import stamped_sha256
 from .fixtures import cache_dir
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
@@ -61,6 +62,8 @@ _GGUF_TO_HF = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -219,6 +222,9 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         blk = f"blk.{i}."
         state[f"model.layers.{i}.input_layernorm.weight"] = vector(blk + "attn_norm.weight")
         state[f"model.layers.{i}.post_attention_layernorm.weight"] = vector(blk + "ffn_norm.weight")
+        if config.qk_norm:
+            state[f"model.layers.{i}.self_attn.q_norm.weight"] = vector(blk + "attn_q_norm.weight")
+            state[f"model.layers.{i}.self_attn.k_norm.weight"] = vector(blk + "attn_k_norm.weight")
         qkv = [blk + f"attn_{p}.weight" for p in "qkv"]
         biases = [blk + f"attn_{p}.bias" for p in "qkv"] if config.attention_bias else []
         linears[f"layers.{i}.qkv"] = linear(qkv, biases)
@@ -274,6 +280,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             layer + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         })
+        if c.qk_norm:
+            shapes.update({layer + "self_attn.q_norm.weight": (c.head_dim,),
+                           layer + "self_attn.k_norm.weight": (c.head_dim,)})
         if c.attention_bias:
             shapes.update({layer + "self_attn.q_proj.bias": (q_out,), layer + "self_attn.k_proj.bias": (kv_out,),
                            layer + "self_attn.v_proj.bias": (kv_out,)})
@@ -362,8 +371,9 @@ def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
 
     tensors: dict[str, torch.Tensor] = {"embed": model.embed, "norm": model.norm}
     for i, layer in enumerate(model.layers):
-        tensors[f"layers.{i}.attn_norm"] = layer.attn_norm
-        tensors[f"layers.{i}.mlp_norm"] = layer.mlp_norm
+        for field, _ in LAYER_NORMS:
+            if getattr(layer, field) is not None:
+                tensors[f"layers.{i}.{field}"] = getattr(layer, field)
     linears = {}
     head_shares_embedding = False
     for key, lin in model.linear_items():
@@ -469,8 +479,9 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
         linear_meta = json.loads(metadata["linears"])
         state = {"model.embed_tokens.weight": tensors.pop("embed"), "model.norm.weight": tensors.pop("norm")}
         for i in range(config.num_hidden_layers):
-            state[f"model.layers.{i}.input_layernorm.weight"] = tensors.pop(f"layers.{i}.attn_norm")
-            state[f"model.layers.{i}.post_attention_layernorm.weight"] = tensors.pop(f"layers.{i}.mlp_norm")
+            for field, name in LAYER_NORMS:
+                if f"layers.{i}.{field}" in tensors:
+                    state[f"model.layers.{i}.{name}.weight"] = tensors.pop(f"layers.{i}.{field}")
         grouped: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             key, part = name.rsplit(".", 1)
