@@ -3,12 +3,15 @@
 The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` (ninja and the system C++
 compiler) into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a second start loads the built
 library at once. The instruction set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON
-dot product, else portable scalar code); every path computes the same canonical sums, bit for bit (``csrc/qmatmul.h``).
+dot product, else portable scalar code). Every path of the matmul computes the same canonical sums, bit for bit, for a
+given weight layout (``csrc/qmatmul.h``); the attention op's paths each agree with the torch path to float rounding,
+not with one another bit for bit (``csrc/attention.h``).
 
 Without a compiler (or with ``SPARSESPEC_KERNELS=torch``) :func:`available` is False, one warning line says why,
 and the engine keeps to its torch weight formats. ``SPARSESPEC_KERNELS`` set to an instruction set's name
 (``scalar``, ``avx2``, ``avx512-vnni``, ``avx512-vnni+amx``, ``neon-dotprod``) runs the native kernels on that one
-instead of the best (A/B runs; the results are the same bit for bit).
+instead of the best (A/B runs: the matmul's results are the same bit for bit, the attention's to float rounding, and
+``scalar`` also loads the weights in rows rather than column tiles, which sum in another order).
 
 Ops (functions of the extension module, called here: not through the torch dispatcher, which costs ~1 µs a call):
 
