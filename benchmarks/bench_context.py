@@ -3,7 +3,8 @@ budgeted caches, on the same GGUF file, the same prompt ids (the first N tokens 
 
 For each context length: the prompt is read (prefill, timed), then ``--new-tokens`` tokens are decoded greedily
 (EOS ignored); decode tok/s counts the tokens after the first over the time after the first. sparsespec runs with
-native weights; each ``--caches`` entry is ``full`` or ``POLICY:BUDGET`` (in-cache positions for budgeted caches).
+native weights; each ``--caches`` entry is ``full`` or ``POLICY:BUDGET``, and each budgeted one runs in the
+``--positions`` mode (in-cache by default) once per ``--retentions`` value and ``--recall-pages`` value.
 Optionally with a draft (``--draft``, its cache ``--draft-cache``, its head cut to ``--draft-vocab`` ids), once per
 ``--gamma`` value (a comma-separated list runs each γ after the same llama.cpp run). With
 ``--prompts``, each prompt of the prompt set is read after the N tokens of text (the text, a blank line, the
@@ -35,11 +36,14 @@ from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
-def cache_options(spec: str) -> CacheOptions:
+def cache_options(spec: str, positions: str = "in-cache", retention: str = "auto",
+                  recall_pages: int | None = None) -> CacheOptions:
+    """``full`` or ``POLICY:BUDGET``; a budgeted cache takes the position mode, retention and recall given."""
     if spec == "full":
         return CacheOptions()
     name, budget = spec.split(":")
-    return CacheOptions(make_policy(name, int(budget)), positions="in-cache")
+    return CacheOptions(make_policy(name, int(budget)), positions=positions, retention=retention,
+                        recall_pages=recall_pages)
 
 
 def main() -> None:
@@ -57,6 +61,13 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="the draft's head over the first N token ids (0: its whole vocabulary)")
     parser.add_argument("--gamma", default="auto", help="γ, or comma-separated γ values each run with the draft")
+    parser.add_argument("--positions", default="in-cache", choices=("original", "in-cache"),
+                        help="position mode of the budgeted caches (default: in-cache)")
+    parser.add_argument("--retentions", default="auto",
+                        help="comma-separated --retention values, each run for every budgeted cache (default: auto)")
+    parser.add_argument("--recall-pages", default="0",
+                        help="comma-separated --recall-pages values, 0 for no cold tier, each run for every "
+                             "budgeted cache (default: 0)")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "context.jsonl")
     args = parser.parse_args()
@@ -91,7 +102,12 @@ def main() -> None:
                   **machine()}, args.out)
             llm.close()
             del llm
-        for spec in args.caches.split(","):
+        variants = [(spec, "auto", 0) if spec == "full" else (spec, retention, int(pages))
+                    for spec in args.caches.split(",")
+                    for retention in (["auto"] if spec == "full" else args.retentions.split(","))
+                    for pages in (["0"] if spec == "full" else args.recall_pages.split(","))]
+        for spec, retention, pages in variants:
+            options = cache_options(spec, args.positions, retention, pages or None)
             alone = None  # each cache runs alone first, then with the draft at each γ
             for draft in [None, *drafts]:
                 with_draft = draft is not None
@@ -99,8 +115,11 @@ def main() -> None:
                 started = time.perf_counter()
                 tokens = list(run_generation(
                     loaded, prompt, max_new_tokens=args.new_tokens, sampling=SamplingParams(),
-                    cache=cache_options(spec), draft=draft, stats=stats))
+                    cache=options, draft=draft, stats=stats))
                 record = {"bench": "context", "engine": "sparsespec", "model": args.model, "cache": spec,
+                          "positions": None if spec == "full" else args.positions,
+                          "retention": retention, "recall_pages": pages, "evicted_tokens": stats.evicted_tokens,
+                          "kv_peak_bytes": stats.kv_peak_bytes,
                           "draft": args.draft if with_draft else None, "context": context, "prompt": name,
                           "prompt_tokens": len(prompt), "new_tokens": stats.new_tokens,
                           "prefill_s": round(stats.prefill_seconds, 2), "decode_tok_s": round(stats.tokens_per_s, 3),
