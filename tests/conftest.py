@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 models built in-process, and the real SmolLM2 weights."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Phi-3 models built in-process, and the real SmolLM2 weights."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict
         state[p + "mlp.gate_proj.weight"] = w(i, h)
         state[p + "mlp.up_proj.weight"] = w(i, h)
         state[p + "mlp.down_proj.weight"] = w(h, i)
+        if config.fused_projections:  # Phi-3 names: the same weights, stored fused
+            state[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [state.pop(p + f"self_attn.{name}.weight") for name in ("q_proj", "k_proj", "v_proj")])
+            state[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [state.pop(p + f"mlp.{name}.weight") for name in ("gate_proj", "up_proj")])
     return state
 
 

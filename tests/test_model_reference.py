@@ -1,6 +1,6 @@
 """The decoder against Hugging Face ``transformers`` on the same weights: logits, incremental decoding, greedy text.
 
-Tiny random Llama, Qwen2 and Qwen3 models are rebuilt in ``transformers`` from the very state dict ours is built from;
+Tiny random Llama, Qwen2, Qwen3 and Phi-3 models are rebuilt in ``transformers`` from the very state dict ours is built from;
 SmolLM2-135M is read by both from the same GGUF file. Everything runs in float32, where the two implementations
 agree up to summation order, so logits must match to 1e-4 of their largest magnitude and greedy decoding must
 give the same tokens.
@@ -51,9 +51,12 @@ def hf_reference(config, state: dict[str, torch.Tensor]):
     elif config.architecture == "qwen2":
         hf_config = transformers.Qwen2Config(**fields)
         model = transformers.Qwen2ForCausalLM(hf_config)
-    else:
+    elif config.architecture == "qwen3":
         hf_config = transformers.Qwen3Config(attention_bias=False, **fields)
         model = transformers.Qwen3ForCausalLM(hf_config)
+    else:
+        hf_config = transformers.Phi3Config(pad_token_id=None, bos_token_id=None, eos_token_id=None, **fields)
+        model = transformers.Phi3ForCausalLM(hf_config)
     model = model.float().eval()
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys
@@ -63,7 +66,9 @@ def hf_reference(config, state: dict[str, torch.Tensor]):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     else:
         assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
-    if config.attention_bias:
+    if config.fused_projections:
+        assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, state["model.layers.0.mlp.gate_up_proj.weight"])
+    elif config.attention_bias:
         layer = model.model.layers[0].self_attn
         assert torch.equal(layer.q_proj.bias, state["model.layers.0.self_attn.q_proj.bias"])
         assert torch.equal(layer.k_proj.bias, state["model.layers.0.self_attn.k_proj.bias"])
@@ -74,7 +79,7 @@ def hf_reference(config, state: dict[str, torch.Tensor]):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "phi3"])
 def tiny_pair(request):
     """(our tiny model, the transformers model with the same weights) for each architecture."""
     config = tiny_config(request.param)
@@ -87,9 +92,10 @@ def prompt_tokens(vocab: int, n: int = 21, seed: int = 1) -> torch.Tensor:
 
 
 def test_tiny_configs_cover_every_head_layout():
-    """Llama is tied and bias-free, Qwen2 untied with q/k/v bias, Qwen3 untied, bias-free, with q/k norms: the
-    fixtures test different code paths."""
-    llama, qwen, qwen3 = tiny_config("llama"), tiny_config("qwen2"), tiny_config("qwen3")
+    """Llama is tied and bias-free, Qwen2 untied with q/k/v bias, Qwen3 untied, bias-free, with q/k norms, Phi-3
+    untied with fused projections: the fixtures test different code paths."""
+    llama, qwen, qwen3, phi3 = (tiny_config(arch) for arch in ("llama", "qwen2", "qwen3", "phi3"))
+    assert phi3.fused_projections and not (llama.fused_projections or qwen.fused_projections or qwen3.fused_projections)
     assert llama.tie_word_embeddings and not llama.attention_bias and not llama.qk_norm
     assert not qwen.tie_word_embeddings and qwen.attention_bias and not qwen.qk_norm
     assert not qwen3.tie_word_embeddings and not qwen3.attention_bias and qwen3.qk_norm

@@ -13,12 +13,14 @@ from typing import Any, Mapping, Sequence
 
 from .errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 # Hugging Face ``model_type`` entries that map to the decoder's families.
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Architectures whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
 _QK_NORM_ARCHITECTURES = ("qwen3",)
+# Architectures whose files store q/k/v as one projection and gate/up as one (Phi-3: ``qkv_proj``, ``gate_up_proj``).
+_FUSED_ARCHITECTURES = ("phi3",)
 
 
 def _unsupported(arch: str) -> UserError:
@@ -80,8 +82,13 @@ class RopeScaling:
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder.
 
-    ``architecture`` is ``"llama"`` (Llama, SmolLM2: no q/k/v bias), ``"qwen2"`` (q/k/v bias) or ``"qwen3"`` (no
-    bias; each query and key head RMS-normalised over ``head_dim`` before RoPE, :attr:`qk_norm`).
+    ``architecture`` is ``"llama"`` (Llama, SmolLM2: no q/k/v bias), ``"qwen2"`` (q/k/v bias), ``"qwen3"`` (no
+    bias; each query and key head RMS-normalised over ``head_dim`` before RoPE, :attr:`qk_norm`) or ``"phi3"`` (a
+    Llama block whose files fuse q/k/v and gate/up, :attr:`fused_projections`).
+
+    A model trained with sliding-window attention (Phi-3's ``sliding_window``) gets that window as its
+    ``max_position_embeddings``: up to the window, full attention is what it computes, and longer runs with true
+    positions are refused rather than computed without the window.
     """
 
     architecture: str
@@ -118,6 +125,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Whether each query and key head is RMS-normalised (weights ``[head_dim]`` per layer) before RoPE."""
         return self.architecture in _QK_NORM_ARCHITECTURES
+
+    @property
+    def fused_projections(self) -> bool:
+        """Whether the files store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (Phi-3)."""
+        return self.architecture in _FUSED_ARCHITECTURES
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -170,7 +182,10 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            # Qwen2 configs name a window they do not use (use_sliding_window false)
+            max_position_embeddings=_within_window(int(cfg.get("max_position_embeddings", 2048)),
+                                                   cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
+                                                   else None),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             rope_scaling=_hf_rope_scaling(cfg),
@@ -209,6 +224,9 @@ class ModelConfig:
         heads = int(get("attention.head_count"))
         if heads < 1:
             raise UserError(f"The GGUF file gives {arch}.attention.head_count = {heads}; it must be at least 1.")
+        if "rope_factors_long.weight" in tensor_names:
+            raise UserError("The GGUF file carries LongRoPE factors (rope_factors_long.weight); sparsespec does not "
+                            "implement LongRoPE scaling.")
         if GGUF_ROPE_FREQS in tensor_names and not rope_freqs:
             raise ValueError(f"the GGUF file has {GGUF_ROPE_FREQS}: pass its values as rope_freqs")
         head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
@@ -230,11 +248,18 @@ class ModelConfig:
             head_dim=head_dim,  # Qwen3 files give it as attention.key_length (it is not hidden / heads there)
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(get("context_length")),
+            max_position_embeddings=_within_window(int(get("context_length")),
+                                                   meta.get(f"{arch}.attention.sliding_window")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=_gguf_rope_scaling(arch, meta, tuple(rope_freqs)),
         )
+
+
+def _within_window(context: int, sliding_window: Any) -> int:
+    """The context a run may use: the trained one, or a sliding-window model's window where that is shorter (every
+    layer of such a model attends only that far back, which the decoder does not model)."""
+    return min(context, int(sliding_window)) if sliding_window else context
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

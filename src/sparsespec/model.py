@@ -1,5 +1,5 @@
-"""One compact Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm),
-grouped-query attention.
+"""One compact Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Phi-3
+(q/k/v and gate/up stored fused), grouped-query attention.
 
 The model knows nothing about caching policy: each layer hands its queries, keys and values to the KV arena,
 which stores them and computes attention (see ``cache/arena.py``).
@@ -94,14 +94,18 @@ class Transformer:
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
+            if config.fused_projections:  # stored as the fused projections the layer computes
+                attn, mlp = [p + "self_attn.qkv_proj"], [p + "mlp.gate_up_proj"]
+            else:
+                attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
+                mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
             self.layers.append(
                 DecoderLayer(
                     attn_norm=tensor(p + "input_layernorm.weight"),
                     qkv=fused(f"layers.{i}.qkv", attn, config.attention_bias),
                     o_proj=fused(f"layers.{i}.o_proj", [p + "self_attn.o_proj"], False),
                     mlp_norm=tensor(p + "post_attention_layernorm.weight"),
-                    gate_up=fused(f"layers.{i}.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"], False),
+                    gate_up=fused(f"layers.{i}.gate_up", mlp, False),
                     down=fused(f"layers.{i}.down", [p + "mlp.down_proj"], False),
                     q_norm=tensor(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                     k_norm=tensor(p + "self_attn.k_norm.weight") if config.qk_norm else None,

@@ -71,12 +71,22 @@ _GGUF_TO_HF = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Files with fused projections (ModelConfig.fused_projections, Phi-3): q/k/v in attn_qkv, gate and up in ffn_up.
+_GGUF_TO_HF_FUSED = _GGUF_TO_HF | {
+    "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+
+
+def _hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None for tensors the decoder does not read); ``fused``: the file
+    stores fused projections (:attr:`ModelConfig.fused_projections`)."""
+    table = _GGUF_TO_HF_FUSED if fused else _GGUF_TO_HF
     if gguf_name.startswith("blk."):
         _, index, rest = gguf_name.split(".", 2)
-        template = _GGUF_TO_HF.get(f"blk.{{i}}.{rest}")
+        template = table.get(f"blk.{{i}}.{rest}")
         return template.format(i=index) if template else None
-    return _GGUF_TO_HF.get(gguf_name)
+    return table.get(gguf_name)
 
 
 def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
@@ -91,7 +101,7 @@ def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
         if t.ggml_type not in known:
             raise UserError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which the installed gguf "
                             "package does not know.")
-        if _hf_name(t.name) is not None and len(t.dims) not in (1, 2):
+        if _hf_name(t.name, fused=True) is not None and len(t.dims) not in (1, 2):
             raise UserError(f"{path}: tensor {t.name} has {len(t.dims)} dimensions, but a Llama or Qwen2 model's "
                             "weights have one or two.")
     return metadata, tensors
@@ -119,7 +129,7 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.fused_projections)
         if name is None:
             continue
         try:
@@ -176,7 +186,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         return file[t.offset: t.offset + nbytes].reshape(rows, -1)
 
     def segment(gguf_name: str) -> tuple[int, torch.Tensor, int, int]:
-        hf = _hf_name(gguf_name)
+        hf = _hf_name(gguf_name, config.fused_projections)
         t = tensors.get(gguf_name)
         if t is None:
             raise UserError(f"{path} lacks the tensor {gguf_name}; the model is incomplete.")
@@ -225,11 +235,13 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         if config.qk_norm:
             state[f"model.layers.{i}.self_attn.q_norm.weight"] = vector(blk + "attn_q_norm.weight")
             state[f"model.layers.{i}.self_attn.k_norm.weight"] = vector(blk + "attn_k_norm.weight")
-        qkv = [blk + f"attn_{p}.weight" for p in "qkv"]
+        fused = config.fused_projections
+        qkv = [blk + "attn_qkv.weight"] if fused else [blk + f"attn_{p}.weight" for p in "qkv"]
         biases = [blk + f"attn_{p}.bias" for p in "qkv"] if config.attention_bias else []
         linears[f"layers.{i}.qkv"] = linear(qkv, biases)
         linears[f"layers.{i}.o_proj"] = linear([blk + "attn_output.weight"])
-        linears[f"layers.{i}.gate_up"] = linear([blk + "ffn_gate.weight", blk + "ffn_up.weight"])
+        gate_up = [blk + "ffn_up.weight"] if fused else [blk + "ffn_gate.weight", blk + "ffn_up.weight"]
+        linears[f"layers.{i}.gate_up"] = linear(gate_up)
         linears[f"layers.{i}.down"] = linear([blk + "ffn_down.weight"])
     table = linear(["token_embd.weight"])
     linears["embed"] = NativeEmbedding(table, dtype)
@@ -272,14 +284,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             layer + "input_layernorm.weight": (c.hidden_size,),
             layer + "post_attention_layernorm.weight": (c.hidden_size,),
-            layer + "self_attn.q_proj.weight": (q_out, c.hidden_size),
-            layer + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
-            layer + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
             layer + "self_attn.o_proj.weight": (c.hidden_size, q_out),
-            layer + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            layer + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             layer + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         })
+        if c.fused_projections:
+            shapes.update({layer + "self_attn.qkv_proj.weight": (q_out + 2 * kv_out, c.hidden_size),
+                           layer + "mlp.gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size)})
+        else:
+            shapes.update({
+                layer + "self_attn.q_proj.weight": (q_out, c.hidden_size),
+                layer + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+                layer + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+                layer + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                layer + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            })
         if c.qk_norm:
             shapes.update({layer + "self_attn.q_norm.weight": (c.head_dim,),
                            layer + "self_attn.k_norm.weight": (c.head_dim,)})
