@@ -247,3 +247,46 @@ def test_speculative_equals_autoregressive_over_an_evicting_cache(arch, name, po
     assert got == expected
     assert len(set(expected)) > 5  # not one token repeated
     assert t_cache.evicted_tokens > 0 and 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_weights_the_kernels_cannot_read_fall_back_to_torch_with_a_note(tmp_path, capsys):
+    """A file of float32 matrices (no block type the kernels read): --weights auto runs the torch format and says
+    so in one line; --weights native is refused in one sentence."""
+    path = write_gguf_model(tmp_path / "f32.gguf", CONFIGS["phi3"], STATES["phi3"])
+    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, cache=False)
+    assert loaded.weights != "native"
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith("sparsespec: note: f32.gguf has weights in F32")
+    assert loaded.weights in note[0]
+    with pytest.raises(UserError, match="F32, which the native kernels do not read; use --weights int8, int4 or dense"):
+        load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=False)
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_a_mistral_folder_is_a_llama_decoder(tmp_path, window):
+    """A Mistral Hugging Face folder (model_type mistral; Mistral 7B v0.1 has a 4,096-token window, v0.2 on none)
+    loads as the Llama decoder and gives transformers' Mistral logits; its window bounds the context."""
+    import json
+    from safetensors.torch import save_file
+
+    config = tiny_config("llama", tie_word_embeddings=False, vocab_size=128)
+    state = random_state(config, seed=4, scale=1.0)
+    hf = dict(model_type="mistral", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+              intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+              num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+              head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+              max_position_embeddings=32768, sliding_window=window, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = load(tmp_path)
+    assert loaded.config.architecture == "llama"
+    assert loaded.config.max_position_embeddings == (window or 32768)
+    reference = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **{k: v for k, v in hf.items() if k != "model_type"}, attn_implementation="eager")).float().eval()
+    reference.load_state_dict(state, strict=True)
+    ids = tokens(config.vocab_size)
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    logits = loaded.model.forward(ids, full_arena(loaded.config, len(ids)))
+    assert (logits - expected).abs().max() <= REL_TOL * expected.abs().max()

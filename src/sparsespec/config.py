@@ -15,8 +15,9 @@ from .errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
-# Hugging Face ``model_type`` entries that map to the decoder's families.
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Hugging Face ``model_type`` entries that map to the decoder's families (Mistral's block is Llama's; its GGUF files
+# say llama).
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Architectures whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
 _QK_NORM_ARCHITECTURES = ("qwen3",)
 # Architectures whose files store q/k/v as one projection and gate/up as one (Phi-3: ``qkv_proj``, ``gate_up_proj``).

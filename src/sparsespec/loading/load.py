@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,8 @@ def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dty
         if weights == NATIVE:
             raise UserError(f"{source.path} has weights in {', '.join(sorted(unreadable))}, which the native kernels "
                             "do not read; use --weights int8, int4 or dense.")
+        print(f"sparsespec: note: {Path(source.path).name} has weights in {', '.join(sorted(unreadable))}, which the "
+              f"native kernels do not read; running the torch format {torch_auto}.", file=sys.stderr)
         return torch_auto
     return NATIVE
 
