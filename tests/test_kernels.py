@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,16 +293,47 @@ def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
 
 
 def test_without_a_compiler_one_warning_and_the_torch_kernels(tmp_path):
-    """A machine whose C++ compiler fails: one warning line, the torch kernels, exit 0, no traceback."""
+    """A machine whose C++ compiler fails: the line saying the build starts, one warning line, the torch kernels,
+    exit 0, no traceback."""
     env = dict(os.environ, SPARSESPEC_HOME=str(tmp_path), CXX="/bin/false")
     env.pop("SPARSESPEC_KERNELS", None)
     out = subprocess.run([sys.executable, "-m", "sparsespec.cli", "info"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
-    warnings = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(warnings) == 1 and warnings[0].startswith("sparsespec: warning: native kernels unavailable")
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("sparsespec: building native kernels (once, about a minute) in ")
+    assert lines[1].startswith("sparsespec: warning: native kernels unavailable")
     assert "kernels: torch" in out.stdout
+
+
+def test_a_build_says_so_and_a_built_library_loads_silently(tmp_path, monkeypatch, capsys):
+    """The first load in a fresh kernel folder says it builds (and when it is done); a later one, finding the
+    library, says nothing. The compiler is a stand-in that leaves the library file behind."""
+    from torch.utils import cpp_extension
+
+    class Module:
+        def set_isa(self, isa):
+            return True
+
+    def fake_build(name, sources, build_directory, **kwargs):
+        (Path(build_directory) / kernels.LIBRARY).write_bytes(b"")
+        return Module()
+
+    monkeypatch.setenv("SPARSESPEC_HOME", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    kernels._load.cache_clear()
+    try:
+        assert not kernels.built() and kernels.available() and kernels.built()
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 2 and err[0].startswith("sparsespec: building native kernels (once, about a minute)")
+        assert err[1].startswith("sparsespec: native kernels built in ")
+        kernels._load.cache_clear()
+        assert kernels.available() and capsys.readouterr().err == ""
+    finally:
+        kernels._load.cache_clear()  # the real kernels again for the tests after this one
 
 
 def test_kernels_named_by_instruction_set():

