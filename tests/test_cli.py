@@ -431,6 +431,9 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     assert result["kv_cache_bytes"] > 0
     assert result["model"] == "smollm2-135m"
     assert result["policy"] == "full" and result["budget"] is None and result["evicted_tokens"] == 0
+    # The process's peak resident memory: at least the weights it holds (the file's blocks), at most the machine.
+    assert smollm2_path.stat().st_size < result["peak_rss_bytes"] < 24 * 2**30
+    assert result["load_seconds"] > 0 and result["prefill_seconds"] > 0
 
 
 _PLAIN_RUNS: dict[str, dict] = {}

@@ -65,6 +65,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far (``getrusage``'s ``ru_maxrss``: KiB on Linux, bytes
+    on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
     from contextlib import closing
@@ -120,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         result = {"text": "".join(pieces), "model": target.name, **stats.to_dict()}
         result.update(policy=cache.policy.name, budget=stats.budget, positions=cache.positions,
-                      kv_dtype=cache.kv_dtype, load_seconds=round(load_seconds, 3))
+                      kv_dtype=cache.kv_dtype, load_seconds=round(load_seconds, 3), peak_rss_bytes=peak_rss_bytes())
         if draft is not None:
             result.update(draft="self" if draft.is_self else draft.model.name, draft_policy=draft.cache.policy.name,
                           draft_budget=draft.cache.policy.budget, draft_kv_dtype=draft.cache.kv_dtype)
