@@ -7,6 +7,7 @@ import platform
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,70 @@ def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict
             state[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [state.pop(p + f"mlp.{name}.weight") for name in ("gate_proj", "up_proj")])
     return state
+
+
+# Hugging Face name (inside model.layers.{i}.) -> GGUF name (inside blk.{i}.), per architecture.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+GGUF_LAYER_NAMES = {
+    "qwen3": _GGUF_LAYER_NAMES | {
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight"},
+    "phi3": _GGUF_LAYER_NAMES | {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+}
+
+
+def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], q8: bool = False,
+                     rope_dims: int | None = None, sliding_window: int | None = None, tensors=None):
+    """``state`` as a GGUF file of ``config.architecture`` (qwen3 or phi3, laid out as llama.cpp's converter
+    writes them; ``GGUF_LAYER_NAMES``): float32 tensors, or with ``q8`` every matrix in Q8_0
+    blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``; ``sliding_window``: an
+    ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name."""
+    import gguf
+    from gguf.quants import quantize
+
+    arch = config.architecture
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if arch == "qwen3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if rope_dims is not None:
+        writer.add_rope_dimension_count(rope_dims)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if "lm_head.weight" in state:  # else tied: the file has no output.weight
+        names["lm_head.weight"] = "output.weight"
+    for i in range(config.num_hidden_layers):
+        names |= {f"model.layers.{i}.{hf}": f"blk.{i}.{name}" for hf, name in GGUF_LAYER_NAMES[arch].items()}
+    assert set(names) == set(state)
+    for hf, name in names.items():
+        array = np.ascontiguousarray(state[hf].numpy(), dtype=np.float32)
+        if q8 and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def tiny_model(architecture: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:

@@ -25,7 +25,7 @@ from sparsespec.model import Transformer
 from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
-from conftest import random_state, tiny_config
+from conftest import random_state, tiny_config, write_gguf_model
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
@@ -325,3 +325,76 @@ def test_tokenizer_cache_round_trip(tmp_path, monkeypatch, smollm2_f32):
     messages = [{"role": "user", "content": "hi"}]
     assert second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------------------------- native weights, stored repacked
+def _native_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every tensor a native model holds, by name: norms, the embedding table's blocks, each linear's blocks."""
+    out = {"norm": model.norm} | {f"embed.{k}": t for k, t in model.embed.table.to_tensors().items()}
+    for i, layer in enumerate(model.layers):
+        out |= {f"{i}.{f}": getattr(layer, f) for f in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
+    for key, lin in model.linear_items():
+        out |= {f"{key}.{k}": t for k, t in lin.to_tensors().items()}
+    return out
+
+
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("tied", [False, True])
+def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied):
+    """The first start repacks the GGUF's blocks and stores them; the second reads them back (no repacking): the
+    same blocks bit for bit, the tied head reading the embedding's blocks again, the same logits."""
+    from sparsespec.linear import NativeLinear, native_layout_tag
+
+    config = tiny_config("qwen3", tie_word_embeddings=tied, vocab_size=128)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=6), q8=True)
+    cache = tmp_path / "tensors"
+    uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=False)
+    first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=cache)
+    second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=cache)
+    assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
+    [stored] = cache.rglob("*.safetensors")
+    assert stored.name == f"bfloat16-native-{native_layout_tag()}.safetensors"
+    assert isinstance(second.model.layers[0].qkv, NativeLinear) and second.config == uncached.config
+    expected, got = _native_tensors(uncached.model), _native_tensors(second.model)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        if expected[name] is None:
+            assert got[name] is None, name
+        else:
+            assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name
+    assert second.model.head_shares_embedding == tied
+    assert second.model.weight_nbytes == uncached.model.weight_nbytes
+    ids = random_ids(24, config.vocab_size, seed=2)
+    assert torch.equal(full_logits(uncached.model, ids), full_logits(second.model, ids))
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypatch, capsys):
+    """A truncated store is not used: the next start repacks and stores it again. A store that cannot be written
+    (a full disk) leaves the model as built, with one warning line."""
+    from sparsespec.loading import weights
+
+    config = tiny_config("phi3", tie_word_embeddings=False, attention_bias=False, vocab_size=128)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=8), q8=True)
+    cache = tmp_path / "tensors"
+    load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache)
+    [stored] = cache.rglob("*.safetensors")
+    size = stored.stat().st_size
+    with open(stored, "r+b") as f:
+        f.truncate(size - 100)
+    rebuilt = load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache)
+    assert not rebuilt.from_cache and stored.stat().st_size == size
+    assert load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache).from_cache
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "write_safetensors", disk_full)
+    other = tmp_path / "other"
+    capsys.readouterr()
+    loaded = load_model(str(path), torch.float32, "native", tokenizer=False, cache=other)
+    assert not loaded.from_cache and not list(other.rglob("*.safetensors"))
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("sparsespec: warning: could not store the built weights in ")
+    ids = random_ids(16, config.vocab_size, seed=3)
+    assert torch.equal(full_logits(loaded.model, ids), full_logits(rebuilt.model, ids))

@@ -442,6 +442,29 @@ class NativeLinear:
         packed, padded_in = repack(ggml_type, raw, w.shape[1])
         return cls([(ggml_type, torch.from_numpy(packed.reshape(-1)), out_features)], in_features, padded_in, bias)
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Each segment's repacked blocks (``blocks0``, ``blocks1``, …) and the bias, as stored (see
+        :func:`linear_from_tensors`)."""
+        out = {f"blocks{i}": blob for i, blob in enumerate(self.blobs)}
+        return out | ({} if self.bias is None else {"bias": self.bias})
+
+    def meta(self) -> dict:
+        """JSON-ready facts that, with :meth:`to_tensors`, rebuild this layer exactly."""
+        return {"format": self.FORMAT, "types": self.types, "rows": self.rows, "in_features": self.in_features,
+                "padded_in": self.padded_in}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> "NativeLinear":
+        """Rebuild from :meth:`to_tensors` and :meth:`meta` without repacking; a segment whose byte count is not the
+        layout's for its rows is a ValueError (a damaged or foreign store)."""
+        segments = []
+        for i, (kind, rows) in enumerate(zip(meta["types"], meta["rows"])):
+            blob = tensors[f"blocks{i}"].contiguous()
+            if blob.dtype != torch.uint8 or blob.numel() != kernels.weight_bytes(kind, meta["padded_in"], rows):
+                raise ValueError(f"segment {i}: {blob.numel()} bytes for {rows} rows of type {kind}")
+            segments.append((kind, blob if blob.data_ptr() % _TENSOR_ALIGNMENT == 0 else blob.clone(), rows))
+        return cls(segments, meta["in_features"], meta["padded_in"], tensors.get("bias"))
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, as float32 ``[out, in]``."""
         parts = [kernels.gguf_dequantize(b, t, self.padded_in, torch.arange(r))
@@ -585,9 +608,17 @@ def int4_layout_tag() -> str:
     return f"torch{torch.__version__.split('+')[0]}-{capability}".lower()
 
 
+def native_layout_tag() -> str:
+    """A short tag that changes whenever the repacked native layout might: the repacking's version and whether
+    Q4_K / Q6_K / Q5_0 weights load as column tiles (an x86 vector path) or rows (``kernels/repack.py``)."""
+    from .kernels.repack import LAYOUT_VERSION
+
+    return f"layout{LAYOUT_VERSION}-{'tiles' if kernels.tiles_preferred() else 'rows'}"
+
+
 def linear_from_tensors(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> Linear:
     """Rebuild a linear from its ``to_tensors()`` and ``meta()`` (the stored tensors are used as they are)."""
-    classes = {"dense": DenseLinear, "int8": Int8Linear, "int4": Int4Linear}
+    classes = {"dense": DenseLinear, "int8": Int8Linear, "int4": Int4Linear, NATIVE: NativeLinear}
     fmt = meta.get("format")
     if fmt not in classes:
         raise ValueError(f"unknown stored weight format {fmt!r}")

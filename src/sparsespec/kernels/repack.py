@@ -26,6 +26,8 @@ BLOCK_TYPES = {
     14: ("Q6_K", 256, 210),
 }
 CHUNK, QUARTER = 256, 64
+# Bumped whenever the bytes this module writes change, so that stored repacked weights (the tensor cache) are rebuilt.
+LAYOUT_VERSION = 1
 
 
 def supported(ggml_type: int) -> bool:

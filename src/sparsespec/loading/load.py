@@ -71,33 +71,30 @@ def load_model(
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
         cache: the on-disk tensor cache (see ``loading/weights.py``): ``True`` = default folder, ``False`` = off,
-            or a folder. A hit skips reading the source's weights and building the model; a miss builds the model
-            and stores it. For GGUF files the tokenizer is cached too (next to the tensors).
+            or a folder. A hit skips reading the source's weights and building the model (for native weights:
+            repacking the GGUF's blocks); a miss builds the model and stores it. For GGUF files the tokenizer is
+            cached too (next to the tensors).
     """
     source = resolve_model(ref)
     fmt = choose_format(source, weights, role, dtype)
-    if fmt == NATIVE and source.kind == "gguf":
-        config, state, linears = load_gguf_native(source.path, dtype)
-        model = Transformer(config, state, dtype, fmt, linears=linears)
-        tok = None
-        if tokenizer:
-            root = tensor_cache_root(cache)
-            folder = None if root is None else root / source_cache_key(source) / "tokenizer"
-            tok = _cached_tokenizer(source, folder)
-        release_freed_memory()
-        return LoadedModel(source.name, source, config, model, tok, fmt, False)
     root = tensor_cache_root(cache)
-    cacheable = root is not None and fmt != NATIVE  # native weights are rebuilt from the source in seconds
-    file = tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype)) if cacheable else None
+    file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
     hit = None if file is None else load_model_tensors(file, dtype, fmt)
     if hit is not None:
         config, model = hit
     else:
-        config, state = load_state(source)
-        model = Transformer(config, state, dtype, fmt)
+        if fmt == NATIVE and source.kind == "gguf":  # the file's own blocks, repacked
+            config, state, linears = load_gguf_native(source.path, dtype)
+            model = Transformer(config, state, dtype, fmt, linears=linears)
+            del linears
+        else:
+            config, state = load_state(source)
+            model = Transformer(config, state, dtype, fmt)
         del state
-        if file is not None:
-            save_model_tensors(model, file, source)
+        release_freed_memory()
+        if file is not None and not save_model_tensors(model, file, source):
+            print(f"sparsespec: warning: could not store the built weights in {file.parent} (disk full or not "
+                  "writable?); the next start builds them again.", file=sys.stderr)
     tok = None
     if tokenizer:
         tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer")

@@ -43,7 +43,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..linear import int4_layout_tag, linear_from_tensors
+from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
 from ..model import LAYER_NORMS
 from .fetch import stamped_sha256
 from .fixtures import cache_dir
@@ -369,7 +369,7 @@ def tensor_cache_file(
         return None
     name = f"{_DTYPE_NAMES[dtype]}-{fmt}"
     options = dict(options)
-    if fmt != "dense":
+    if fmt not in ("dense", NATIVE):  # the torch formats' kernel dtype (the native kernels have their own)
         kernel = options.pop("kernel_dtype", dtype)
         if kernel not in _DTYPE_NAMES:
             return None
@@ -378,30 +378,31 @@ def tensor_cache_file(
         from ..linear import INT4_DEFAULT_GROUP_SIZE
 
         name += f"-g{int(options.pop('group_size', INT4_DEFAULT_GROUP_SIZE))}-{int4_layout_tag()}"
+    if fmt == NATIVE:
+        name += f"-{native_layout_tag()}"
     if options:  # an option this cache does not know how to name
         return None
     return root / source_cache_key(source) / f"{name}.safetensors"
 
 
 def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
-    """Store a built :class:`~sparsespec.model.Transformer` in ``file``; False (and no file) when writing fails."""
-    from safetensors.torch import save_file
+    """Store a built :class:`~sparsespec.model.Transformer` in ``file``; False (and no file) when writing fails.
 
-    tensors: dict[str, torch.Tensor] = {"embed": model.embed, "norm": model.norm}
+    Native weights are stored repacked, the embedding table as the linear ``embed``, so that a later start reads
+    the blocks back instead of repacking the GGUF file."""
+    native_embedding = isinstance(model.embed, NativeEmbedding)
+    tensors: dict[str, torch.Tensor] = {"norm": model.norm} | ({} if native_embedding else {"embed": model.embed})
     for i, layer in enumerate(model.layers):
         for field, _ in LAYER_NORMS:
             if getattr(layer, field) is not None:
                 tensors[f"layers.{i}.{field}"] = getattr(layer, field)
     linears = {}
-    head_shares_embedding = False
-    for key, lin in model.linear_items():
-        parts = lin.to_tensors()
-        weight = parts.get("weight")
-        if key == "lm_head" and weight is not None and weight.data_ptr() == model.embed.data_ptr():
-            head_shares_embedding = True  # rebuilt from the embedding, as the uncached path does
-            continue
+    items = model.linear_items() + ([("embed", model.embed.table)] if native_embedding else [])
+    for key, lin in items:
+        if key == "lm_head" and model.head_shares_embedding:
+            continue  # rebuilt from the embedding, as the uncached path does
         linears[key] = lin.meta()
-        for name, t in parts.items():
+        for name, t in lin.to_tensors().items():
             tensors[f"{key}.{name}"] = t
     metadata = {
         "sparsespec_tensor_cache": str(TENSOR_CACHE_VERSION),
@@ -409,13 +410,13 @@ def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
         "dtype": _DTYPE_NAMES[model.dtype],
         "weights": model.weights_format,
         "linears": json.dumps(linears),
-        "head_shares_embedding": json.dumps(head_shares_embedding),
+        "head_shares_embedding": json.dumps(model.head_shares_embedding),
     }
     folder = file.parent
     tmp = folder / f".{file.name}.tmp{os.getpid()}"
     try:
         _claim_key_folder(folder, source)
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+        write_safetensors(tmp, tensors, metadata)
         os.replace(tmp, file)
         return True
     except (OSError, RuntimeError, ValueError):
@@ -449,6 +450,25 @@ _SAFETENSORS_DTYPES = {
     "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8, "U8": torch.uint8,
     "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
 }
+
+
+def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` and string ``metadata`` as a safetensors file, each tensor's bytes straight from its memory
+    (no serialized copy of the whole model, so storing a model does not double the process's memory)."""
+    names = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    with open(file, "wb") as f:
+        f.write(np.uint64(len(raw)).tobytes() + raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
 
 
 def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -495,7 +515,9 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
             return None
         config = ModelConfig.from_dict(json.loads(metadata["config"]))
         linear_meta = json.loads(metadata["linears"])
-        state = {"model.embed_tokens.weight": tensors.pop("embed"), "model.norm.weight": tensors.pop("norm")}
+        state = {"model.norm.weight": tensors.pop("norm")}
+        if "embed" in tensors:
+            state["model.embed_tokens.weight"] = tensors.pop("embed")
         for i in range(config.num_hidden_layers):
             for field, name in LAYER_NORMS:
                 if f"layers.{i}.{field}" in tensors:
@@ -507,11 +529,17 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
         linears = {key: linear_from_tensors(grouped.pop(key), meta, dtype) for key, meta in linear_meta.items()}
         if grouped:
             return None
-        expected = set(_linear_keys(config))
-        if json.loads(metadata["head_shares_embedding"]):
+        expected = set(_linear_keys(config)) | ({"embed"} if "model.embed_tokens.weight" not in state else set())
+        head_shares_embedding = json.loads(metadata["head_shares_embedding"])
+        if head_shares_embedding:
             expected.discard("lm_head")
         if set(linears) != expected:
             return None
+        if "embed" in linears:  # native weights: the table in blocks, and the head that reads it when tied
+            table = linears["embed"]
+            linears["embed"] = NativeEmbedding(table, dtype)
+            if head_shares_embedding:
+                linears["lm_head"] = table
         model = Transformer(config, state, dtype, fmt, linears=linears)
     except Exception:  # a damaged or foreign file: rebuild from the source
         return None
