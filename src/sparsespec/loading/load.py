@@ -76,7 +76,7 @@ def load_model(
             cached too (next to the tensors).
     """
     source = resolve_model(ref)
-    fmt = choose_format(source, weights, role, dtype)
+    fmt, note = choose_format(source, weights, role, dtype)
     root = tensor_cache_root(cache)
     file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
     hit = None if file is None else load_model_tensors(file, dtype, fmt)
@@ -98,6 +98,8 @@ def load_model(
     tok = None
     if tokenizer:
         tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer")
+    if note:  # said once the model loaded, so that a file that fails to load gets its one error line only
+        print(f"sparsespec: note: {note}", file=sys.stderr)
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
 
 
@@ -115,8 +117,10 @@ def release_freed_memory() -> None:
         pass
 
 
-def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The concrete weight format for a requested one; ``native`` only for GGUF files the kernels can read.
+def choose_format(source: ModelSource, weights: str, role: str,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[str, str | None]:
+    """The concrete weight format for a requested one (``native`` only for GGUF files the kernels can read), and a
+    note for the user when ``auto`` could not take the native kernels for a file they do not read (else None).
 
     ``auto`` picks ``native`` when the kernels are built and read every weight of the file, else the torch format
     of ``role``; Hugging Face folders keep the torch formats under ``auto`` and are quantized to Q8_0 blocks for an
@@ -127,22 +131,21 @@ def choose_format(source: ModelSource, weights: str, role: str, dtype: torch.dty
     from .. import kernels
 
     if weights not in ("auto", NATIVE):
-        return resolve_format(weights, role)
+        return resolve_format(weights, role), None
     # float32 is for exactness: without native weights its automatic choice is the unquantized model
     torch_auto = "dense" if dtype == torch.float32 else resolve_format("auto", role)
     if not kernels.available():
-        return torch_auto
+        return torch_auto, None
     if source.kind != "gguf":  # a Hugging Face folder: native only when asked (its weights quantized to Q8_0)
-        return NATIVE if weights == NATIVE else torch_auto
-    unreadable = gguf_native_types(source.path)
+        return (NATIVE if weights == NATIVE else torch_auto), None
+    unreadable = ", ".join(sorted(gguf_native_types(source.path)))
     if unreadable:
         if weights == NATIVE:
-            raise UserError(f"{source.path} has weights in {', '.join(sorted(unreadable))}, which the native kernels "
-                            "do not read; use --weights int8, int4 or dense.")
-        print(f"sparsespec: note: {Path(source.path).name} has weights in {', '.join(sorted(unreadable))}, which the "
-              f"native kernels do not read; running the torch format {torch_auto}.", file=sys.stderr)
-        return torch_auto
-    return NATIVE
+            raise UserError(f"{source.path} has weights in {unreadable}, which the native kernels do not read; use "
+                            "--weights int8, int4 or dense.")
+        return torch_auto, (f"{Path(source.path).name} has weights in {unreadable}, which the native kernels do not "
+                            f"read; running the torch format {torch_auto}.")
+    return NATIVE, None
 
 
 def _cached_tokenizer(source: ModelSource, folder: Path | None):
