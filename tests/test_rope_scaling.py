@@ -337,8 +337,8 @@ def test_gguf_rope_freqs_of_the_wrong_length_are_refused():
 
 
 def test_unknown_architectures_are_refused():
-    with pytest.raises(UserError, match="Unsupported architecture 'mistral'"):
-        ModelConfig.from_hf_dict(dict(hf_dict(), model_type="mistral"))
+    with pytest.raises(UserError, match="Unsupported architecture 'gemma3'"):
+        ModelConfig.from_hf_dict(dict(hf_dict(), model_type="gemma3"))
     with pytest.raises(UserError, match="Unsupported architecture 'llama4'"):
         ModelConfig.from_gguf_metadata({"general.architecture": "llama4"}, set())
 
