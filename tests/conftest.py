@@ -73,22 +73,26 @@ _GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GGUF_SPLIT_NAMES = _GGUF_LAYER_NAMES | {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight"}
 GGUF_LAYER_NAMES = {
-    "qwen3": _GGUF_LAYER_NAMES | {
-        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight"},
+    "llama": _GGUF_SPLIT_NAMES,
+    "qwen3": _GGUF_SPLIT_NAMES | {"self_attn.q_norm.weight": "attn_q_norm.weight",
+                                 "self_attn.k_norm.weight": "attn_k_norm.weight"},
     "phi3": _GGUF_LAYER_NAMES | {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
 }
 
 
 def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], q8: bool = False,
-                     rope_dims: int | None = None, sliding_window: int | None = None, tensors=None):
-    """``state`` as a GGUF file of ``config.architecture`` (qwen3 or phi3, laid out as llama.cpp's converter
-    writes them; ``GGUF_LAYER_NAMES``): float32 tensors, or with ``q8`` every matrix in Q8_0
-    blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``; ``sliding_window``: an
-    ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name."""
+                     rope_dims: int | None = None, sliding_window: int | None = None, tensors=None,
+                     keys: dict | None = None):
+    """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3 or phi3), laid out as llama.cpp's converter
+    writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): float32 tensors, or with
+    ``q8`` every matrix in Q8_0 blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``;
+    ``sliding_window``: an ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name;
+    ``keys``: extra ``<arch>.<key>`` metadata (str, int or float)."""
     import gguf
     from gguf.quants import quantize
 
@@ -110,6 +114,10 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    for key, value in (keys or {}).items():
+        add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) \
+            else writer.add_float32
+        add(f"{arch}.{key}", value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if "lm_head.weight" in state:  # else tied: the file has no output.weight
         names["lm_head.weight"] = "output.weight"
@@ -118,6 +126,10 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     assert set(names) == set(state)
     for hf, name in names.items():
         array = np.ascontiguousarray(state[hf].numpy(), dtype=np.float32)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
+            array = np.ascontiguousarray(array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2)
+                                         .reshape(array.shape))
         if q8 and array.ndim == 2:
             kind = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)

@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-from conftest import random_state, tiny_config
+from conftest import random_state, tiny_config, write_gguf_model
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
@@ -195,60 +195,11 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float, low: float, hi
 
 
 def write_llama_gguf(path, config: ModelConfig, state: dict[str, torch.Tensor], rope_freqs=None, **keys):
-    """A float32 llama GGUF of ``state`` (q/k rows permuted as llama.cpp stores them), with ``rope_freqs`` and the
-    extra ``llama.<key>`` metadata ``keys`` (dots written as double underscores)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    for key, value in keys.items():
-        name = "llama." + key.replace("__", ".")
-        if isinstance(value, str):
-            writer.add_string(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
-        else:
-            writer.add_float32(name, value)
-
-    def permuted(w: torch.Tensor, heads: int) -> np.ndarray:
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape).numpy()
-
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    for i in range(config.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        names |= {p + "input_layernorm.weight": b + "attn_norm.weight",
-                  p + "post_attention_layernorm.weight": b + "ffn_norm.weight",
-                  p + "self_attn.q_proj.weight": b + "attn_q.weight",
-                  p + "self_attn.k_proj.weight": b + "attn_k.weight",
-                  p + "self_attn.v_proj.weight": b + "attn_v.weight",
-                  p + "self_attn.o_proj.weight": b + "attn_output.weight",
-                  p + "mlp.gate_proj.weight": b + "ffn_gate.weight", p + "mlp.up_proj.weight": b + "ffn_up.weight",
-                  p + "mlp.down_proj.weight": b + "ffn_down.weight"}
-    for hf, name in names.items():
-        w = state[hf]
-        if name.endswith("attn_q.weight"):
-            array = permuted(w, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
-            array = permuted(w, config.num_key_value_heads)
-        else:
-            array = w.numpy()
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", rope_freqs)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A float32 llama GGUF of ``state`` with ``rope_freqs`` and the extra ``llama.<key>`` metadata ``keys`` (dots
+    written as double underscores)."""
+    return write_gguf_model(path, config, state, rope_dims=config.head_dim,
+                            tensors=None if rope_freqs is None else {"rope_freqs.weight": rope_freqs},
+                            keys={key.replace("__", "."): value for key, value in keys.items()})
 
 
 def test_llama31_gguf_rope_freqs_match_transformers_llama3(tmp_path):
