@@ -2,10 +2,11 @@
 
 The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` (ninja and the system C++ compiler)
 into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a later start loads the built library at once:
-by ``sparsespec fetch`` (the set-up command), else on first use, each time with a line saying so. The instruction set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON
-dot product, else portable scalar code). Every path of the matmul computes the same canonical sums, bit for bit, for a
-given weight layout (``csrc/qmatmul.h``); the attention op's paths each agree with the torch path to float rounding,
-not with one another bit for bit (``csrc/attention.h``).
+by ``sparsespec fetch`` (the set-up command), else on first use, each time with a line saying so. The instruction
+set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON dot product, else portable scalar
+code). Every path of the matmul computes the same canonical sums, bit for bit, for a given weight layout
+(``csrc/qmatmul.h``); the attention op's paths each agree with the torch path to float rounding, not with one
+another bit for bit (``csrc/attention.h``).
 
 Without a compiler (or with ``SPARSESPEC_KERNELS=torch``) :func:`available` is False, one warning line says why,
 and the engine keeps to its torch weight formats. ``SPARSESPEC_KERNELS`` set to an instruction set's name
@@ -132,7 +133,7 @@ def _load():
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         wait_for_other_build(folder)
-        building = not (folder / LIBRARY).is_file()
+        building = not built()
         if building:
             print(f"sparsespec: building native kernels (once, about a minute) in {folder}", file=sys.stderr)
             started = time.perf_counter()

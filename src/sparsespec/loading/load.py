@@ -22,7 +22,6 @@ from .weights import (
     load_model_tensors,
     load_state,
     save_model_tensors,
-    source_cache_key,
     tensor_cache_file,
     tensor_cache_root,
 )
