@@ -284,9 +284,12 @@ def test_every_instruction_set_equals_torch_path(monkeypatch, isa, name, mode):
 @pytest.mark.parametrize(("name", "kv_dtype", "recent_window"),
                          [(name, "auto", 0) for name in POLICIES] + [("hybrid", "int8", 0), ("hybrid", "int4", 0),
                                                                     ("hybrid", "int4", 3)])
-def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode, kv_dtype, recent_window):
-    """Row independence: a verification block's rows compute exactly what single-row blocks would (with a
-    full-precision window: a block row reads its block's rows where single rows read the ring)."""
+@pytest.mark.parametrize("accepted", [MAX_INFLIGHT, 2])
+def test_verification_block_equals_autoregressive_steps_bitwise(name, mode, kv_dtype, recent_window, accepted):
+    """A verification block's rows compute exactly what one-row steps, each committed, compute: the same output
+    bits, and after committing ``accepted`` rows the same arena, slot for slot (the layout, so the order in which
+    later rows add their terms). With a full-precision window a block row reads its block's rows where a step
+    reads the ring."""
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     gen = torch.Generator().manual_seed(3)
     prompt = _rows(config, MAX_BLOCK, gen, torch.bfloat16)
@@ -300,23 +303,28 @@ def test_block_rows_equal_rows_staged_one_at_a_time_bitwise(name, mode, kv_dtype
                 arena.attend(layer, q, k, v)
             arena.end()
             arena.commit(MAX_BLOCK)
-    whole, single = arenas
+    whole, steps = arenas
     whole.begin(MAX_INFLIGHT)
     outs_whole = [whole.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(block)]
     whole.end()
-    outs_single = [[] for _ in block]
+    evicted_in_block = int((whole.evicted_at[..., :whole.n_committed + accepted] < accepted).sum())
+    whole.commit(accepted)
+    outs_steps = [[] for _ in block]
     for i in range(MAX_INFLIGHT):
-        single.begin(1)
+        steps.begin(1)
         for layer, (q, k, v) in enumerate(block):
-            outs_single[layer].append(single.attend(layer, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))
-        single.end()
+            outs_steps[layer].append(steps.attend(layer, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))
+        steps.end()
+        steps.commit(1)
+        if i + 1 == accepted:
+            assert whole.n_committed == steps.n_committed
+            n = steps.n_committed
+            for field in ("keys", "values", "positions") + (("scores",) if steps.policy.needs_scores else ()):
+                assert torch.equal(getattr(whole, field)[:, :, :n], getattr(steps, field)[:, :, :n]), field
     for layer in range(config.num_hidden_layers):
-        assert torch.equal(outs_whole[layer], torch.cat(outs_single[layer])), f"layer {layer}: outputs"
-    assert torch.equal(whole.evicted_at, single.evicted_at)
-    if whole.policy.needs_scores:
-        assert torch.equal(whole.scores, single.scores) and torch.equal(whole.row_scores, single.row_scores)
-    if name != "full":
-        assert (whole.evicted_at != torch.iinfo(torch.int32).max).any()
+        assert torch.equal(outs_whole[layer], torch.cat(outs_steps[layer])), f"layer {layer}: outputs"
+    # The block evicted, so its accepted rows had to be placed where the steps put theirs.
+    assert name == "full" or evicted_in_block > 0
 
 
 @pytest.mark.parametrize("name,mode", [("full", "original"), ("hybrid", "in-cache")])

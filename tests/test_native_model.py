@@ -4,9 +4,10 @@ speculative decoding with native target and draft.
 Native weights multiply 8-bit quantized activations, so logits differ from the dense float32 model by the
 activations' rounding (the same rounding llama.cpp applies); the tests bound that difference on real text and check
 that greedy text on the prompts below changes only at near-ties. Speculative decoding on native weights equals
-plain decoding where the cache keeps its slots in place (the full cache): each row's result is independent of the
-rows sharing the pass (``kernels/csrc/qmatmul.h``), so verification rows equal autoregressive steps bit for bit. The
-evicting-cache cases below hold for these models and seeds; they are not a proof (see the SmolLM2 test).
+plain decoding, evicting caches included: each row's result is independent of the rows sharing the pass
+(``kernels/csrc/qmatmul.h``), the attention op reads a verification row's slots in the order its autoregressive
+step would find them (``kernels/csrc/attention.h``), and a commit lays the accepted rows out as one-row commits
+would (``cache/arena.py``), so verification rows equal autoregressive steps bit for bit.
 """
 
 from __future__ import annotations
@@ -207,33 +208,53 @@ def smollm2_default(smollm2_path):
     return loaded
 
 
-def test_default_configuration_full_cache_speculative_equals_autoregressive(smollm2_default):
-    """The default configuration (bfloat16, native weights, native attention, full cache): greedy self-speculation
-    equals plain decoding token for token, because every row of a verification pass equals the autoregressive
-    step bit for bit (the kernels' rows never depend on the rows beside them, and the full cache never moves a
-    slot).
+DEFAULT_CONFIG_POLICIES = {
+    "full": {}, "window": dict(budget=24), "streaming": dict(budget=24, sinks=4),
+    "h2o": dict(budget=24, heavy=12), "hybrid": dict(budget=24, sinks=4, heavy=10),
+    "hybrid-age": dict(budget=24, sinks=4, heavy=10), "hybrid-decay": dict(budget=24, sinks=4, heavy=10),
+}
 
-    Not claimed for evicting caches on native weights: the two runs compact their slots in different orders, so
-    the attention adds the same terms in another order, and the 8-bit activation rounding of the next matmul can
-    turn that last-bit difference into a flipped near-tie (measured agreement in benchmarks/RESULTS.md)."""
-    mode, target_budget = "original", None
+
+@pytest.mark.parametrize("mode", ["original", "in-cache"])
+@pytest.mark.parametrize("name", list(DEFAULT_CONFIG_POLICIES))
+def test_default_configuration_speculative_equals_autoregressive(smollm2_default, monkeypatch, name, mode):
+    """The default configuration (bfloat16, native weights, native attention), every policy, both position modes,
+    γ = 1 to 5: greedy self-speculation equals plain decoding token for token. Every row of a verification pass
+    equals its autoregressive step bit for bit: the kernels' rows never depend on the rows beside them, the
+    attention op reads a verification row's slots in the order the step would find them, and a commit lays the
+    accepted rows out as one-row commits would (``cache/arena.py``)."""
     loaded = smollm2_default
-    model, ids = loaded.model, loaded.tokenizer.encode("The keeper of the lighthouse wrote")
-    target_policy = make_policy("hybrid", target_budget, sinks=2) if target_budget else make_policy("full")
-    draft_policy = make_policy("hybrid", 12, sinks=2)
+    model = loaded.model
+    ids = loaded.tokenizer.encode("The keeper of the lighthouse wrote in his log that the storm")
+    spec = dict(DEFAULT_CONFIG_POLICIES[name])
+    target_policy = make_policy(name, spec.pop("budget", None), **spec)
+    draft_policy = make_policy("streaming", 12, sinks=2)
+    positions = mode if not target_policy.is_full else "original"
+    targets, laid_out = [], []  # the target's commits that moved two or more accepted rows into evicted slots
+    moves = KVArena._moves_row_by_row
+
+    def spy(self, n_rows):
+        to, source = moves(self, n_rows)
+        if any(self is t for t in targets) and to[0].numel():
+            laid_out.append(n_rows)
+        return to, source
+
+    monkeypatch.setattr(KVArena, "_moves_row_by_row", spy)
 
     def arena(policy, inflight):
         return KVArena(model.config, policy, dtype=model.dtype, max_tokens=128, max_block=8, max_inflight=inflight,
-                       positions=mode if not policy.is_full else "original")
+                       positions=positions)
 
-    expected = list(generate_tokens(model, arena(target_policy, 1), ids, max_new_tokens=40,
+    expected = list(generate_tokens(model, arena(target_policy, 1), ids, max_new_tokens=48,
                                     sampling=SamplingParams(), prefill_chunk=8))
-    stats = SpeculativeStats()
-    target_cache = arena(target_policy, target_inflight_rows(4))
-    got = list(speculative_tokens(model, target_cache, model, arena(draft_policy, draft_inflight_rows(4)), ids,
-                                  max_new_tokens=40, sampling=SamplingParams(), gamma=4, prefill_chunk=8,
-                                  stats=stats))
-    assert got == expected
-    assert 0 < stats.accepted < stats.drafted
-    if target_budget:
-        assert target_cache.evicted_tokens > 0
+    for gamma in range(1, 6):
+        stats = SpeculativeStats()
+        target_cache = arena(target_policy, target_inflight_rows(gamma))
+        targets.append(target_cache)
+        got = list(speculative_tokens(model, target_cache, model, arena(draft_policy, draft_inflight_rows(gamma)),
+                                      ids, max_new_tokens=48, sampling=SamplingParams(), gamma=gamma,
+                                      prefill_chunk=8, stats=stats))
+        assert got == expected, f"gamma {gamma}"
+        assert 0 < stats.accepted < stats.drafted
+        assert target_cache.evicted_tokens > 0 or target_policy.is_full
+    assert bool(laid_out) != target_policy.is_full

@@ -20,8 +20,10 @@ Life of a block of T new tokens (rows):
    overwritten while rows are in flight.
 3. ``end()``; more blocks may follow (a draft model stages one row per step).
 4. ``commit(m)``: keep the first m in-flight rows (m = 0 is a rollback). Scores and evictions of the dropped rows
-   are undone and the buffers are compacted: surviving staged slots move into the holes left by evicted ones.
-   Slots are therefore not ordered by position; every rule here works from the stored positions.
+   are undone and the buffers are compacted: surviving staged slots move into the holes left by evicted ones,
+   row by row as one-row commits would place them, so the layout depends on the committed entries alone, not on
+   how blocks delivered them. Slots are therefore not ordered by position; every rule here works from the stored
+   positions.
 
 Prefill chunks may instead evict once per block (``per_block=True``): all rows of the chunk see the cache as it
 was before the chunk plus the causal part of the chunk, and eviction down to the budget happens at its end. This
@@ -417,7 +419,6 @@ class KVArena:
     def _compact(self, n_rows: int, extent: int, survivors: int) -> None:
         if self.cold is not None and extent > survivors:
             self._retire(n_rows, extent, extent - survivors)
-        alive = self.evicted_at[..., :extent] >= n_rows  # alive after the last accepted row
         if self.policy.needs_scores:
             if n_rows == self.n_inflight:
                 final = self.scores
@@ -427,20 +428,58 @@ class KVArena:
                 final = self.committed_scores
             if final is not self.scores:
                 self.scores[..., :extent] = final[..., :extent]
-        # Holes: dead slots below the new end; movers: live slots at or beyond it. Every (layer, head) has the
-        # same number of each, and nonzero() lists them in the same (layer, head) order, so they pair up.
-        holes = (~alive[..., :survivors]).nonzero(as_tuple=True)
-        movers = alive[..., survivors:].nonzero(as_tuple=True)
-        if holes[0].numel():
-            src = (movers[0], movers[1], movers[2] + survivors)
+        if n_rows == 1 or self._per_block_inflight:
+            # Holes: dead slots below the new end; movers: live slots at or beyond it. Every (layer, head) has the
+            # same number of each, and nonzero() lists them in the same (layer, head) order, so they pair up.
+            alive = self.evicted_at[..., :extent] >= n_rows  # alive after the last accepted row
+            holes = (~alive[..., :survivors]).nonzero(as_tuple=True)
+            movers = alive[..., survivors:].nonzero(as_tuple=True)
+            moves = holes, (movers[0], movers[1], movers[2] + survivors)
+        else:
+            moves = self._moves_row_by_row(n_rows)
+        if moves[0][0].numel():
             tensors = [*self._keys.tensors, *self._values.tensors, self.positions]
             if self.policy.needs_scores:
                 tensors.append(self.scores)
             for t in tensors:
-                t[holes] = t[src]
+                t[moves[0]] = t[moves[1]]
         if self.policy.needs_scores:
             self.committed_scores[..., :survivors] = self.scores[..., :survivors]
         self.evicted_at[..., :extent].fill_(NEVER)
+
+    def _moves_row_by_row(self, n_rows: int):
+        """(to, from) slot indices that lay out the first ``n_rows`` in-flight rows of row-by-row blocks as
+        ``n_rows`` one-row commits would: each row in the slot of the entry it evicted (if that entry was an earlier
+        in-flight row, in the slot that row was given), or after the arena's entries if it evicted none. The layout,
+        and so the order in which the attention op reads the slots, is then a function of the committed entries
+        alone, whatever mix of blocks produced them; the op reads a verification block's rows in the same order
+        (``kernels/csrc/attention.h``). Each row of a row-by-row block evicts at most one entry per KV head."""
+        committed = self.n_committed
+        departed = self.evicted_at[..., :committed + n_rows]
+        layer, head, slot = (departed < n_rows).nonzero(as_tuple=True)
+        row = departed[layer, head, slot].long()
+        evicted = torch.full((*departed.shape[:2], n_rows), -1, dtype=torch.int64)  # [L, n_kv, rows] slot or -1
+        evicted[layer, head, row] = slot
+        evicts = evicted >= 0
+        evicting = evicts.all(dim=1).all(dim=0).tolist()  # per row: every KV head evicted one entry
+        if slot.numel() != int(evicts.sum()) or bool((evicts != torch.tensor(evicting)).any()):
+            raise ValueError("a row of a row-by-row block evicted more than one entry, or not in every KV head")
+        hit_staged = (evicted >= committed).any(dim=1).any(dim=0).tolist()
+        place = evicted.clone()  # where each row stands after the one-row commits up to it
+        end = committed  # places filled so far
+        for r in range(n_rows):
+            if not evicting[r]:
+                place[..., r] = end
+                end += 1
+            elif hit_staged[r]:  # a staged row was evicted (or the row itself): its place
+                place[..., r] = end
+                gone = evicted[..., r]
+                from_row = place.gather(-1, (gone - committed).clamp(0, r).unsqueeze(-1)).squeeze(-1)
+                place[..., r] = torch.where(gone < committed, gone, from_row)
+        rows = torch.arange(committed, committed + n_rows)
+        kept = (departed[..., committed:] >= n_rows) & (place != rows)
+        layer, head, row = kept.nonzero(as_tuple=True)
+        return (layer, head, place[layer, head, row]), (layer, head, row + committed)
 
     # ------------------------------------------------------------------------------------------------- recall
     def _departed(self, evicted_at: torch.Tensor, positions: torch.Tensor, before_row: int, n: int) -> torch.Tensor:

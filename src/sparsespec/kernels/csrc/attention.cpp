@@ -63,10 +63,10 @@ void compute_ranks(const AttnBlock& b, int h, int last, int64_t newest, int32_t*
 // The policy's evictions in head h once n_visible tokens are visible (slots <= last alive), newest at `newest`:
 // sinks and window protected; with heavy hitters the lowest scores go (ties: the older position), otherwise every
 // unprotected token goes. age_normalised (hybrid-age, cache/hybrid_age.py): the score divided by the token's age,
-// max(newest + 1 - position, 1), in float32. Evicted slots get evicted_at = row.
-void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, int row) {
+// max(newest + 1 - position, 1), in float32. Evicted slots get evicted_at = row; returns them.
+std::vector<int> evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, int row) {
   const int n_evict = n_visible - b.budget;
-  if (b.budget < 0 || n_evict <= 0) return;
+  if (b.budget < 0 || n_evict <= 0) return {};
   const int64_t* pos = b.positions + (long)h * b.cap;
   int32_t* evicted_at = b.evicted_at + (long)h * b.cap;
   std::vector<int> candidates;
@@ -89,7 +89,43 @@ void evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, i
     candidates.resize(n_evict);
   }
   for (int s : candidates) evicted_at[s] = row;
+  return candidates;
 }
+
+// The reading order of a row-by-row block's rows in one KV head (attention.h): slot_of lists the arena slot at each
+// place of an autoregressive step's arena, the row's own last; commit_row() moves the entries as that step's
+// commit would (cache/arena.py: KVArena._compact): of the n + 1 places, the n_after that stay are the first ones,
+// each evicted place below n_after taken, in order, by the next surviving entry from n_after up.
+struct ReadingOrder {
+  std::vector<int32_t> slot_of;  // [start + T] arena slot at each place
+  std::vector<int32_t> place;    // [start + T] place of each arena slot
+  int start = 0, n = 0;          // the block's first slot; places filled before the next row
+
+  ReadingOrder(int start_, int T) : slot_of((std::size_t)start_ + T), place(slot_of.size()), start(start_), n(start_) {
+    for (int s = 0; s < start; ++s) slot_of[s] = place[s] = s;
+  }
+  // Before row i attends: the row at the next place, which is the last it reads.
+  int add_row(int i) {
+    slot_of[n] = start + i;
+    place[start + i] = n;
+    return n;
+  }
+  // After the row added last evicted the arena slots `evicted`.
+  void commit_row(const std::vector<int>& evicted) {
+    std::vector<int> gone;
+    for (int s : evicted) gone.push_back(place[s]);
+    std::sort(gone.begin(), gone.end());
+    const int n_after = n + 1 - (int)gone.size();
+    std::size_t hole = 0;  // the holes are gone's entries below n_after: as many as the movers
+    for (int from = n_after; from <= n; ++from) {
+      if (std::binary_search(gone.begin(), gone.end(), from)) continue;
+      const int to = gone[hole++];
+      slot_of[to] = slot_of[from];
+      place[slot_of[to]] = to;
+    }
+    n = n_after;
+  }
+};
 
 // out = x * cos + rotate_half(x) * sin for one head vector; bf16: tables, products and sum rounded to bfloat16.
 void rope(const float* x, const float* c, const float* s, int hd, bool bf16, float* out) {
@@ -211,6 +247,12 @@ void attend_block(int isa, const AttnBlock& b) {
   std::vector<int32_t> ranks(b.cos ? (std::size_t)H * b.cap : 0);
   std::vector<float> m((std::size_t)H * G);
   const long out_stride = (long)H * G * hd;
+  // Row-by-row blocks read in an autoregressive step's order (attention.h); other blocks in slot order.
+  const bool reorder = b.per_row && b.T > 1;
+  std::vector<ReadingOrder> order;
+  if (reorder) order.assign(H, ReadingOrder(b.start, b.T));
+  std::vector<int> last_read(H);  // per head, the last place the current row reads
+  auto last_of = [&](int h, int i) { return reorder ? last_read[h] : b.start + i; };
 
   auto chunk_args = [&](int h, int row) {
     AttnChunk a;
@@ -229,7 +271,8 @@ void attend_block(int isa, const AttnBlock& b) {
       a.key_offset = b.key_offset ? b.key_offset + (long)h * hd : nullptr;
     }
     a.evicted_at = b.evicted_at + (long)h * b.cap;
-    a.last_slot = b.start + row;
+    a.last_slot = last_of(h, row);
+    a.slot_of = reorder ? order[h].slot_of.data() : nullptr;
     a.ranks = b.cos ? ranks.data() + (long)h * b.cap : nullptr;
     a.cos = b.cos;
     a.sin = b.sin;
@@ -254,9 +297,11 @@ void attend_block(int isa, const AttnBlock& b) {
 
   // The steps of row i in head h, in order. A head's steps touch only its own state and its own regions of the
   // buffers above (chunk c of head h at h * max_chunks + c), so heads at different rows never share a float.
-  auto chunks_of = [&](int i) { return (b.start + i) / kAttnChunk + 1; };
-  auto chunk_end = [&](int i, int c) { return std::min(b.start + i + 1, (c + 1) * kAttnChunk); };
+  auto chunks_of = [&](int h, int i) { return last_of(h, i) / kAttnChunk + 1; };
+  auto chunk_end = [&](int h, int i, int c) { return std::min(last_of(h, i) + 1, (c + 1) * kAttnChunk); };
+  // The row's first step in a head: its place in the reading order, the ranks (in-cache mode), the window's check.
   auto head_ranks = [&](int h, int i) {
+    if (reorder) last_read[h] = order[h].add_row(i);
     if (b.cos) compute_ranks(b, h, b.start + i, b.first_position + i, ranks.data() + (long)h * b.cap);
     // The window reads every slot the row covers (alive or not) from the ring or the block, by position.
     if (b.recent_window)
@@ -264,11 +309,11 @@ void attend_block(int isa, const AttnBlock& b) {
         check_position(h, s, b.positions[(long)h * b.cap + s], b.first_position + i);
   };
   auto chunk_logits = [&](int h, int i, int c) {
-    kernels.logits(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c),
+    kernels.logits(chunk_args(h, i), c * kAttnChunk, chunk_end(h, i, c),
                    chunk_max.data() + ((long)h * max_chunks + c) * G);
   };
   auto head_max = [&](int h, int i) {
-    const int n_chunks = chunks_of(i);
+    const int n_chunks = chunks_of(h, i);
     for (int g = 0; g < G; ++g) {
       float best = -std::numeric_limits<float>::infinity();
       for (int c = 0; c < n_chunks; ++c) best = std::max(best, chunk_max[((long)h * max_chunks + c) * G + g]);
@@ -277,11 +322,11 @@ void attend_block(int isa, const AttnBlock& b) {
   };
   auto chunk_exp_values = [&](int h, int i, int c) {
     const long w = (long)h * max_chunks + c;
-    kernels.exp_values(chunk_args(h, i), c * kAttnChunk, chunk_end(i, c), m.data() + (long)h * G,
+    kernels.exp_values(chunk_args(h, i), c * kAttnChunk, chunk_end(h, i, c), m.data() + (long)h * G,
                        chunk_sum.data() + w * G, chunk_out.data() + w * G * hd);
   };
   auto head_output_scores = [&](int h, int i) {
-    const int n_chunks = chunks_of(i), last = b.start + i;
+    const int n_chunks = chunks_of(h, i), last = last_of(h, i);
     float total[kAttnMaxGroup];
     for (int g = 0; g < G; ++g) {
       float sum = chunk_sum[((long)h * max_chunks) * G + g];
@@ -300,11 +345,13 @@ void attend_block(int isa, const AttnBlock& b) {
     if (!b.scores) return;
     float* score = b.scores + (long)h * b.cap;
     const float* e = logits.data() + (long)h * G * lds;
-    for (int s = 0; s <= last; ++s) {
-      if (b.score_decay != 1.0f) score[s] *= b.score_decay;  // every slot, as the torch path's scores.mul_
+    if (b.score_decay != 1.0f)  // every slot up to the row's, as the torch path's scores.mul_
+      for (int s = 0; s <= b.start + i; ++s) score[s] *= b.score_decay;
+    for (int r = 0; r <= last; ++r) {
+      const int s = reorder ? order[h].slot_of[r] : r;
       if (!alive(b, h, s)) continue;
-      float received = e[s] / total[0];
-      for (int g = 1; g < G; ++g) received += e[g * lds + s] / total[g];
+      float received = e[r] / total[0];
+      for (int g = 1; g < G; ++g) received += e[g * lds + r] / total[g];
       score[s] += received;
     }
   };
@@ -316,7 +363,10 @@ void attend_block(int isa, const AttnBlock& b) {
   };
   // After row i: the per-row evictions, and the row's score snapshot.
   auto head_after_row = [&](int h, int i) {
-    if (b.per_row) evict(b, h, b.start + i, b.first_position + i, visible_with_row(i), b.first + i);
+    if (b.per_row) {
+      const std::vector<int> evicted = evict(b, h, b.start + i, b.first_position + i, visible_with_row(i), b.first + i);
+      if (reorder) order[h].commit_row(evicted);
+    }
     if (i < b.snapshot_rows)
       std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
                   sizeof(float) * stop);
@@ -332,27 +382,31 @@ void attend_block(int isa, const AttnBlock& b) {
       for (int h = (int)h0; h < (int)h1; ++h)
         for (int i = 0; i < b.T; ++i) {
           head_ranks(h, i);
-          for (int c = 0; c < chunks_of(i); ++c) chunk_logits(h, i, c);
+          for (int c = 0; c < chunks_of(h, i); ++c) chunk_logits(h, i, c);
           head_max(h, i);
-          for (int c = 0; c < chunks_of(i); ++c) chunk_exp_values(h, i, c);
+          for (int c = 0; c < chunks_of(h, i); ++c) chunk_exp_values(h, i, c);
           head_output_scores(h, i);
           head_after_row(h, i);
         }
     });
   } else {
     for (int i = 0; i < b.T; ++i) {
-      const int n_chunks = chunks_of(i);
       auto each_head = [&](auto&& step) {
         at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
           for (int64_t h = h0; h < h1; ++h) step((int)h);
         });
       };
+      each_head([&](int h) { head_ranks(h, i); });
+      int n_chunks = 0;  // the most any head's row reads (the same in every head unless a policy runs short)
+      for (int h = 0; h < H; ++h) n_chunks = std::max(n_chunks, chunks_of(h, i));
       auto each_chunk = [&](auto&& step) {
         at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
-          for (int64_t w = w0; w < w1; ++w) step((int)(w / n_chunks), (int)(w % n_chunks));
+          for (int64_t w = w0; w < w1; ++w) {
+            const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
+            if (c < chunks_of(h, i)) step(h, c);
+          }
         });
       };
-      each_head([&](int h) { head_ranks(h, i); });
       each_chunk([&](int h, int c) { chunk_logits(h, i, c); });
       for (int h = 0; h < H; ++h) head_max(h, i);
       each_chunk([&](int h, int c) { chunk_exp_values(h, i, c); });

@@ -18,11 +18,19 @@
 // from its codes.
 // The block's rows occupy slots [start, start + T); row i sees the slots s <= start + i that are alive.
 //
+// Reading order. A row reads the slots it sees in slot order, except in a row-by-row block (per_row, T > 1: a
+// verification block), whose row i reads them in the order an autoregressive step at its position would find them
+// in: each earlier row of the block in the slot of the entry it evicted, as the arena's compaction puts a committed
+// row (cache/arena.py: KVArena.commit), the row itself last. The steps below then add the same terms in the same
+// order as that step, so a verification row's output, scores and evictions equal the autoregressive step's bit for
+// bit. In a block that starts from a committed state the first rows' reading order is the slot order, unchanged.
+//
 // The float steps of a row (they never depend on how many rows share the block, nor on the thread count):
-//   slots are cut into chunks of kAttnChunk from slot 0; per KV head h, chunk c and query head g of the group:
+//   slots, in reading order, are cut into chunks of kAttnChunk from the first; per KV head h, chunk c and query
+//   head g of the group:
 //     logit[g, s] = dot(q[g], key(s)) * scale           (key rotated by its rank first in the in-cache mode)
-//     m[g] = max over s;  e[g, s] = exp(logit - m);  part_sum[c][g] = sum of e over the chunk, in slot order
-//     part_out[c][g] = sum over the chunk of e[g, s] * value(s), in slot order
+//     m[g] = max over s;  e[g, s] = exp(logit - m);  part_sum[c][g] = sum of e over the chunk, in reading order
+//     part_out[c][g] = sum over the chunk of e[g, s] * value(s), in reading order
 //   total[g] = part_sum[0][g] + part_sum[1][g] + ...;  out[g] = (part_out[0][g] + part_out[1][g] + ...) / total[g]
 //   p[g, s] = e[g, s] / total[g];  scores[s] += (p[0, s] + p[1, s] + ...)
 // Each instruction set evaluates dot, exp and the chunk sums in its own fixed order (the scalar path in plain
@@ -77,12 +85,14 @@ struct AttnChunk {
   const uint16_t* value_params = nullptr;
   const float* key_offset = nullptr;      // [hd] added to every dequantized key, or null
   const int32_t* evicted_at = nullptr;  // [cap]
-  int last_slot = 0;                    // slots s <= last_slot are in the row's causal range
-  const int32_t* ranks = nullptr;       // [cap] rank of each alive slot (in-cache mode), else null
+  int last_slot = 0;                    // the row reads its slots s = 0 .. last_slot (in reading order)
+  const int32_t* slot_of = nullptr;     // [last_slot + 1] the arena slot of each, or null: slot s itself
+  const int32_t* ranks = nullptr;       // [cap] rank of each alive arena slot (in-cache mode), else null
   const float* cos = nullptr;           // [>= cap, hd] RoPE tables for ranks (in-cache mode), Hugging Face
   const float* sin = nullptr;           // layout: a row's two halves are equal (the vector paths read the first)
   float scale = 1.0f;
-  float* logits = nullptr;  // [group, lds]: logits, then exponentials (-inf / 0 for slots the row does not see)
+  float* logits = nullptr;  // [group, lds] by reading order: logits, then exponentials (-inf / 0 for slots the
+                            // row does not see)
   long lds = 0;
   // Full-precision window (see the top; recent_window 0: none). The row is at position newest; entries of
   // positions p > newest - recent_window are read from block_keys / block_values [T, hd] (row p - first_position)

@@ -29,7 +29,10 @@ inline float to_float(uint16_t x) {
   return f;
 }
 
-inline bool sees(const AttnChunk& a, int s) { return s <= a.last_slot && a.evicted_at[s] == kNever; }
+// The arena slot that the row's s-th slot in reading order holds (attention.h: AttnChunk::slot_of).
+inline int phys(const AttnChunk& a, int s) { return a.slot_of ? a.slot_of[s] : s; }
+
+inline bool sees(const AttnChunk& a, int s) { return s <= a.last_slot && a.evicted_at[phys(a, s)] == kNever; }
 
 // The entry type K of the kernels below: float, uint16_t (bfloat16) or Codes (quantized entries, which are read
 // through dequantize_row into a float32 row first); Row<K> is the type of the row the arithmetic reads.
@@ -39,17 +42,19 @@ using Row = std::conditional_t<std::is_same_v<K, Codes>, float, K>;
 
 // True when slot s is read in full precision by the chunk's row (quantized entries with a window, attention.h).
 inline bool in_recent_window(const AttnChunk& a, int s) {
-  return a.recent_window && a.positions[s] > a.newest - a.recent_window;
+  return a.recent_window && a.positions[phys(a, s)] > a.newest - a.recent_window;
 }
 
-// Slot s's key (keys = true) or value row: a pointer into the arena, or for quantized entries `buf` holding the
-// row dequantized, plus the key offset unless `key_offset` is false (the caller adds it) — or, for a slot in the
-// full-precision window, `buf` holding its full-precision row (whose key has the offset in already).
+// The key (keys = true) or value row of the row's s-th slot in reading order: a pointer into the arena, or for
+// quantized entries `buf` holding the row dequantized, plus the key offset unless `key_offset` is false (the
+// caller adds it) — or, for a slot in the full-precision window, `buf` holding its full-precision row (whose key
+// has the offset in already).
 template <class K>
 inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf, bool key_offset = true) {
+  const long slot = phys(a, s);
   if constexpr (std::is_same_v<K, Codes>) {
     if (in_recent_window(a, s)) {
-      const int64_t p = a.positions[s];
+      const int64_t p = a.positions[slot];
       if (p >= a.first_position) {
         std::memcpy(buf, (keys ? a.block_keys : a.block_values) + (p - a.first_position) * a.hd, sizeof(float) * a.hd);
       } else {
@@ -62,14 +67,14 @@ inline const Row<K>* entry_row(const AttnChunk& a, bool keys, int s, float* buf,
       }
       return buf;
     }
-    const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + s * code_bytes(a.hd, a.code_bits);
-    const uint16_t* params = (keys ? a.key_params : a.value_params) + s * param_halves(a.hd, a.code_group);
+    const uint8_t* codes = static_cast<const uint8_t*>(keys ? a.keys : a.values) + slot * code_bytes(a.hd, a.code_bits);
+    const uint16_t* params = (keys ? a.key_params : a.value_params) + slot * param_halves(a.hd, a.code_group);
     dequantize_row(codes, params, a.hd, a.code_bits, a.code_group, buf);
     if (keys && key_offset && a.key_offset)
       for (int c = 0; c < a.hd; ++c) buf[c] += a.key_offset[c];
     return buf;
   } else {
-    return static_cast<const K*>(keys ? a.keys : a.values) + (long)s * a.hd;
+    return static_cast<const K*>(keys ? a.keys : a.values) + slot * a.hd;
   }
 }
 
@@ -170,15 +175,15 @@ void logits_fixed(const AttnChunk& a, int s0, int s1, float* max_out) {
       rot[i] = rotated[i];
       if (a.ranks) {
         const float* offset = std::is_same_v<K, Codes> && !in_recent_window(a, slot) ? a.key_offset : nullptr;
-        if (seen[i]) rotate_key_fixed<NV>(a, raw[i], offset, a.ranks[slot], rotated[i]);
+        if (seen[i]) rotate_key_fixed<NV>(a, raw[i], offset, a.ranks[phys(a, slot)], rotated[i]);
         else std::fill(rotated[i], rotated[i] + a.hd, 0.0f);
       }
     }
     if constexpr (!std::is_same_v<K, Codes>) {  // the keys of the quad after next
-      const int ahead = std::min(s + 8, s1 - 1);
-      const char* from = reinterpret_cast<const char*>(static_cast<const K*>(a.keys) + (long)ahead * a.hd);
-      const char* to = reinterpret_cast<const char*>(static_cast<const K*>(a.keys) + (long)std::min(ahead + 4, s1) * a.hd);
-      for (; from < to; from += 64) __builtin_prefetch(from);
+      for (int ahead = s + 8; ahead < std::min(s + 12, s1); ++ahead) {
+        const char* from = reinterpret_cast<const char*>(static_cast<const K*>(a.keys) + (long)phys(a, ahead) * a.hd);
+        for (int byte = 0; byte < a.hd * (int)sizeof(K); byte += 64) __builtin_prefetch(from + byte);
+      }
     }
     for (int g0 = 0; g0 < a.group; g0 += GB) {
       const int nb = std::min(GB, a.group - g0);
@@ -230,9 +235,9 @@ void exp_values_fixed(const AttnChunk& a, int s0, int s1, const float* m, float*
           if constexpr (kCodes) {
             row = dequantized + (s - t0) * a.hd;
           } else {
-            row = static_cast<const K*>(a.values) + (long)s * a.hd;
+            row = static_cast<const K*>(a.values) + (long)phys(a, s) * a.hd;
             const char* ahead = reinterpret_cast<const char*>(static_cast<const K*>(a.values) +
-                                                              (long)seen[j + kAhead] * a.hd + v0 * Vec::W);
+                                                              (long)phys(a, seen[j + kAhead]) * a.hd + v0 * Vec::W);
             for (int byte = 0; byte < VB * Vec::W * (int)sizeof(K); byte += 64) __builtin_prefetch(ahead + byte);
           }
           T x[VB];
@@ -277,7 +282,7 @@ void logits_impl(const AttnChunk& a, int s0, int s1, float* max_out) {
     for (int g = 0; g < a.group; ++g) {
       float logit;
       if (a.ranks) {
-        if (g == 0) rotate_key(a, k, a.ranks[s], rotated);
+        if (g == 0) rotate_key(a, k, a.ranks[phys(a, s)], rotated);
         logit = dot(a.q + g * a.ldq, rotated, a.hd) * a.scale;
       } else {
         logit = dot(a.q + g * a.ldq, k, a.hd) * a.scale;
