@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,19 +29,37 @@ PROSE_PROMPT = (
 )
 
 
+def source_commit() -> str:
+    """The checkout's commit (short hash, "+changes" when the working tree differs from it), or "unknown"."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if changed else "")
+
+
 def machine() -> dict:
-    """Facts that make a number interpretable: CPU, threads, load, library versions, date."""
-    cpu = "unknown"
+    """Facts that make a number interpretable: CPU model and family, threads, load, library versions, the commit,
+    date."""
+    cpu, family = "unknown", "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu == "unknown":
+                cpu = value.strip()
+            elif key.strip() == "cpu family" and family == "unknown":
+                family = value.strip()
     except OSError:
         pass
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
+        "cpu_family": family,
+        "commit": source_commit(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "loadavg": loadavg(),
