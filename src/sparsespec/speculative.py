@@ -12,9 +12,10 @@ Notation as in the paper: ``p`` is the target's distribution, ``q`` the draft's.
 Because the target's arena replays evictions row by row (see ``cache/arena.py``), row i of the verification pass
 sees exactly the cache that autoregressive step i would see, so the output follows the distribution that
 autoregressive decoding with the same cache policy defines (and greedy output is identical token for token). That
-is exact where a row's logits do not depend on how many rows the pass holds: float32 compute with dense weights (the
-tests prove it). In bfloat16 and the quantized formats a multi-row pass rounds differently from a 1-row pass, so
-near-ties can flip (measured: 124/128 and 128/128 greedy tokens equal on two prompts, int8 target, int4 draft).
+is exact where a row's logits do not depend on how many rows the pass holds: native weights with the native
+attention op (the default configuration, bfloat16 included) and float32 compute with dense weights (the tests prove
+both). In bfloat16 the torch weight formats' multi-row passes round differently from 1-row passes, so near-ties can
+flip (measured: 124/128 and 128/128 greedy tokens equal on two prompts, int8 target, int4 draft).
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class AdaptiveGamma:
 
     ``cost_ratio``: a fixed ``c`` instead of measured times. Decisions then depend only on the accepted tokens, so
     sampled output is reproducible for a fixed seed (timings differ from run to run; see :func:`weight_cost_ratio`).
+
+    ``only``: speculative rounds propose this many tokens (probes one); the controller decides only between that γ
+    and γ = 0 (the default when no γ is given: a draft that does not pay stops drafting, one that pays keeps its
+    γ).
     """
 
     def __init__(
@@ -92,9 +97,11 @@ class AdaptiveGamma:
         max_probe_every: int = 64,
         remeasure_every: int = 16,
         cost_ratio: float | None = None,
+        only: int | None = None,
     ):
-        self.gamma = initial
-        self.gamma_max = gamma_max
+        self.gamma = only or initial
+        self.gamma_max = only or gamma_max
+        self.only = only
         self.decay = decay
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
@@ -128,9 +135,9 @@ class AdaptiveGamma:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def best(self) -> tuple[int, float]:
-        """The γ ≥ 1 with the largest modelled gain, and that gain."""
+        """The γ ≥ 1 with the largest modelled gain (``only`` if given), and that gain."""
         alpha, c = self.alpha, self.cost_ratio
-        g = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
+        g = self.only or max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
         return g, speculative_speedup(alpha, g, c)
 
     def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
