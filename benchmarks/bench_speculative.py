@@ -22,6 +22,7 @@ from common import RESULTS_DIR, emit, load_transformers, machine, transformers_d
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
+from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.loading.fetch import corpus_text_path
 from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
@@ -50,13 +51,19 @@ def main() -> None:
     parser.add_argument("--draft-weights", default="dense", help="dense, int8, int4 or auto")
     parser.add_argument("--draft-policy", default="full")
     parser.add_argument("--draft-budget", type=int, default=None)
-    parser.add_argument("--gammas", default="2,4,6,auto")
+    parser.add_argument("--gammas", default="2,4,6,auto",
+                        help="γ values: N (every round), auto, or default (generate's default: "
+                             f"{DEFAULT_GAMMA} while drafting pays, else none)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each configuration per prompt, alternated (target alone, then each γ)")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--kinds", default="code,prose,chat")
     parser.add_argument("--per-kind", default="4,4,2", help="prompts taken from each kind, in --kinds order")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-context", type=int, default=0, help="prefix prompts with this many corpus tokens")
     parser.add_argument("--sparse-budget", type=int, default=1024, help="target budget for the sparse runs")
+    parser.add_argument("--sparse-retention", default="auto", choices=("auto", "query", "off"),
+                        help="retention of the sparse runs (off: the prompt is read faster, decoding is the same)")
     parser.add_argument("--speculate-on", default="all",
                         help="target caches the speculative modes run on: all, full or sparse (the full cache's "
                              "autoregressive baseline always runs; at long context 'sparse' saves its slow prefills)")
@@ -77,7 +84,7 @@ def main() -> None:
         text = corpus_text_path("paradise_lost").read_text(encoding="utf-8", errors="replace")
         context = target.tokenizer.decode(target.tokenizer.encode(text)[: args.long_context])
     full = CacheOptions(force_context=True) if args.long_context else CacheOptions()
-    sparse = CacheOptions(make_policy("hybrid", args.sparse_budget), "in-cache")
+    sparse = CacheOptions(make_policy("hybrid", args.sparse_budget), "in-cache", retention=args.sparse_retention)
     target_caches = {"full": full, f"hybrid{args.sparse_budget}": sparse} if args.long_context else {"full": full}
 
     prompts = select_prompts(args.kinds, args.per_kind)
@@ -86,20 +93,24 @@ def main() -> None:
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             sampling = SamplingParams(temperature=temperature)
             for cache_name, cache in target_caches.items():
-                base = run(target, ids, args.new_tokens, sampling, cache)
-                common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
-                          "target": args.target, "target_weights": args.target_weights,
-                          "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids)}
-                emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict(), **machine()},
-                     args.out)
-                if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
-                    continue
-                for gamma in args.gammas.split(","):
-                    draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
-                    stats = run(target, ids, args.new_tokens, sampling, cache, draft)
-                    emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
-                          **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,
+                for round_ in range(1, args.rounds + 1):
+                    base = run(target, ids, args.new_tokens, sampling, cache)
+                    common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
+                              "target": args.target, "target_weights": args.target_weights,
+                              "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids),
+                              "round": round_}
+                    emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict(),
                           **machine()}, args.out)
+                    if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
+                        continue
+                    for gamma in args.gammas.split(","):
+                        default = gamma == "default"
+                        draft = DraftOptions(draft_model, draft_cache, DEFAULT_GAMMA if default else parse_gamma(gamma),
+                                             is_self=args.draft == "self", back_off=default)
+                        stats = run(target, ids, args.new_tokens, sampling, cache, draft)
+                        emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
+                              **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,
+                              **machine()}, args.out)
 
     if args.transformers and args.draft != "self":
         del target, draft_model
