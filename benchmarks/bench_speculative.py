@@ -22,7 +22,6 @@ from common import RESULTS_DIR, emit, load_transformers, machine, transformers_d
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
-from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.loading.fetch import corpus_text_path
 from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
@@ -51,9 +50,7 @@ def main() -> None:
     parser.add_argument("--draft-weights", default="dense", help="dense, int8, int4 or auto")
     parser.add_argument("--draft-policy", default="full")
     parser.add_argument("--draft-budget", type=int, default=None)
-    parser.add_argument("--gammas", default="2,4,6,auto",
-                        help="γ values: N (every round), auto, or default (generate's default: "
-                             f"{DEFAULT_GAMMA} while drafting pays, else none)")
+    parser.add_argument("--gammas", default="2,4,6,auto", help="γ values: N (every round) or auto")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each configuration per prompt, alternated (target alone, then each γ)")
     parser.add_argument("--temperatures", default="0,0.7")
@@ -104,9 +101,7 @@ def main() -> None:
                     if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
                         continue
                     for gamma in args.gammas.split(","):
-                        default = gamma == "default"
-                        draft = DraftOptions(draft_model, draft_cache, DEFAULT_GAMMA if default else parse_gamma(gamma),
-                                             is_self=args.draft == "self", back_off=default)
+                        draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
                         stats = run(target, ids, args.new_tokens, sampling, cache, draft)
                         emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
                               **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,

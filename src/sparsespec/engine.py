@@ -221,9 +221,6 @@ class DraftOptions:
     cache: CacheOptions
     gamma: int | str  # an integer ≥ 1 or "auto"
     is_self: bool = False
-    # An integer γ that stops drafting while drafting does not pay and resumes when it does (AdaptiveGamma's
-    # ``only``): the default when no γ is given.
-    back_off: bool = False
 
 
 def parse_gamma(text: str) -> int | str:
@@ -410,10 +407,10 @@ class Session:
             )
             return
         gamma = self.draft.gamma
-        if gamma == "auto" or self.draft.back_off:
+        if gamma == "auto":
             # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
             fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, self.draft.model.model)
-            gamma = AdaptiveGamma(cost_ratio=fixed, only=None if gamma == "auto" else gamma)
+            gamma = AdaptiveGamma(cost_ratio=fixed)
         stats.speculative = SpeculativeStats()
         try:
             yield from speculative_tokens(

@@ -141,8 +141,7 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
     parser.add_argument("--gamma", default=None,
-                        help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}, and none while drafting "
-                             "does not pay; needs --draft)")
+                        help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
     add_cache_arguments(parser, prefix="draft-")
 
 
@@ -174,13 +173,12 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
     if settings is None:
         return None
     cache, gamma = settings
-    back_off = args.gamma is None  # the default γ stops drafting while drafting does not pay
     if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True, back_off=back_off)
+        return DraftOptions(target, cache, gamma, is_self=True)
     model = load_model(args.draft, dtype, args.draft_weights, role="draft")
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma, back_off=back_off)
+    return DraftOptions(model, cache, gamma)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:

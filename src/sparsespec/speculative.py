@@ -82,10 +82,6 @@ class AdaptiveGamma:
 
     ``cost_ratio``: a fixed ``c`` instead of measured times. Decisions then depend only on the accepted tokens, so
     sampled output is reproducible for a fixed seed (timings differ from run to run; see :func:`weight_cost_ratio`).
-
-    ``only``: speculative rounds propose this many tokens (probes one); the controller decides only between that γ
-    and γ = 0 (the default when no γ is given: a draft that does not pay stops drafting, one that pays keeps its
-    γ).
     """
 
     def __init__(
@@ -97,11 +93,9 @@ class AdaptiveGamma:
         max_probe_every: int = 64,
         remeasure_every: int = 16,
         cost_ratio: float | None = None,
-        only: int | None = None,
     ):
-        self.gamma = only or initial
-        self.gamma_max = only or gamma_max
-        self.only = only
+        self.gamma = initial
+        self.gamma_max = gamma_max
         self.decay = decay
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
@@ -135,9 +129,9 @@ class AdaptiveGamma:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def best(self) -> tuple[int, float]:
-        """The γ ≥ 1 with the largest modelled gain (``only`` if given), and that gain."""
+        """The γ ≥ 1 with the largest modelled gain, and that gain."""
         alpha, c = self.alpha, self.cost_ratio
-        g = self.only or max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
+        g = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
         return g, speculative_speedup(alpha, g, c)
 
     def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
