@@ -224,6 +224,16 @@ def smollm2_f32(smollm2_path):
     return load_model("smollm2-135m", torch.float32)
 
 
+@pytest.fixture(scope="session")
+def smollm2_default(smollm2_path, native_kernels):
+    """SmolLM2 as `sparsespec generate` loads it by default: bfloat16, `--weights auto` (native for this file)."""
+    from sparsespec.loading.load import load_model
+
+    loaded = load_model("smollm2-135m", torch.bfloat16, "auto")
+    assert loaded.weights == "native"
+    return loaded
+
+
 @pytest.fixture
 def row_by_row(monkeypatch):
     """Counts, by arena, the layer calls that evicted between the rows of a multi-row block (a verification block

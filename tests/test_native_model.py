@@ -198,16 +198,6 @@ def test_draft_with_a_limited_vocabulary_keeps_speculation_exact():
     assert any(t >= 40 for t in ar)  # the target still emits ids the draft cannot propose
 
 
-@pytest.fixture(scope="module")
-def smollm2_default(smollm2_path):
-    """SmolLM2 as `sparsespec generate` loads it by default: bfloat16, `--weights auto` (native for this file)."""
-    from sparsespec.loading.load import load_model
-
-    loaded = load_model("smollm2-135m", torch.bfloat16, "auto")
-    assert loaded.weights == "native"
-    return loaded
-
-
 DEFAULT_CONFIG_POLICIES = {
     "full": {}, "window": dict(budget=24), "streaming": dict(budget=24, sinks=4),
     "h2o": dict(budget=24, heavy=12), "hybrid": dict(budget=24, sinks=4, heavy=10),

@@ -124,17 +124,17 @@ def test_budget_reuse_reports_evictions_and_equals_fresh_until_the_budget_fills(
 def test_a_run_that_fails_inside_a_pass_is_not_resumed_from(monkeypatch):
     loaded = tiny_loaded()
     session = Session(loaded, CacheOptions(prefill_chunk=8), capacity=256)
-    forward = loaded.model.forward
+    forward_blocks = loaded.model.forward_blocks
     calls = []
 
-    def failing(*args, **kwargs):
+    def failing(blocks):
         calls.append(1)
         if len(calls) == 6:
-            args[1].begin(1)  # the arena is left with an open block, as an interrupted pass leaves it
+            blocks[0].cache.begin(1)  # the arena is left with an open block, as an interrupted pass leaves it
             raise KeyboardInterrupt
-        return forward(*args, **kwargs)
+        return forward_blocks(blocks)
 
-    monkeypatch.setattr(loaded.model, "forward", failing)
+    monkeypatch.setattr(loaded.model, "forward_blocks", failing)
     answer = []
     with pytest.raises(KeyboardInterrupt):
         for token in session.run(prompt(20), max_new_tokens=10, sampling=GREEDY):

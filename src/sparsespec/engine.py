@@ -18,15 +18,16 @@ from .cache.quant import BITS, check_kv_dtype, recent_window_for
 from .cache.recall import recall_for
 from .cache.retention import retention_for
 from .errors import UserError
-from .generate import generate_tokens, prefill
+from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
+from .passes import Pass, Program, run_alone
 from .sampling import SamplingParams
 from .speculative import (
     AdaptiveGamma,
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
-    speculative_tokens,
+    speculative_steps,
     target_inflight_rows,
     weight_cost_ratio,
 )
@@ -330,7 +331,11 @@ class Session:
         ]
         self._text = []
 
-    def run(
+    def run(self, prompt_ids: list[int], **options) -> Iterator[int]:
+        """Yield new token ids for ``prompt_ids`` (:meth:`steps` run alone, with the same options)."""
+        return run_alone(self.steps(prompt_ids, **options))
+
+    def steps(
         self,
         prompt_ids: list[int],
         *,
@@ -339,11 +344,12 @@ class Session:
         seed: int | None = None,
         eos_ids: set[int] | frozenset[int] = frozenset(),
         stats: RunStats | None = None,
-    ) -> Iterator[int]:
-        """Yield new token ids for ``prompt_ids``, resuming from the arenas where they hold its start.
+    ) -> Program:
+        """The decoding program (``passes.py``) of ``prompt_ids``, resuming from the arenas where they hold its start.
 
         Checks the inputs first (empty prompt, context length) and raises :class:`UserError`; ``stats`` is filled
-        in as the run goes.
+        in as the run goes. Closed where it yields a token, the arenas stay consistent for the next run to resume
+        from; ended anywhere else (an error, or closed while it waits for a pass), the next run starts afresh.
         """
         if not prompt_ids:
             raise UserError("The prompt is empty; give some text to continue.")
@@ -375,21 +381,39 @@ class Session:
             stats.prefill_seconds = prefilled_at[0] - started
 
         text = self._text = list(prompt_ids)
+        at_token = False
+        tokens = None
         try:
-            for arena, loaded in zip(self.arenas, self._models()):  # a draft's arena may lag the target's
-                prefill(loaded.model, arena, text[arena.next_position : reuse], self.cache.prefill_chunk)
+            for index, (arena, loaded) in enumerate(zip(self.arenas, self._models())):  # a draft's may lag
+                yield from prefill_steps(loaded.model, arena, text[arena.next_position : reuse],
+                                         self.cache.prefill_chunk, draft=index > 0)
             tokens = self._tokens(text[reuse:], max_new_tokens, sampling, generator, eos_ids, stats, on_prefilled)
-            for token in tokens:
+            reply = None
+            while True:
+                try:
+                    item = tokens.send(reply)
+                except StopIteration:
+                    return
+                if isinstance(item, Pass):
+                    reply = yield item
+                    continue
+                reply = None
                 stats.new_tokens += 1
                 stats.decode_seconds = time.perf_counter() - prefilled_at[0]
-                text.append(token)
-                yield token
-        except GeneratorExit:  # closed at a yield: the arenas are committed and consistent
+                text.append(item)
+                at_token = True
+                yield item
+                at_token = False
+        except GeneratorExit:
+            if not at_token:  # closed while waiting for a pass: an arena may hold rows in flight
+                self._text = []
             raise
         except BaseException:  # an error or Ctrl-C inside a pass may leave an arena mid-block: never resume from it
             self._text = []
             raise
         finally:
+            if tokens is not None:
+                tokens.close()
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before
@@ -397,11 +421,11 @@ class Session:
             stats.budget = self.arenas[0].policy.budget
 
     def _tokens(self, suffix, max_new_tokens, sampling, generator, eos_ids, stats: RunStats,
-                on_prefilled) -> Iterator[int]:
-        """The decoding loop over the arenas, fed the prompt's ``suffix`` that they do not hold yet."""
+                on_prefilled) -> Program:
+        """The decoding program over the arenas, fed the prompt's ``suffix`` that they do not hold yet."""
         chunk = self.cache.prefill_chunk
         if self.draft is None:
-            yield from generate_tokens(
+            yield from decode_steps(
                 self.target.model, self.arenas[0], suffix, max_new_tokens=max_new_tokens, sampling=sampling,
                 generator=generator, eos_ids=eos_ids, prefill_chunk=chunk, on_prefilled=on_prefilled,
             )
@@ -413,7 +437,7 @@ class Session:
             gamma = AdaptiveGamma(cost_ratio=fixed)
         stats.speculative = SpeculativeStats()
         try:
-            yield from speculative_tokens(
+            yield from speculative_steps(
                 self.target.model, self.arenas[0], self.draft.model.model, self.arenas[1], suffix,
                 max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
                 eos_ids=eos_ids, prefill_chunk=chunk, stats=stats.speculative, on_prefilled=on_prefilled,

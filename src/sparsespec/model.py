@@ -8,7 +8,7 @@ which stores them and computes attention (see ``cache/arena.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import math
 
@@ -20,6 +20,19 @@ from .cache.arena import KVArena
 from .config import ModelConfig
 from .errors import UserError
 from .linear import default_linear_options, make_linear, resolve_format
+
+
+@dataclass(frozen=True)
+class Block:
+    """The rows one sequence feeds through a pass: ``tokens [T]`` (int64) staged in its own ``cache``.
+
+    ``per_block``: evict once at the end of the block (prefill chunks) instead of after every row; ``last_only``:
+    logits for the last row only (prefill)."""
+
+    tokens: torch.Tensor
+    cache: KVArena
+    per_block: bool = False
+    last_only: bool = False
 
 
 @dataclass
@@ -200,7 +213,6 @@ class Transformer:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False
     ) -> torch.Tensor:
@@ -215,24 +227,46 @@ class Transformer:
         Returns:
             ``[T, vocab]`` float32 logits (``[1, vocab]`` with ``last_only``).
         """
+        return self.forward_blocks([Block(tokens, cache, per_block, last_only)])[0]
+
+    @torch.inference_mode()
+    def forward_blocks(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        """Run several sequences' blocks in one pass: every projection reads its weights once for the rows of all
+        blocks; each block attends over its own arena only.
+
+        A row's logits do not depend on the other rows of the pass where the projections compute rows
+        independently (native weights, the default; ``linear.NativeLinear``) — so a request decodes the same text
+        alone and beside others. Each arena must appear at most once.
+
+        Returns one ``[T_i, vocab]`` float32 tensor per block (``[1, vocab]`` with its ``last_only``).
+        """
         cfg = self.config
-        n_rows = tokens.shape[0]
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        sizes = [block.tokens.shape[0] for block in blocks]
+        tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([block.tokens for block in blocks])
         x = self.embed[tokens]
-        cache.begin(n_rows, per_block=per_block)
+        for block, n_rows in zip(blocks, sizes):
+            block.cache.begin(n_rows, per_block=block.per_block)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
-            # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
-            q, k, v = qkv.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1).split((n_heads, n_kv, n_kv))
-            if layer.q_norm is not None:
-                q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
-                k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
-            x = x + layer.o_proj(cache.attend(index, q, k, v))
+            attended = []
+            for block, rows in zip(blocks, qkv.split(sizes)):
+                n_rows = rows.shape[0]
+                # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
+                q, k, v = rows.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1).split((n_heads, n_kv, n_kv))
+                if layer.q_norm is not None:
+                    q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
+                    k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
+                attended.append(block.cache.attend(index, q, k, v))
+            x = x + layer.o_proj(attended[0] if len(blocks) == 1 else torch.cat(attended))
             x = x + layer.down(self._silu_mul(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
-        cache.end()
-        if last_only:
-            x = x[-1:]
+        for block in blocks:
+            block.cache.end()
+        scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits
+        if scored != sizes:
+            ends = torch.tensor(sizes).cumsum(0).tolist()
+            x = torch.cat([x[end - rows : end] for end, rows in zip(ends, scored)])
         logits = self.lm_head(self._rms_norm(x, self.norm)).float()
         if self.vocab_limit < cfg.vocab_size:
             logits = F.pad(logits, (0, cfg.vocab_size - self.vocab_limit), value=-math.inf)
-        return logits
+        return [logits] if len(blocks) == 1 else list(logits.split(scored))

@@ -28,8 +28,9 @@ import torch
 
 from .cache.arena import KVArena
 from .errors import UserError
-from .generate import prefill
+from .generate import prefill_steps
 from .model import Transformer
+from .passes import Program, forward_pass, run_alone
 from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
 
@@ -244,7 +245,13 @@ def _accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int,
     return accepted, choices[accepted]
 
 
-def speculative_tokens(
+def speculative_tokens(target: Transformer, target_cache: KVArena, draft: Transformer, draft_cache: KVArena,
+                       prompt_ids: list[int], **options) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` token ids decoded speculatively (:func:`speculative_steps` run alone)."""
+    return run_alone(speculative_steps(target, target_cache, draft, draft_cache, prompt_ids, **options))
+
+
+def speculative_steps(
     target: Transformer,
     target_cache: KVArena,
     draft: Transformer,
@@ -259,8 +266,8 @@ def speculative_tokens(
     prefill_chunk: int = 512,
     stats: SpeculativeStats | None = None,
     on_prefilled: Callable[[], None] | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` token ids decoded speculatively (stops after an EOS id).
+) -> Program:
+    """The program of speculative decoding: up to ``max_new_tokens`` new tokens (stops after an EOS id).
 
     ``gamma`` is a fixed number of proposals per round (≥ 1) or an :class:`AdaptiveGamma`. The arenas must allow
     :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target
@@ -277,8 +284,8 @@ def speculative_tokens(
     stats = stats if stats is not None else SpeculativeStats()
     eos = set(eos_ids)
     *context, last = prompt_ids
-    prefill(target, target_cache, context, prefill_chunk)
-    prefill(draft, draft_cache, context, prefill_chunk)
+    yield from prefill_steps(target, target_cache, context, prefill_chunk)
+    yield from prefill_steps(draft, draft_cache, context, prefill_chunk, draft=True)
     if on_prefilled is not None:
         on_prefilled()
     target_pending = [last]  # accepted tokens the target has not been fed yet
@@ -296,14 +303,14 @@ def speculative_tokens(
             backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
             for start in range(0, len(backlog), draft_cache.max_inflight):
                 chunk = backlog[start : start + draft_cache.max_inflight]
-                draft.forward(torch.tensor(chunk), draft_cache)
+                yield forward_pass(draft, chunk, draft_cache, draft=True)
                 draft_cache.commit(len(chunk))
                 catch_up_passes += 1
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         feed = draft_pending
         for _ in range(g):
-            logits = draft.forward(torch.tensor(feed), draft_cache)[-1]
+            logits = (yield forward_pass(draft, feed, draft_cache, draft=True))[-1]
             if sampling.greedy:
                 drafts.append(greedy_tokens(logits[None])[0])
             else:
@@ -315,7 +322,7 @@ def speculative_tokens(
 
         # 2. One target pass over the pending token(s) and all proposals.
         started = time.perf_counter()
-        logits = target.forward(torch.tensor(target_pending + drafts), target_cache)
+        logits = yield forward_pass(target, target_pending + drafts, target_cache)
         if sampling.greedy:
             accepted, next_token = _accept_greedy(logits[len(target_pending) - 1 :], drafts)
         else:
