@@ -31,6 +31,7 @@ from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions
 from sparsespec.loading.load import LoadedModel, release_freed_memory
+from sparsespec.model import Transformer
 from sparsespec.serve.server import ServerState, create_app
 from sparsespec.sampling import SamplingParams
 from sparsespec.serve.worker import TEXT_INTERVAL_SECONDS, EngineWorker, GenerationRequest, Job
@@ -180,6 +181,85 @@ def test_self_speculation_through_the_api_equals_generate(smollm2_f32, capsys):
     assert answer.choices[0].message.content == generate_text(capsys, QUESTION, 16, "--draft", "self")
     extension = answer.model_extra["sparsespec"]
     assert extension["acceptance_rate"] > 0 and extension["tokens_per_target_pass"] > 1
+
+
+# ------------------------------------------------------------------------------------ several users at once
+QUESTIONS = (QUESTION, "Name three colours.", "Write one sentence about the sea.")
+
+
+@pytest.fixture(scope="module")
+def parallel_server(smollm2_default):
+    """Three slots, the default configuration (bfloat16, native weights): a row's result does not depend on the
+    rows beside it there."""
+    with live_server(lambda: EngineWorker(smollm2_default, CacheOptions(), parallel=3)) as (url, state):
+        yield url, state
+
+
+def ask_at_once(url: str, requests: list[list[dict]], max_tokens: int) -> list:
+    """Send the chats at the same moment, each from its own thread; their answers, in order."""
+    answers: list = [None] * len(requests)
+    start = threading.Barrier(len(requests))
+
+    def ask(i: int) -> None:
+        start.wait()
+        answers[i] = chat(client(url), requests[i], max_tokens)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_answers_beside_others_equal_answers_alone_and_share_passes(parallel_server, monkeypatch):
+    url, _ = parallel_server
+    requests = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    alone = [chat(client(url), messages, 24).choices[0].message.content for messages in requests]
+    blocks_per_pass: list[int] = []
+    forward_blocks = Transformer.forward_blocks
+    monkeypatch.setattr(Transformer, "forward_blocks",
+                        lambda self, blocks: (blocks_per_pass.append(len(blocks)), forward_blocks(self, blocks))[1])
+    steps, rows = metric(url, "engine_steps_total"), metric(url, "batch_rows_total")
+    together = ask_at_once(url, requests, 24)
+    assert [answer.choices[0].message.content for answer in together] == alone
+    assert max(blocks_per_pass) == 3  # passes over all three requests' rows ran
+    assert metric(url, "engine_steps_total") - steps == len(blocks_per_pass)
+    assert metric(url, "batch_rows_total") - rows > len(blocks_per_pass)
+    assert metric(url, "slots") == 3 and metric(url, "slots_busy") == 0
+
+
+def test_a_conversation_finds_its_slot_among_others(parallel_server):
+    url, _ = parallel_server
+    c = client(url)
+    history = [{"role": "user", "content": QUESTION}]
+    first = chat(c, history, 8)
+    ask_at_once(url, [[{"role": "user", "content": q}] for q in QUESTIONS[1:]], 4)  # two other users meanwhile
+    follow_up = chat(c, history + [{"role": "assistant", "content": first.choices[0].message.content},
+                                   {"role": "user", "content": "And 3+3?"}], 8)
+    reused = follow_up.model_extra["sparsespec"]["reused_prompt_tokens"]
+    assert first.usage.prompt_tokens < reused < follow_up.usage.prompt_tokens
+
+
+def test_a_client_leaving_frees_its_slot_while_others_run(parallel_server):
+    url, _ = parallel_server
+    cancelled = metric(url, "requests_cancelled_total")
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions",
+                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event
+    other = client(url).completions.create(model="any", prompt="Hello", max_tokens=4, temperature=0)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 30
+    while metric(url, "requests_cancelled_total") == cancelled or metric(url, "slots_busy") > 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.05)
+    assert other.usage.completion_tokens == 4
 
 
 # ------------------------------------------------------------------------------------------- prefix reuse
@@ -345,16 +425,20 @@ def test_flood_past_the_queue_bound_gets_503_and_the_server_recovers(tiny_server
 
 def test_an_exception_inside_generation_ends_the_stream_with_an_error(tiny_server, monkeypatch):
     url, state = tiny_server
-    session = state.worker.session
-    run = session.run
+    session = state.worker.slots[0].session
+    steps = session.steps
 
-    def failing(*args, **kwargs):
-        tokens = run(*args, **kwargs)
-        yield next(tokens)
-        yield next(tokens)
+    def failing(*args, **kwargs):  # the decoding program, failing after its second token
+        tokens = 0
+        program = steps(*args, **kwargs)
+        reply = None
+        while tokens < 2:
+            item = program.send(reply)
+            tokens += isinstance(item, int)
+            reply = yield item
         raise RuntimeError("simulated fault")
 
-    monkeypatch.setattr(session, "run", failing)
+    monkeypatch.setattr(session, "steps", failing)
     stream = client(url).completions.create(model="any", prompt="Once", max_tokens=50, stream=True)
     with pytest.raises(APIError, match="simulated fault"):
         for _ in stream:
@@ -451,6 +535,7 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
     (["--gamma", "3"], "--gamma does nothing without --draft"),
     (["--draft-kv-dtype", "int4"], "--draft-kv-dtype does nothing without --draft"),
     (["--queue-size", "0"], "--queue-size must be at least 1"),
+    (["--parallel", "0"], "--parallel must be at least 1"),
 ])
 def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):
     assert main(["serve", "--model", "smollm2-135m", *flags]) == 2

@@ -40,10 +40,16 @@ def load_engine(args: argparse.Namespace, options):
 
 
 # ----------------------------------------------------------------------------------------------------- serve
+# Requests decoded together by default (see README, "Serving").
+DEFAULT_PARALLEL = 4
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--parallel", "-np", type=int, default=DEFAULT_PARALLEL,
+                        help="requests decoded at once, each in its own cache slot (default: %(default)s)")
     parser.add_argument("--queue-size", type=int, default=16,
                         help="requests that may wait for the engine; more get 503 (default: %(default)s)")
     parser.add_argument("--no-evict-overflow", action="store_true",
@@ -60,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from .worker import EngineWorker, check_worker_options
 
     options = engine_options(args)
-    check_worker_options(options[0], args.queue_size, args.no_evict_overflow)
+    check_worker_options(options[0], args.queue_size, args.no_evict_overflow, args.parallel)
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be from 0 to 65535 (got {args.port}).")
     _check_port_free(args.host, args.port)  # before the model loads, not a minute after
@@ -71,7 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
     def load() -> EngineWorker:
         target, cache, draft = load_engine(args, options)
         print(f"sparsespec: {target.name} loaded; serving.", file=sys.stderr, flush=True)
-        return EngineWorker(target, cache, draft, queue_size=args.queue_size, no_evict_overflow=args.no_evict_overflow)
+        return EngineWorker(target, cache, draft, parallel=args.parallel, queue_size=args.queue_size,
+                            no_evict_overflow=args.no_evict_overflow)
 
     # The engine takes this (the main) thread, the HTTP server a thread beside it (see ServerState).
     state = ServerState(load, background=False)

@@ -1,8 +1,13 @@
-"""The engine worker: one thread that runs generation requests one at a time, in arrival order, from a bounded queue.
+"""The engine worker: one thread that decodes up to ``parallel`` requests together, taking them in arrival order from
+a bounded queue.
 
-The thread owns the model and a :class:`~sparsespec.engine.Session`, so a request whose prompt extends the previous
-request's text (the next turn of a chat) resumes from the cache that request left. Results travel back to the
-asyncio event loop as events on a per-job :class:`asyncio.Queue`; the loop never waits on the model.
+Each of the ``parallel`` slots owns a :class:`~sparsespec.engine.Session` (its own arenas: policy, budget and
+positions as the flags set them), so memory is fixed per slot, and a request whose prompt extends the text a slot
+holds (the next turn of a chat) goes to that slot and resumes from its cache. The requests in the slots run as
+decoding programs in one :class:`~sparsespec.passes.Batch`: each step is one pass over the rows of all of them
+(prompt chunks included), a new request joins between steps, and a finished or abandoned one frees its slot at the
+next. Results travel back to the asyncio event loop as events on a per-job :class:`asyncio.Queue`; the loop never
+waits on the model.
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from ..engine import CacheOptions, DraftOptions, RunStats, Session, check_fits_context
 from ..errors import UserError
-from ..generate import stream_text
+from ..generate import TextStream
 from ..loading.load import LoadedModel
 from ..loading.tokenizer import eos_token_ids
+from ..passes import Batch, Running
 from ..sampling import SamplingParams
 
 log = logging.getLogger("sparsespec.serve")
@@ -92,10 +97,14 @@ class Metrics:
         "drafted_tokens_total": "tokens proposed by the draft",
         "accepted_tokens_total": "draft tokens the target accepted",
         "target_passes_total": "target forward passes of speculative decoding",
+        "engine_steps_total": "passes the engine ran (each over the rows of every request it served at once)",
+        "batch_rows_total": "rows those passes ran (over engine_steps_total: rows per step)",
     }
     GAUGES = {
         "last_tokens_per_second": "decode speed of the last finished request",
-        "kv_cache_bytes": "bytes of the key and value buffers",
+        "kv_cache_bytes": "bytes of the key and value buffers, all slots",
+        "slots": "requests the engine decodes at once (--parallel)",
+        "slots_busy": "slots running a request",
     }
 
     def __init__(self) -> None:
@@ -130,23 +139,11 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-class _Counted:
-    """A token stream that stops when its job is cancelled and remembers whether it ran to its end."""
-
-    def __init__(self, tokens: Iterator[int], job: Job):
-        self.tokens, self.job = tokens, job
-        self.exhausted = False
-
-    def __iter__(self) -> Iterator[int]:
-        for token in self.tokens:
-            yield token
-            if self.job.cancelled.is_set():
-                return
-        self.exhausted = True
-
-
-def check_worker_options(cache: CacheOptions, queue_size: int, no_evict_overflow: bool) -> None:
-    """Raise :class:`UserError` for a queue bound below 1, or ``--no-evict-overflow`` where it would do nothing."""
+def check_worker_options(cache: CacheOptions, queue_size: int, no_evict_overflow: bool, parallel: int = 1) -> None:
+    """Raise :class:`UserError` for a queue bound or slot count below 1, or ``--no-evict-overflow`` where it would
+    do nothing."""
+    if parallel < 1:
+        raise UserError(f"--parallel must be at least 1 (got {parallel}).")
     if queue_size < 1:
         raise UserError(f"--queue-size must be at least 1 (got {queue_size}).")
     if no_evict_overflow and (cache.policy.is_full or cache.positions == "original"):
@@ -156,8 +153,29 @@ def check_worker_options(cache: CacheOptions, queue_size: int, no_evict_overflow
         )
 
 
+@dataclass
+class _Slot:
+    """One of the engine's slots: its session (arenas and the text they hold) and the job it runs, if any."""
+
+    session: Session
+    last_used: float = 0.0
+    job: Job | None = None
+    running: Running | None = None  # the job's program in the batch
+    stats: RunStats | None = None
+    text: TextStream | None = None
+    started: float = 0.0
+    first_text: float | None = None
+    pending: list[str] = field(default_factory=list)  # text not handed over yet
+    handed_over: float = 0.0
+
+    def hand_over(self) -> None:
+        if self.pending:
+            self.job.emit("text", "".join(self.pending))
+            self.pending.clear()
+
+
 class EngineWorker:
-    """The single engine thread, its bounded queue and the conversation state (one :class:`Session`).
+    """The engine thread, its bounded queue and ``parallel`` slots, each with its own :class:`Session`.
 
     ``no_evict_overflow``: refuse a request that would run past the model's context even where the budgeted cache
     (with in-cache positions) could go on by evicting.
@@ -169,21 +187,24 @@ class EngineWorker:
         cache: CacheOptions,
         draft: DraftOptions | None = None,
         *,
+        parallel: int = 1,
         queue_size: int = 16,
         no_evict_overflow: bool = False,
     ) -> None:
-        check_worker_options(cache, queue_size, no_evict_overflow)
+        check_worker_options(cache, queue_size, no_evict_overflow, parallel)
         self.target = target
         self.cache = cache
         self.draft = draft
         self.no_evict_overflow = no_evict_overflow
         self.context = target.config.max_position_embeddings
-        self.session = Session(target, cache, draft, capacity=self.context)
+        self.slots = [_Slot(Session(target, cache, draft, capacity=self.context)) for _ in range(parallel)]
         self.eos_ids = frozenset(eos_token_ids(target.tokenizer))
         self.metrics = Metrics()
+        self.metrics.set(slots=parallel)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._serve, name="sparsespec-engine", daemon=True)
-        self._current: Job | None = None  # the job the thread is running
+        self._batch = Batch()
+        self._stopping = False
 
     # ------------------------------------------------------------------------------------- event-loop side
     def start(self) -> None:
@@ -195,10 +216,11 @@ class EngineWorker:
         self._serve()
 
     def stop(self) -> None:
-        """Cancel the running job (it ends after its current step), drop the waiting ones and end the engine's
-        loop (joining its thread, if it has one)."""
-        if self._current is not None:
-            self._current.cancel()
+        """Cancel the running jobs (they end at the next step), drop the waiting ones and end the engine's loop
+        (joining its thread, if it has one)."""
+        for slot in self.slots:
+            if slot.job is not None:
+                slot.job.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -247,68 +269,92 @@ class EngineWorker:
 
     # ------------------------------------------------------------------------------------- engine side
     def _serve(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
+        while not self._stopping:
+            self._admit(block=not self._batch.running)
+            for slot in self.slots:  # a client that went away frees its slot now
+                if slot.job is not None and slot.job.cancelled.is_set():
+                    slot.running.close()
+            rows = self._batch.step()
+            if rows:
+                self.metrics.add(engine_steps_total=1, batch_rows_total=rows)
+            self.metrics.set(slots_busy=sum(slot.job is not None for slot in self.slots))
+        for slot in self.slots:
+            if slot.job is not None:
+                slot.running.close()
+
+    def _admit(self, block: bool) -> None:
+        """Give queued jobs the free slots (waiting for one when ``block`` and no job runs)."""
+        while not self._stopping and any(slot.job is None for slot in self.slots):
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
                 return
-            if job.cancelled.is_set():
+            block = False
+            if job is None:
+                self._stopping = True
+            elif job.cancelled.is_set():
                 self.metrics.add(requests_cancelled_total=1)
-                continue
-            self._current = job
-            self._run(job)
-            self._current = None
+            else:
+                self._start(job, self._slot_for(job.request.prompt_ids))
 
-    def _run(self, job: Job) -> None:
+    def _slot_for(self, prompt_ids: list[int]) -> _Slot:
+        """The free slot whose text the prompt extends the furthest, else the one unused the longest."""
+        free = [slot for slot in self.slots if slot.job is None]
+        return max(free, key=lambda slot: (slot.session.reusable(prompt_ids), -slot.last_used))
+
+    def _start(self, job: Job, slot: _Slot) -> None:
         request = job.request
-        started = time.perf_counter()
-        stats = RunStats()
+        slot.job, slot.stats, slot.first_text, slot.handed_over = job, RunStats(), None, 0.0
+        slot.text = TextStream(self.target.tokenizer, stop_strings=request.stop, eos_ids=self.eos_ids)
+        slot.started = time.perf_counter()
         seed = request.seed if request.seed is not None else random.getrandbits(63)
-        tokens = self.session.run(
+        program = slot.session.steps(
             request.prompt_ids, max_new_tokens=request.max_tokens, sampling=request.sampling, seed=seed,
-            eos_ids=self.eos_ids, stats=stats,
+            eos_ids=self.eos_ids, stats=slot.stats,
         )
-        counted = _Counted(tokens, job)
-        first_text = None
-        pending: list[str] = []
-        handed_over = 0.0
+        running = self._batch.add(program, lambda token: self._on_token(slot, token),
+                                  lambda error: self._on_end(slot, error))
+        if slot.job is job:  # not ended already (an error before its first pass)
+            slot.running = running
 
-        def hand_over() -> None:
-            if pending:
-                job.emit("text", "".join(pending))
-                pending.clear()
+    def _on_token(self, slot: _Slot, token: int) -> bool:
+        """Stream the token's text; False (stop the job) at a stop string, EOS or a cancellation."""
+        now = time.perf_counter()
+        pieces = slot.text.push(token)
+        if pieces:
+            if slot.first_text is None:
+                slot.first_text = now - slot.started
+            slot.pending += pieces
+            if now - slot.handed_over >= TEXT_INTERVAL_SECONDS:
+                slot.hand_over()
+                slot.handed_over = now
+        return not slot.text.ended and not slot.job.cancelled.is_set()
 
-        try:
-            for piece in stream_text(counted, self.target.tokenizer, stop_strings=request.stop, eos_ids=self.eos_ids):
-                now = time.perf_counter()
-                if first_text is None:
-                    first_text = now - started
-                pending.append(piece)
-                if now - handed_over >= TEXT_INTERVAL_SECONDS:
-                    hand_over()
-                    handed_over = now
-        except UserError as exc:
-            hand_over()
+    def _on_end(self, slot: _Slot, error: BaseException | None) -> None:
+        """Report the job's end and free its slot."""
+        job, stats = slot.job, slot.stats
+        if error is None and not slot.text.ended:
+            slot.pending += slot.text.finish()
+        slot.hand_over()
+        slot.job, slot.running, slot.last_used = None, None, time.perf_counter()
+        if isinstance(error, UserError):
             self.metrics.add(request_errors_total=1)
-            job.emit("error", (400, str(exc)))
+            job.emit("error", (400, str(error)))
             return
-        except Exception as exc:  # the server stays up; this request ends with an error
-            log.exception("generation failed")
-            hand_over()
+        if error is not None:  # the server stays up; this request ends with an error
+            log.error("generation failed", exc_info=error)
             self.metrics.add(request_errors_total=1)
-            job.emit("error", (500, f"Generation failed: {type(exc).__name__}: {exc}"))
+            job.emit("error", (500, f"Generation failed: {type(error).__name__}: {error}"))
             return
-        finally:
-            tokens.close()  # the session records where its arenas stopped
-        hand_over()
         if job.cancelled.is_set():
             self.metrics.add(requests_cancelled_total=1)
         self._count(stats)
         job.emit("done", JobResult(
-            finish_reason="length" if counted.exhausted else "stop",
+            finish_reason="stop" if slot.text.ended or job.cancelled.is_set() else "length",
             stats=stats,
-            queue_seconds=started - job.submitted_at,
-            first_text_seconds=first_text if first_text is not None else time.perf_counter() - started,
-            conversation_evicted_tokens=self.session.evicted_tokens,
+            queue_seconds=slot.started - job.submitted_at,
+            first_text_seconds=slot.first_text if slot.first_text is not None else time.perf_counter() - slot.started,
+            conversation_evicted_tokens=slot.session.evicted_tokens,
         ))
 
     def _count(self, stats: RunStats) -> None:
@@ -319,7 +365,8 @@ class EngineWorker:
             s = stats.speculative
             self.metrics.add(drafted_tokens_total=s.drafted, accepted_tokens_total=s.accepted,
                              target_passes_total=s.target_passes)
-        self.metrics.set(last_tokens_per_second=stats.tokens_per_s, kv_cache_bytes=stats.kv_cache_bytes)
+        self.metrics.set(last_tokens_per_second=stats.tokens_per_s,
+                         kv_cache_bytes=sum(slot.session.kv_cache_bytes for slot in self.slots))
 
 
 def extension(worker: EngineWorker, result: JobResult) -> dict:
