@@ -10,6 +10,7 @@ import torch
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
+from sparsespec.errors import UserError
 
 from conftest import tiny_config, tiny_model
 
@@ -142,3 +143,45 @@ def test_rss_stays_flat_over_20k_tokens(mode):
     growth = max(samples) - baseline
     trace = ", ".join(f"{(s - baseline) / 2**20:+.2f}" for s in samples)
     assert growth <= allowance, f"RSS grew by {growth / 2**20:.2f} MiB (allowed {allowance / 2**20:.2f}); MiB: {trace}"
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_a_full_cache_that_grows_equals_one_sized_at_once(smollm2_default):
+    """A full cache started small (``initial_tokens``) doubles as commits fill it, and a run through it, prefill,
+    decode and speculation, equals the run through a cache of all ``max_tokens`` at once, bit for bit."""
+    from sparsespec.generate import generate_tokens
+    from sparsespec.sampling import SamplingParams
+    from sparsespec.speculative import draft_inflight_rows, speculative_tokens, target_inflight_rows
+
+    model = smollm2_default.model
+    ids = smollm2_default.tokenizer.encode("The keeper of the lighthouse wrote in his log that the storm " * 4)
+    greedy = dict(max_new_tokens=40, sampling=SamplingParams(), prefill_chunk=8)
+
+    def arena(inflight: int, initial: int | None) -> KVArena:
+        return KVArena(model.config, make_policy("full"), dtype=model.dtype, max_tokens=200, max_block=8,
+                       max_inflight=inflight, initial_tokens=initial)
+
+    sized = arena(1, None)
+    expected = list(generate_tokens(model, sized, ids, **greedy))
+    growing = arena(1, 16)
+    start = growing.capacity
+    assert list(generate_tokens(model, growing, ids, **greedy)) == expected
+    assert start < growing.capacity < sized.capacity  # it grew, to less than the whole (len(ids) + 40 < 200)
+    assert growing.nbytes < sized.nbytes and growing.n_committed == sized.n_committed
+    target, draft = arena(target_inflight_rows(3), 16), arena(draft_inflight_rows(3), 16)
+    assert list(speculative_tokens(model, target, model, draft, ids, gamma=3, **greedy)) == expected
+    assert target.capacity > start
+
+
+def test_a_full_cache_stops_growing_at_max_tokens():
+    model = tiny_model()
+    arena = KVArena(model.config, make_policy("full"), dtype=torch.float32, max_tokens=40, max_block=8,
+                    initial_tokens=8)
+    capacities = []
+    for _ in range(6):
+        model.forward(torch.arange(8), arena, per_block=True, last_only=True)
+        arena.commit(8)
+        capacities.append(arena.capacity)
+    assert capacities == [16, 32, 32, 48, 48, 48]  # 8 + 8 staging, doubled when full, capped at 40 + 8
+    with pytest.raises(UserError, match="The KV cache holds 48 tokens"):
+        arena.begin(1)

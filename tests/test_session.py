@@ -72,6 +72,24 @@ def test_full_cache_prefix_reuse_equals_reading_the_whole_history():
     assert list(reference) == outputs[2]
 
 
+def test_a_conversations_full_cache_grows_with_it(monkeypatch):
+    """A session bounded by a capacity starts its full cache small and doubles it as the turns fill it; the turns
+    equal those of a session whose cache had all of its capacity from the start."""
+    import sparsespec.engine as engine
+
+    loaded = tiny_loaded()
+    sized = Session(loaded, CacheOptions(prefill_chunk=8), capacity=256)
+    expected, _ = three_turns(sized, prompt(20))
+    monkeypatch.setattr(engine, "CONVERSATION_CACHE_START", 16)
+    growing = Session(loaded, CacheOptions(prefill_chunk=8), capacity=256)
+    outputs, stats = three_turns(growing, prompt(20))
+    assert outputs == expected
+    assert all(s.reused_tokens > 0 for s in stats[1:])  # growing kept the conversation
+    arena = growing.arenas[0]
+    assert 16 + arena.staging < arena.capacity < sized.arenas[0].capacity
+    assert growing.kv_cache_bytes < sized.kv_cache_bytes
+
+
 def test_a_prompt_that_does_not_extend_the_text_starts_from_empty_arenas():
     loaded = tiny_loaded()
     session = Session(loaded, CacheOptions(prefill_chunk=8), capacity=256)

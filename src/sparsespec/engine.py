@@ -133,9 +133,11 @@ def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_
         raise UserError(f"{where}, leaving a budget of {budget}: {exc}") from None
 
 
-def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int) -> KVArena:
-    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that), its
-    budget sized to ``cache.kv_bytes`` when that is set (:func:`sized_policy`).
+def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int,
+               initial_tokens: int | None = None) -> KVArena:
+    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that; with
+    ``initial_tokens`` it starts with that much room and grows), its budget sized to ``cache.kv_bytes`` when that is
+    set (:func:`sized_policy`).
 
     Raises :class:`UserError` when its in-cache ranks would pass the trained context (:func:`check_in_cache_ranks`).
     """
@@ -162,6 +164,7 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
         recent_window=cache.recent_window,
         retention=retention,
         recall=recall_for(cache.recall_pages, policy),
+        initial_tokens=initial_tokens,
     )
 
 
@@ -237,6 +240,11 @@ def parse_gamma(text: str) -> int | str:
     return value
 
 
+# A conversation's full cache (Session with a capacity) starts with room for this many tokens and doubles as it
+# fills: 12 MiB for Qwen2.5-0.5B in bfloat16, where the model's whole context would be 384 MiB (per serve slot).
+CONVERSATION_CACHE_START = 1024
+
+
 class Session:
     """Arenas kept from one run to the next, so that a prompt extending the text they hold resumes from them.
 
@@ -249,8 +257,10 @@ class Session:
     the prefill's chunking). With a budget the two differ once anything has been evicted: the resumed cache
     evicted token by token as the previous answers were decoded, a fresh run evicts once per prefill chunk.
 
-    ``capacity`` sizes the full cache (e.g. the model's context) so that the arenas outlive one run; without it
-    they are sized for each run. A run that needs more than the full cache holds starts from new, larger arenas.
+    ``capacity`` bounds the full cache (e.g. the model's context) so that the arenas outlive one run: it starts
+    with room for :data:`CONVERSATION_CACHE_START` tokens and doubles as the conversation fills it (``KVArena``'s
+    ``initial_tokens``), so a short chat holds a short cache. Without it the arenas are sized for each run. A run
+    that needs more than the full cache may hold starts from new, larger arenas.
     """
 
     def __init__(
@@ -314,7 +324,7 @@ class Session:
         """Arenas that can take a run of ``total`` tokens, keeping the current ones when they can."""
         caches = [self.cache] if self.draft is None else [self.cache, self.draft.cache]
         fits = all(
-            (not arena.policy.is_full or arena.capacity - arena.staging >= total)
+            (not arena.policy.is_full or arena.max_tokens >= total)
             and arena.max_block >= min(self.cache.prefill_chunk, total)
             for arena in self.arenas
         )
@@ -326,8 +336,10 @@ class Session:
         else:
             inflight = [target_inflight_rows(self._gamma_cap), draft_inflight_rows(self._gamma_cap)]
         self.arenas = []  # free the old buffers before allocating new ones
+        start = None if self.capacity is None else CONVERSATION_CACHE_START
         self.arenas = [
-            make_arena(loaded, cache, size, rows) for loaded, cache, rows in zip(self._models(), caches, inflight)
+            make_arena(loaded, cache, size, rows, initial_tokens=start)
+            for loaded, cache, rows in zip(self._models(), caches, inflight)
         ]
         self._text = []
 

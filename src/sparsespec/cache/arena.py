@@ -1,6 +1,7 @@
 """The static KV arena: fixed buffers for every layer, staged rows, commit / rollback / compaction.
 
-Memory layout (allocated once; only a retention hold, below, grows it for the length of a prompt)::
+Memory layout (allocated once; only a retention hold, below, grows it for the length of a prompt, and a full cache
+built with ``initial_tokens`` grows as it fills)::
 
     keys, values   [n_layers, n_kv_heads, capacity, head_dim]   kv_dtype: the compute dtype, bfloat16, or int8 /
                                                                 int4 codes with per-group scales (``quant.py``)
@@ -9,7 +10,10 @@ Memory layout (allocated once; only a retention hold, below, grows it for the le
     evicted_at     [n_layers, n_kv_heads, capacity]             int32, in-flight row that evicted the slot
 
 ``capacity = budget + staging`` for a budgeted policy, where staging is the most rows ever in flight (a prefill
-chunk, or γ+1 verification rows); for the full cache it is the total number of tokens the caller asked for.
+chunk, or γ+1 verification rows); for the full cache it is the total number of tokens the caller asked for
+(``max_tokens``) plus staging, or, with ``initial_tokens``, that many to start with: each commit that leaves less
+than a staging's room doubles it (keeping the entries), up to ``max_tokens``. A conversation's cache then holds
+what the conversation has used, not the model's whole context.
 
 Life of a block of T new tokens (rows):
 
@@ -117,6 +121,7 @@ class KVArena:
         recent_window: int | None = None,
         retention: Retention | None = None,
         recall: Recall | None = None,
+        initial_tokens: int | None = None,
     ) -> None:
         """
         Args:
@@ -141,6 +146,8 @@ class KVArena:
                 prompts evict chunk by chunk as the policy says. Needs a policy with heavy hitters.
             recall: keep what is evicted in a cold tier that decode rows read back from (``recall.py``); None:
                 evicted entries are gone. Needs a budgeted policy.
+            initial_tokens: the full cache's room to start with (it grows as commits fill it, up to
+                ``max_tokens``); None: all of ``max_tokens`` at once. Ignored by budgeted policies.
         """
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
@@ -162,10 +169,12 @@ class KVArena:
         self.max_block = max_block
         self.max_inflight = max_inflight
         self.staging = max(max_block, max_inflight)
+        self.max_tokens = max_tokens if policy.is_full else None  # the full cache's limit (it may start below)
         if policy.is_full:
             if max_tokens is None:
                 raise ValueError("the full cache needs max_tokens")
-            self.capacity = max_tokens + self.staging
+            start = max_tokens if initial_tokens is None else max(1, min(initial_tokens, max_tokens))
+            self.capacity = start + self.staging
         else:
             self.capacity = policy.budget + self.staging
 
@@ -398,6 +407,14 @@ class KVArena:
         self.n_committed = survivors
         self.next_position += n_rows
         self._alive_after_row = []
+        self._grow_if_full()
+
+    def _grow_if_full(self) -> None:
+        """A full cache that started below its ``max_tokens``: double its room once the committed tokens leave less
+        than a staging's worth (so the next block always fits), up to ``max_tokens``."""
+        limit = None if self.max_tokens is None else self.max_tokens + self.staging
+        if limit is not None and self.capacity < limit and self.n_committed + self.staging > self.capacity:
+            self._resize(min(limit, max(2 * self.capacity, self.n_committed + 2 * self.staging)))
 
     def reset(self) -> None:
         """Forget every token, keeping the buffers: the arena is as freshly built (stale slots are never read, since
