@@ -161,6 +161,20 @@ def test_length_finish_and_completions_endpoint(smol_server, capsys):
     assert "6" in stopped.choices[0].text
 
 
+def test_ignore_eos_runs_past_the_end_to_max_tokens(smol_server):
+    c = client(smol_server)
+    messages = [{"role": "user", "content": QUESTION}]
+    stopped = chat(c, messages, 24)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 24
+    forced = chat(c, messages, 24, extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 24
+    assert forced.choices[0].message.content.startswith(stopped.choices[0].message.content)
+    for body, message in (({"ignore_eos": "yes", "max_tokens": 4}, "'ignore_eos' must be true or false"),
+                          ({"ignore_eos": True}, "'ignore_eos' needs 'max_tokens'")):
+        status, answer = post(smol_server + "/v1/completions", {"prompt": "Hi", **body})
+        assert status == 400 and message in answer["error"]["message"]
+
+
 def test_stream_ends_with_done(smol_server):
     host, port = smol_server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)

@@ -2,7 +2,8 @@
 
 Fields read: ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop``, ``n`` (1 only), ``stream``,
-``stream_options.include_usage``. Every other field is ignored. Defaults are OpenAI's: temperature 1, top_p 1.
+``stream_options.include_usage``, ``ignore_eos`` (an extension, as vLLM's and llama.cpp's servers have it: go on
+past end-of-sequence tokens to ``max_tokens``, for load tests). Every other field is ignored. Defaults are OpenAI's: temperature 1, top_p 1.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
     def generation(self, max_tokens: int) -> GenerationRequest:
-        return GenerationRequest(self.prompt_ids, max_tokens, self.sampling, self.seed, self.stop)
+        return GenerationRequest(self.prompt_ids, max_tokens, self.sampling, self.seed, self.stop, self.ignore_eos)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -97,8 +99,14 @@ def parse_common(body, prompt_ids: list[int]) -> ParsedRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", "stream_options")
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be true or false.", "ignore_eos")
+    if ignore_eos and max_tokens is None:
+        raise BadRequest("'ignore_eos' needs 'max_tokens': the answer would run to the end of the context.",
+                         "ignore_eos")
     return ParsedRequest(prompt_ids, max_tokens, sampling, None if seed is None else seed % 2**63, _stop(body),
-                         stream, bool(options.get("include_usage")))
+                         stream, bool(options.get("include_usage")), ignore_eos)
 
 
 def _message_text(message: dict, index: int) -> str:

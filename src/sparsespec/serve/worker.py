@@ -43,13 +43,15 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation, in token ids. ``seed`` None draws a random one."""
+    """One generation, in token ids. ``seed`` None draws a random one; ``ignore_eos``: end-of-sequence tokens do not
+    end it (they are generated like any other token, and streamed as their text)."""
 
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -305,12 +307,13 @@ class EngineWorker:
     def _start(self, job: Job, slot: _Slot) -> None:
         request = job.request
         slot.job, slot.stats, slot.first_text, slot.handed_over = job, RunStats(), None, 0.0
-        slot.text = TextStream(self.target.tokenizer, stop_strings=request.stop, eos_ids=self.eos_ids)
+        eos_ids = frozenset() if request.ignore_eos else self.eos_ids
+        slot.text = TextStream(self.target.tokenizer, stop_strings=request.stop, eos_ids=eos_ids)
         slot.started = time.perf_counter()
         seed = request.seed if request.seed is not None else random.getrandbits(63)
         program = slot.session.steps(
             request.prompt_ids, max_new_tokens=request.max_tokens, sampling=request.sampling, seed=seed,
-            eos_ids=self.eos_ids, stats=slot.stats,
+            eos_ids=eos_ids, stats=slot.stats,
         )
         running = self._batch.add(program, lambda token: self._on_token(slot, token),
                                   lambda error: self._on_end(slot, error))
