@@ -107,6 +107,19 @@ def metric(url: str, name: str) -> float:
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"sparsespec_{name} ")))
 
 
+def start_long_stream(url: str) -> http.client.HTTPConnection:
+    """A streamed 2,000-token completion whose first event has arrived; its connection, for the test to drop."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions",
+                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event
+    return connection
+
+
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def smol_server(smollm2_f32):
@@ -258,14 +271,7 @@ def test_a_conversation_finds_its_slot_among_others(parallel_server):
 def test_a_client_leaving_frees_its_slot_while_others_run(parallel_server):
     url, _ = parallel_server
     cancelled = metric(url, "requests_cancelled_total")
-    host, port = url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions",
-                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
-                       {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    response.fp.readline()  # the first event
+    connection = start_long_stream(url)
     other = client(url).completions.create(model="any", prompt="Hello", max_tokens=4, temperature=0)
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
@@ -399,14 +405,7 @@ def test_client_leaving_mid_stream_cancels_its_generation(tiny_server):
     url, _ = tiny_server
     generated = metric(url, "generated_tokens_total")
     cancelled = metric(url, "requests_cancelled_total")
-    host, port = url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions",
-                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
-                       {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    response.fp.readline()  # the first event
+    connection = start_long_stream(url)
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
     deadline = time.monotonic() + 30
