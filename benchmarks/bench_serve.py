@@ -600,11 +600,12 @@ def plot_concurrent(jsonl: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latest = {}  # a re-run replaces the older point
-    for line in jsonl.read_text().splitlines() if jsonl.exists() else []:
-        if '"serve_concurrent_summary"' in line:
-            record = json.loads(line)
-            latest[(record["model"], record["concurrency"])] = record
+    summaries = [json.loads(line) for line in (jsonl.read_text().splitlines() if jsonl.exists() else [])
+                 if '"serve_concurrent_summary"' in line]
+    # The newest run's kind of answers (forced to --max-tokens or not) for each model; a re-run replaces an older
+    # point of the same kind.
+    kind = {record["model"]: record.get("ignore_eos", False) for record in summaries}
+    latest = {(r["model"], r["concurrency"]): r for r in summaries if r.get("ignore_eos", False) == kind[r["model"]]}
     if not latest:
         raise SystemExit(f"{jsonl} holds no serve_concurrent_summary record; run --modes concurrent first.")
     fig, (speed, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
