@@ -40,7 +40,9 @@ def load_engine(args: argparse.Namespace, options):
 
 
 # ----------------------------------------------------------------------------------------------------- serve
-# Requests decoded together by default (see README, "Serving").
+# Requests decoded together by default. On the 2-core benchmark host four 128-token chats at once ran at 3.0x one
+# chat's aggregate speed, the fourth's first text as soon as the first's; eight at 4.6x, but each first text twice
+# as late (benchmarks/RESULTS.md, "Several users at once").
 DEFAULT_PARALLEL = 4
 
 
