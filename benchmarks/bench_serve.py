@@ -31,6 +31,9 @@ load modes):
   the lightest settings used here), so on a small host it starves both servers alike: compare engines, not
   absolutes, and prefer ``concurrent`` there;
   output tok/s, time to first token, errors per round, the medians per C;
+- ``join`` (not in the default modes): a long prompt (``--join-prompt-tokens``) joins a chat that is decoding, on
+  ``sparsespec serve --parallel 2`` with each ``--join-chunks`` value as its ``--prefill-chunk``: the time to read
+  the prompt and the gaps between the chat's text chunks meanwhile (how long the prompt stalls the others);
 - ``soak`` (not in the default modes): ``--soak-requests`` chats kept ``--soak-concurrency`` at a time in flight on
   ``sparsespec serve --parallel`` as many: failures (exceptions, error statuses), and the server's RSS every 10.
 
@@ -573,6 +576,52 @@ async def soak_load(server: Server, args) -> tuple[list[dict], list[list], float
         return results, rss_samples, time.perf_counter() - started
 
 
+async def join_load(server: Server, long_prompt: str, args) -> dict:
+    """One chat decoding (``--join-decode-tokens``, EOS ignored) while a long prompt joins after its tenth text
+    chunk: how long the prompt took to read and the gaps between the chat's text chunks meanwhile."""
+    arrivals: list[float] = []
+    async with async_client(server.url) as client:
+        async def decode() -> None:
+            chunks = await client.chat.completions.create(
+                messages=[{"role": "user", "content": question(0)}], **request_options(args.join_decode_tokens),
+                extra_body={"ignore_eos": True})
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    arrivals.append(time.perf_counter())
+
+        decoding = asyncio.create_task(decode())
+        while len(arrivals) < 10:
+            await asyncio.sleep(0.005)
+        sent = time.perf_counter()
+        answer = await client.completions.create(model="any", prompt=long_prompt, max_tokens=1, temperature=0)
+        read = time.perf_counter()
+        await decoding
+    # The chat's chunks from the last before the prompt was sent to the first after it was read.
+    before = max(i for i, t in enumerate(arrivals) if t < sent)
+    after = min((i for i, t in enumerate(arrivals) if t > read), default=len(arrivals) - 1)
+    window = arrivals[before : after + 1]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    return {"prompt_tokens": answer.usage.prompt_tokens, "read_s": round(read - sent, 3),
+            "chat_chunks_meanwhile": len(window) - 2, "gap_max_s": round(max(gaps), 3),
+            "gap_median_s": round(statistics.median(gaps), 3)}
+
+
+def bench_join(args, base: dict) -> None:
+    """For each ``--join-chunks`` value, ``sparsespec serve --parallel 2 --prefill-chunk N``: a long prompt
+    (``--join-prompt-tokens`` of corpus text) joins a decoding chat, ``--rounds`` times; the chat's stalls."""
+    tokenizer = load_model(args.model, DTYPES[args.dtype], args.weights).tokenizer
+    long_prompt = corpus_words(args.join_prompt_tokens, tokenizer)
+    for chunk in args.join_chunks:
+        server = Server(args, "--parallel", "2", "--prefill-chunk", str(chunk), *args.draft_flags)
+        try:
+            for round_index in range(args.rounds):
+                record = asyncio.run(join_load(server, long_prompt, args))
+                emit({"bench": "serve_join", **base, "prefill_chunk": chunk, "round": round_index + 1, **record},
+                     args.load_out)
+        finally:
+            server.close()
+
+
 def bench_soak(args, base: dict) -> None:
     """Many chats at ``--soak-concurrency`` on ``sparsespec serve --parallel`` as many: the failures, and whether
     the server's RSS stays flat."""
@@ -692,6 +741,12 @@ def main() -> None:
     parser.add_argument("--aiperf-requests", type=positive_int, default=16, help="aiperf: requests per round")
     parser.add_argument("--aiperf-prompt-tokens", type=positive_int, default=64,
                         help="aiperf: synthetic prompt tokens per request")
+    parser.add_argument("--join-chunks", type=concurrency_levels, default="512,128",
+                        help="join: the --prefill-chunk values to compare")
+    parser.add_argument("--join-prompt-tokens", type=positive_int, default=4000,
+                        help="join: tokens of the prompt that joins")
+    parser.add_argument("--join-decode-tokens", type=positive_int, default=600,
+                        help="join: tokens the decoding chat asks for (long enough to outlast the prompt)")
     parser.add_argument("--soak-requests", type=int, default=200, help="soak: chats in all")
     parser.add_argument("--soak-concurrency", type=positive_int, default=8, help="soak: chats in flight (and slots)")
     parser.add_argument("--plot-only", action="store_true",
@@ -708,7 +763,7 @@ def main() -> None:
         plot_concurrent(args.load_out)
         return
     modes = args.modes.split(",")
-    unknown = set(modes) - {"overhead", "ttft", "long_chat", "side_by_side", "concurrent", "aiperf", "soak"}
+    unknown = set(modes) - {"overhead", "ttft", "long_chat", "side_by_side", "concurrent", "aiperf", "join", "soak"}
     if unknown:
         raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     if args.soak_requests < SOAK_RSS_EVERY:
@@ -741,6 +796,8 @@ def main() -> None:
         bench_concurrent(args, base)
     if "aiperf" in modes:
         bench_aiperf(args, base)
+    if "join" in modes:
+        bench_join(args, base)
     if "soak" in modes:
         bench_soak(args, base)
 

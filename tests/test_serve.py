@@ -535,6 +535,12 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
             time.sleep(0.2)
         answer = client(url).completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2)
         assert answer.usage.completion_tokens == 2
+        # serve reads prompts in 128-row passes (SERVE_PREFILL_CHUNK): a long prompt's context, then one pass per
+        # new token (the prompt's last token is fed like a generated one).
+        steps = metric(url, "engine_steps_total")
+        long = client(url).completions.create(model="smollm2-135m", prompt="Hello there. " * 100, max_tokens=2)
+        context = long.usage.prompt_tokens - 1
+        assert context > 256 and metric(url, "engine_steps_total") - steps == -(-context // 128) + 2
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
     finally:

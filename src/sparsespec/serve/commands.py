@@ -44,10 +44,16 @@ def load_engine(args: argparse.Namespace, options):
 # chat's aggregate speed, the fourth's first text as soon as the first's; eight at 4.6x, but each first text twice
 # as late (benchmarks/RESULTS.md, "Several users at once").
 DEFAULT_PARALLEL = 4
+# Prompt rows per pass in serve (generate and chat read 512): a prompt joining the others is read in chunks, each in
+# a pass with their decode rows, so the chunk is how long they wait between two tokens. A 4,000-token prompt joining
+# a chat on the 0.5B: the chat's text came every 1.8 s with 512-row chunks, every 0.5 s with 128, and the prompt was
+# read as fast (benchmarks/RESULTS.md, "Several users at once"); the 1.5B reads 128-row chunks as fast as 512.
+SERVE_PREFILL_CHUNK = 128
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    parser.set_defaults(prefill_chunk=SERVE_PREFILL_CHUNK)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     parser.add_argument("--parallel", "-np", type=int, default=DEFAULT_PARALLEL,
