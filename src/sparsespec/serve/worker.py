@@ -322,15 +322,15 @@ class EngineWorker:
 
     def _on_token(self, slot: _Slot, token: int) -> bool:
         """Stream the token's text; False (stop the job) at a stop string, EOS or a cancellation."""
-        now = time.perf_counter()
         pieces = slot.text.push(token)
         if pieces:
+            now = time.perf_counter()
             if slot.first_text is None:
                 slot.first_text = now - slot.started
             slot.pending += pieces
             if now - slot.handed_over >= TEXT_INTERVAL_SECONDS:
                 slot.hand_over()
-                slot.handed_over = now
+                slot.handed_over = time.perf_counter()  # after it: two hand-overs are an interval apart at least
         return not slot.text.ended and not slot.job.cancelled.is_set()
 
     def _on_end(self, slot: _Slot, error: BaseException | None) -> None:
