@@ -33,7 +33,8 @@ load modes):
   output tok/s, time to first token, errors per round, the medians per C;
 - ``join`` (not in the default modes): a long prompt (``--join-prompt-tokens``) joins a chat that is decoding, on
   ``sparsespec serve --parallel 2`` with each ``--join-chunks`` value as its ``--prefill-chunk``: the time to read
-  the prompt and the gaps between the chat's text chunks meanwhile (how long the prompt stalls the others);
+  the prompt alone and beside the chat, and the gaps between the chat's text chunks meanwhile (how long the prompt
+  stalls the others);
 - ``soak`` (not in the default modes): ``--soak-requests`` chats kept ``--soak-concurrency`` at a time in flight on
   ``sparsespec serve --parallel`` as many: failures (exceptions, error statuses), and the server's RSS every 10.
 
@@ -577,10 +578,15 @@ async def soak_load(server: Server, args) -> tuple[list[dict], list[list], float
 
 
 async def join_load(server: Server, long_prompt: str, args) -> dict:
-    """One chat decoding (``--join-decode-tokens``, EOS ignored) while a long prompt joins after its tenth text
-    chunk: how long the prompt took to read and the gaps between the chat's text chunks meanwhile."""
+    """The long prompt read alone, then again while one chat decodes (``--join-decode-tokens``, EOS ignored),
+    joining after the chat's tenth text chunk: how long the prompt took to read each time and the gaps between the
+    chat's text chunks meanwhile."""
     arrivals: list[float] = []
     async with async_client(server.url) as client:
+        started = time.perf_counter()  # the same prompt again later is read afresh: it does not extend this one
+        await client.completions.create(model="any", prompt=long_prompt, max_tokens=1, temperature=0)
+        alone_s = time.perf_counter() - started
+
         async def decode() -> None:
             chunks = await client.chat.completions.create(
                 messages=[{"role": "user", "content": question(0)}], **request_options(args.join_decode_tokens),
@@ -601,7 +607,8 @@ async def join_load(server: Server, long_prompt: str, args) -> dict:
     after = min((i for i, t in enumerate(arrivals) if t > read), default=len(arrivals) - 1)
     window = arrivals[before : after + 1]
     gaps = [b - a for a, b in zip(window, window[1:])]
-    return {"prompt_tokens": answer.usage.prompt_tokens, "read_s": round(read - sent, 3),
+    return {"prompt_tokens": answer.usage.prompt_tokens, "read_alone_s": round(alone_s, 3),
+            "read_s": round(read - sent, 3),
             "chat_chunks_meanwhile": len(window) - 2, "gap_max_s": round(max(gaps), 3),
             "gap_median_s": round(statistics.median(gaps), 3)}
 

@@ -46,8 +46,8 @@ def load_engine(args: argparse.Namespace, options):
 DEFAULT_PARALLEL = 4
 # Prompt rows per pass in serve (generate and chat read 512): a prompt joining the others is read in chunks, each in
 # a pass with their decode rows, so the chunk is how long they wait between two tokens. A 4,000-token prompt joining
-# a chat on the 0.5B: the chat's text came every 1.8 s with 512-row chunks, every 0.5 s with 128, and the prompt was
-# read as fast (benchmarks/RESULTS.md, "Several users at once"); the 1.5B reads 128-row chunks as fast as 512.
+# a chat on the 0.5B: the chat's text came every 1.4-1.5 s with 512-row chunks, every 0.4 s with 128, and the prompt
+# took as long to read (bench_serve.py --modes join; benchmarks/RESULTS.md, "Several users at once").
 SERVE_PREFILL_CHUNK = 128
 
 
