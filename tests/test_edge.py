@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from sparsespec.edge import (
     save_profile,
     speculative_speedup,
 )
-from sparsespec.edge.commands import add_simulate_arguments, run_simulate, simulate
+from sparsespec.edge.commands import add_simulate_arguments, native_streamed_bytes, run_simulate, simulate
 from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters, weight_bytes
 from sparsespec.errors import UserError
 from sparsespec.flags import DEFAULT_DRAFT_BUDGET
@@ -266,7 +267,63 @@ def test_weight_bytes_are_the_engine_formats():
     assert weight_bytes(m, "bf16") == 2 * (38912 + 192)
     assert weight_bytes(m, "int4") == 38912 * 0.625 + 2 * 192
     assert weight_bytes(m, "int8") == 38912 + 2 * (128 + 64 + 256 + 64 + 32) + 2 * 192
-    assert weight_bytes(m, 1.5) == 1.5 * (38912 + 192)  # native: the file's bytes per streamed parameter
+    assert weight_bytes(m, 1.5) == 1.5 * (38912 + 192)  # a format known by its bytes per streamed parameter
+    assert weight_bytes(m, {"Q4_K": 10.0, "F32": 2.0}) == 12.0  # native: the file's streamed bytes by block type
+
+
+def test_native_weights_stream_at_each_types_rate():
+    """Each block type streams at its own rate, a type without one at the DRAM rate; each extra row goes through a
+    type's bytes at its extra-row rate, else by the FLOP rule on the type's share of the bytes. The layers' other
+    work adds ``stream_overhead_fraction`` of the streaming time."""
+    dev = toy_device(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0, extra_row_flops=2640.0,
+                     native_stream={"Q4_K": {"bytes_per_s": 300.0, "extra_row_bytes_per_s": 1000.0}})
+    assert dev.weight_stream_rate("Q4_K") == 300.0 and dev.extra_row_stream_rate("Q4_K") == 1000.0
+    assert dev.weight_stream_rate("F32") is None and dev.extra_row_stream_rate("F32") is None
+    weights = {"Q4_K": 900.0, "F32": 100.0}
+    m = toy_model()
+    one = forward_pass(m, dev, tokens=1, kv_entries=0, weights=weights)
+    assert one.dram_bytes["weights"] == 1000.0
+    assert one.time_s == pytest.approx(900 / 300 + 100 / 1000)  # F32 at the DRAM rate of 1000 B/s
+    three = forward_pass(m, dev, tokens=3, kv_entries=0, weights=weights)
+    # per extra row: Q4_K's bytes at its extra-row rate, and F32's tenth of 2·P / extra_row_flops = 1 s
+    assert three.extra_rows_s == pytest.approx(2 * (900 / 1000 + 0.1 * 1.0))
+    # the same bytes as one number of bytes per parameter stream at the DRAM rate
+    assert forward_pass(m, dev, tokens=1, kv_entries=0, weights=1000 / 1320).time_s == pytest.approx(1.0)
+    cold = replace(dev, stream_overhead_fraction=0.25)
+    assert forward_pass(m, cold, tokens=1, kv_entries=0, weights=weights).overhead_s == pytest.approx(0.25 * 3.1)
+
+
+def test_measured_attention_stands_for_its_kv_reads():
+    """Where the profile has the attention op's rate, the op's time holds its reads of the cache: the KV bytes are
+    reported, not timed again. int8 / int4 keys use their own rate where the profile has one."""
+    m = toy_model()  # KV per token: 2 layers × 1 KV head × 4 × (K, V) × 2 bytes = 32 bytes in bf16
+    base = dict(sram_bytes=0, sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0)  # KV in DRAM
+    plain = forward_pass(m, toy_device(**base), tokens=1, kv_entries=10)
+    assert plain.memory_s == pytest.approx(2.64 + 11 * 32 / 1000) and plain.attention_s == 0.0
+    timed_dev = toy_device(**base, attention_flops={"single": 100.0, "single:int8": 50.0})
+    timed = forward_pass(m, timed_dev, tokens=1, kv_entries=10)
+    assert timed.dram_bytes["kv"] == 11 * 32
+    assert timed.memory_s == pytest.approx(2.64)
+    assert timed.attention_s == pytest.approx(640 / 100)
+    assert forward_pass(m, timed_dev, tokens=1, kv_entries=10, kv_dtype="int8").attention_s == pytest.approx(6.4 * 2)
+    assert forward_pass(m, timed_dev, tokens=1, kv_entries=10, kv_dtype="int4").attention_s == pytest.approx(6.4)
+
+
+def test_attention_waits_for_the_busiest_thread():
+    """The op gives each thread whole KV heads while a head holds fewer than 4,096 slots: 3 heads on 2 threads take
+    as long as 2 heads on one, 4/3 of an even share; heads that divide, more threads than heads, long caches and
+    profiles without threads are even."""
+    base = dict(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0, attention_flops={"single": 100.0})
+    m3 = toy_model(num_attention_heads=6, num_key_value_heads=3)
+    even = forward_pass(m3, toy_device(**base), tokens=1, kv_entries=10).attention_s
+    assert forward_pass(m3, toy_device(**base, threads=2), tokens=1, kv_entries=10).attention_s == pytest.approx(
+        even * 4 / 3)
+    assert forward_pass(m3, toy_device(**base, threads=3), tokens=1, kv_entries=10).attention_s == pytest.approx(even)
+    assert forward_pass(m3, toy_device(**base, threads=4), tokens=1, kv_entries=10).attention_s == pytest.approx(even)
+    long = forward_pass(m3, toy_device(**base, threads=2), tokens=1, kv_entries=5000).attention_s
+    assert long == pytest.approx(forward_pass(m3, toy_device(**base), tokens=1, kv_entries=5000).attention_s)
+    with pytest.raises(UserError, match="threads"):
+        toy_device(threads=0)
 
 
 def test_speculative_simulation_matches_the_speedup_formula():
@@ -356,6 +413,18 @@ def test_shipped_profiles_load_and_cite_every_figure():
     assert "sparsespec calibrate" in load_profile("host").sources["dram_bandwidth"]
 
 
+def test_board_figures_say_what_kind_of_source_they_have():
+    """Every figure of a board's profile says whether it is a datasheet value, a published benchmark, derived, an
+    estimate, an assumption, or carried from the host's calibration."""
+    labels = ("Datasheet: ", "Published benchmark: ", "Derived: ", "Estimate: ", "Assumption: ",
+              "Carried from the host: ")
+    for name in SHIPPED - {"host"}:
+        for figure, source in load_profile(name).sources.items():
+            assert source.startswith(labels), (name, figure, source[:40])
+    pi = load_profile("raspberry-pi-5")
+    assert pi.threads == 4 and pi.sources["per_layer_overhead_s"].startswith("Carried from the host: ")
+
+
 def test_unknown_device_lists_the_known_ones():
     with pytest.raises(UserError) as err:
         load_profile("jetson-tx9")
@@ -387,10 +456,31 @@ def test_engine_figures_validated_and_cited(tmp_path: Path):
     assert load_profile(save_profile(dev, tmp_path / "d.json")) == dev
     with pytest.raises(UserError, match="attention_flops.paged"):
         toy_device(attention_flops={"paged": 1e9})
+    with pytest.raises(UserError, match="attention_flops.single:fp8"):
+        toy_device(attention_flops={"single:fp8": 1e9})
     with pytest.raises(UserError):
         toy_device(evict_layer_overhead_s=-1.0)
     with pytest.raises(UserError):
         toy_device(extra_row_flops=0.0)
+
+
+def test_native_stream_round_trips_and_is_cited(tmp_path: Path):
+    dev = toy_device(native_stream={"Q4_K": {"bytes_per_s": 2e10, "extra_row_bytes_per_s": 1.5e11}},
+                     sources={"native_stream.Q4_K": "measured"})
+    assert "native_stream.Q4_K" in dev.figures() and "native_stream.Q4_K" not in dev.missing_sources()
+    assert load_profile(save_profile(dev, tmp_path / "d.json")) == dev
+
+
+@pytest.mark.parametrize("entry", [
+    {"bytes_per_s": -1.0},
+    {"bytes_per_s": 1.0, "working_set_bytes": [1e6]},
+    {"bytes_per_s": 1.0, "extra_row_bytes_per_s": 0.0},
+    {"extra_row_bytes_per_s": 1.0},
+    [1.0],
+])
+def test_native_stream_refuses_a_bad_entry(entry):
+    with pytest.raises(UserError, match="native_stream.Q4_K"):
+        toy_device(native_stream={"Q4_K": entry})
 
 
 def test_user_profiles_come_first(tmp_path: Path, monkeypatch):
@@ -489,6 +579,8 @@ def test_native_weights_are_the_gguf_files_bytes(smollm2_path, capsys):
     per_forward = report["model_info"]["weight_bytes_per_forward"]
     assert 0.97 * smollm2_path.stat().st_size < per_forward < smollm2_path.stat().st_size
     assert report["settings"]["weights"] == "native"
+    by_type = native_streamed_bytes(str(smollm2_path))  # Q4_1 layers, the tied Q8_0 table, float32 norms
+    assert set(by_type) == {"Q4_1", "Q8_0", "F32"} and sum(by_type.values()) == per_forward
     with pytest.raises(UserError, match="GGUF"):
         run_simulate(_args("--weights", "native"))  # a ModelConfig, not a file
 

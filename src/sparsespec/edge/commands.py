@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
@@ -22,6 +22,7 @@ from ..flags import DEFAULT_DRAFT_BUDGET, DEFAULT_GAMMA, parse_size
 from .profile import DeviceProfile, list_profiles, load_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
+    Weights,
     best_budget,
     best_gamma_on_device,
     kv_bytes_per_token,
@@ -114,8 +115,8 @@ class SimulateOptions:
 
     ``policy``: a cache policy label (``"full"`` drops the sparse modes); ``budget`` / ``draft_budget``: KV budgets
     (None: sized to the SRAM, see :func:`simulate`); ``weights`` / ``draft_weights``: weight formats
-    (:data:`~sparsespec.edge.roofline.BYTES_PER_WEIGHT`, or ``native``: the GGUF file's own tensors, whose bytes per
-    streamed parameter ``native_bytes`` / ``draft_native_bytes`` give, see :func:`native_bytes_per_parameter`);
+    (:data:`~sparsespec.edge.roofline.BYTES_PER_WEIGHT`, or ``native``: the GGUF file's own tensors, whose streamed
+    bytes by block type ``native_bytes`` / ``draft_native_bytes`` give, see :func:`native_streamed_bytes`);
     ``kv_dtype``; ``kv_bytes``: the budgets as the cache's bytes instead (see :func:`simulate`); ``gamma`` and
     ``acceptance`` α of the speculative modes; ``context``: tokens already cached;
     ``max_gamma``: the largest γ searched for the best γ.
@@ -132,26 +133,29 @@ class SimulateOptions:
     acceptance: float = DEFAULT_ACCEPTANCE
     context: int = DEFAULT_CONTEXT
     max_gamma: int = 16
-    native_bytes: float | None = None
-    draft_native_bytes: float | None = None
+    native_bytes: Mapping[str, float] | None = None
+    draft_native_bytes: Mapping[str, float] | None = None
 
 
-def native_bytes_per_parameter(ref: Any) -> float:
-    """Bytes per streamed parameter of a GGUF model as its file stores it (sum of the streamed tensors' bytes from
-    the header: every tensor but an untied token-embedding table, of which a forward reads only its rows)."""
-    from ..loading.source import read_config, read_gguf_tensor_bytes, resolve_model
+def native_streamed_bytes(ref: Any) -> dict[str, float]:
+    """Bytes a forward streams of a GGUF model's tensors as its file stores them, by block type (``{"Q4_K": …}``):
+    every tensor but an untied token-embedding table, of which a forward reads only its rows (from the header)."""
+    from ..loading.source import read_config, read_gguf_tensor_storage, resolve_model
 
     source = None if isinstance(ref, ModelConfig) else resolve_model(str(ref))
     if source is None or source.kind != "gguf":
         raise UserError("--weights native / --draft-weights native read the model's GGUF file; give a .gguf model.")
     config = read_config(source)
-    sizes = read_gguf_tensor_bytes(source.path)
-    streamed = sum(sizes.values()) - (0 if config.tie_word_embeddings else sizes.get("token_embd.weight", 0))
-    return streamed / streamed_parameters(config)
+    by_type: dict[str, float] = {}
+    for name, (kind, nbytes) in read_gguf_tensor_storage(source.path).items():
+        if name == "token_embd.weight" and not config.tie_word_embeddings:
+            continue
+        by_type[kind] = by_type.get(kind, 0.0) + nbytes
+    return by_type
 
 
-def _format(name: str, native: float | None) -> str | float:
-    """A weight format for the roofline: the name, or for ``native`` the file's bytes per streamed parameter."""
+def _format(name: str, native: Mapping[str, float] | None) -> Weights:
+    """A weight format for the roofline: the name, or for ``native`` the file's streamed bytes by block type."""
     if name != "native":
         return name
     if native is None:
@@ -413,8 +417,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         draft_weights=args.draft_weights, kv_dtype=args.kv_dtype,
         kv_bytes=None if args.kv_bytes is None else parse_size(args.kv_bytes), gamma=args.gamma,
         acceptance=args.acceptance, context=args.context, max_gamma=args.max_gamma,
-        native_bytes=native_bytes_per_parameter(args.model) if native else None,
-        draft_native_bytes=native_bytes_per_parameter(args.draft) if draft_native and draft is not None else None,
+        native_bytes=native_streamed_bytes(args.model) if native else None,
+        draft_native_bytes=native_streamed_bytes(args.draft) if draft_native and draft is not None else None,
     )
     reports = [
         simulate(target, device, options, draft=draft, model_name=model_name, draft_name=draft_name)

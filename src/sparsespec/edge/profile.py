@@ -25,8 +25,10 @@ from ..loading.fixtures import cache_dir
 
 DEVICES_DIR = Path(__file__).with_name("devices")
 
-# Paths of the engine's attention that a profile may give a measured FLOP rate for (see DeviceProfile).
+# Paths of the engine's attention that a profile may give a measured FLOP rate for (see DeviceProfile), each also
+# for quantized keys and values (``single:int8``).
 ATTENTION_PATHS = ("single", "multi", "evicting")
+ATTENTION_KV_DTYPES = ("int8", "int4")
 
 
 def user_devices_dir() -> Path:
@@ -55,11 +57,24 @@ class DeviceProfile:
     - ``evict_layer_overhead_s``: per layer, once per pass, while a budgeted cache is full and evicts (attention
       row by row and the eviction choice), and ``evict_row_layer_overhead_s`` per layer for each further row of such
       a pass;
+    - ``threads``: threads the engine decodes with; the attention op gives each thread whole KV heads while a
+      head holds fewer than 4,096 slots (``kernels/csrc/attention.cpp``), so heads that do not divide among the
+      threads leave the op as slow as its busiest thread (None: not a CPU engine, no such imbalance);
+    - ``stream_overhead_fraction``: the share of a pass's weight-streaming time that its other work takes on top
+      (each layer's norms, attention and glue run in caches the layer's weights just went through; measured as a
+      part of the per-layer cost in proportion to the layer's streaming time);
     - ``per_vocab_overhead_s``: per vocabulary entry and forward pass (choosing the token from the logits; measured
       greedy, an argmax);
     - ``attention_flops``: FLOP/s that the engine's attention kernels reach per cached entry, by path: ``single``
       (one row over the full cache), ``multi`` (several rows over the full cache, masked), ``evicting`` (rows of a
-      full budgeted cache, one after another). Empty: attention costs only its bytes and its FLOPs at peak.
+      full budgeted cache, one after another), each also for int8 / int4 keys and values (``single:int8``; a path
+      without its KV dtype's rate uses the bfloat16 one). Empty: attention costs only its bytes and its FLOPs at
+      peak. A path with a rate is timed by it alone: the rate was measured on the op, its reads of the cache
+      included.
+    - ``native_stream``: how fast the native kernels stream weights kept in each GGUF block type from DRAM, by
+      type name (``Q4_K``): ``bytes_per_s`` in the file's bytes, and ``extra_row_bytes_per_s`` the rate at which
+      each further row of a multi-row pass goes through them. Types not listed, and profiles without it, stream at
+      ``effective_dram_bandwidth``.
     """
 
     name: str
@@ -80,7 +95,10 @@ class DeviceProfile:
     evict_layer_overhead_s: float | None = None
     evict_row_layer_overhead_s: float | None = None
     per_vocab_overhead_s: float | None = None
+    stream_overhead_fraction: float | None = None
+    threads: int | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
+    native_stream: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     caches: Mapping[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
     note: str = ""
@@ -94,11 +112,14 @@ class DeviceProfile:
             if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
                 raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0.")
         optional = ("per_row_layer_overhead_s", "evict_layer_overhead_s", "evict_row_layer_overhead_s",
-                    "per_vocab_overhead_s")
+                    "per_vocab_overhead_s", "stream_overhead_fraction")
         for key in optional:
             value = getattr(self, key)
             if value is not None and (not _is_number(value) or value < 0):
                 raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0 (or null).")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise UserError(f"Device profile {self.name!r}: threads must be a whole number >= 1 (or null).")
         if self.extra_row_flops is not None and (not _is_number(self.extra_row_flops) or self.extra_row_flops <= 0):
             raise UserError(f"Device profile {self.name!r}: extra_row_flops must be a positive number (or null).")
         for key in ("dram_efficiency", "sram_kv_fraction"):
@@ -111,12 +132,16 @@ class DeviceProfile:
             if not _is_number(value) or value <= 0:
                 raise UserError(f"Device profile {self.name!r}: peak_flops.{dtype} must be a positive number.")
         for path, value in self.attention_flops.items():
-            if path not in ATTENTION_PATHS:
+            base, colon, kv_dtype = path.partition(":")
+            if base not in ATTENTION_PATHS or (colon and kv_dtype not in ATTENTION_KV_DTYPES):
                 raise UserError(
-                    f"Device profile {self.name!r}: attention_flops.{path} is not one of {', '.join(ATTENTION_PATHS)}."
+                    f"Device profile {self.name!r}: attention_flops.{path} is not one of {', '.join(ATTENTION_PATHS)}"
+                    f", alone or with :{' / :'.join(ATTENTION_KV_DTYPES)}."
                 )
             if not _is_number(value) or value <= 0:
                 raise UserError(f"Device profile {self.name!r}: attention_flops.{path} must be a positive number.")
+        for kind, entry in self.native_stream.items():
+            _check_native_stream(self.name, kind, entry)
 
     @property
     def effective_dram_bandwidth(self) -> float:
@@ -135,6 +160,26 @@ class DeviceProfile:
         if "fp32" in self.peak_flops:
             return float(self.peak_flops["fp32"])
         return float(min(self.peak_flops.values()))
+
+    def weight_stream_rate(self, kind: str) -> float | None:
+        """Bytes/s at which the native kernels stream weights of GGUF type ``kind`` (see ``native_stream``); None
+        when the profile has no rate for the type."""
+        return self._native_figure(kind, "bytes_per_s")
+
+    def extra_row_stream_rate(self, kind: str) -> float | None:
+        """Bytes/s at which each row after the first of a multi-row pass goes through weights of type ``kind``;
+        None when the profile has no figure for the type."""
+        return self._native_figure(kind, "extra_row_bytes_per_s")
+
+    def _native_figure(self, kind: str, key: str) -> float | None:
+        value = self.native_stream.get(kind, {}).get(key)
+        return None if value is None else float(value)
+
+    def attention_rate(self, path: str, kv_dtype: str) -> float | None:
+        """The attention op's FLOP/s on ``path`` for ``kv_dtype`` keys and values (the path's own rate where the
+        dtype has none); None when the profile has neither."""
+        rate = self.attention_flops.get(f"{path}:{kv_dtype}") or self.attention_flops.get(path)
+        return None if rate is None else float(rate)
 
     def figures(self) -> list[str]:
         """Names of every numeric figure in the profile (``peak_flops.bf16`` style for mapping entries)."""
@@ -155,6 +200,7 @@ class DeviceProfile:
         data = asdict(self)
         data["peak_flops"] = dict(self.peak_flops)
         data["attention_flops"] = dict(self.attention_flops)
+        data["native_stream"] = {kind: dict(entry) for kind, entry in self.native_stream.items()}
         data["caches"] = dict(self.caches)
         data["sources"] = dict(self.sources)
         return data
@@ -174,6 +220,22 @@ class DeviceProfile:
             return cls(**data)
         except TypeError as exc:
             raise UserError(f"Device profile {origin} is malformed: {exc}.") from None
+
+
+def _check_native_stream(name: str, kind: str, entry: Any) -> None:
+    """A ``native_stream`` entry: a positive ``bytes_per_s`` and an optional positive ``extra_row_bytes_per_s``."""
+    where = f"Device profile {name!r}: native_stream.{kind}"
+    if not isinstance(entry, Mapping):
+        raise UserError(f"{where} must be an object with bytes_per_s (and extra_row_bytes_per_s).")
+    unknown = sorted(set(entry) - {"bytes_per_s", "extra_row_bytes_per_s"})
+    if unknown:
+        raise UserError(f"{where} has unknown keys: {', '.join(unknown)}.")
+    rate = entry.get("bytes_per_s")
+    if not _is_number(rate) or rate <= 0:
+        raise UserError(f"{where}: bytes_per_s must be a positive number.")
+    extra = entry.get("extra_row_bytes_per_s")
+    if extra is not None and (not _is_number(extra) or extra <= 0):
+        raise UserError(f"{where}: extra_row_bytes_per_s must be a positive number (or null).")
 
 
 def _is_number(value: Any) -> bool:

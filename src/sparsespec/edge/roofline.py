@@ -13,14 +13,19 @@ weights are every projection and the output head (a tied head streams the embedd
 products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
 
     time = max(memory + extra_rows + attention, FLOPs / peak) + overhead
-    memory     = Σ_level bytes_level / bandwidth_level
-    extra_rows = (T − 1) · 2·P / extra_row_flops
-    attention  = 4·L·H·d·N·T / attention_flops[path]      (path: single, multi or evicting)
-    overhead   = overhead_s + L · per_layer_overhead_s + V · per_vocab_overhead_s
+    memory     = weights + Σ_level (other bytes)_level / bandwidth_level
+    weights    = weight bytes / effective DRAM bandwidth, or for the native format Σ_type bytes_type / rate_type
+    extra_rows = (T − 1) · 2·P / extra_row_flops, or for the native format (T − 1) · Σ_type bytes_type / extra_type
+    attention  = 4·L·H·d·N·T / attention_flops[path] · balance   (path: single, multi or evicting; per KV dtype)
+    balance    = ⌈KV heads / threads⌉ · threads / KV heads where the op gives threads whole heads (else 1)
+    overhead   = overhead_s + L · per_layer_overhead_s + V · per_vocab_overhead_s + weights · stream_overhead_fraction
                  + (T − 1) · L · per_row_layer_overhead_s
                  + [cache full and evicting] · L · (evict_layer_overhead_s + (T − 1) · evict_row_layer_overhead_s)
 
-so a verification pass of γ+1 rows costs one pass of weight traffic plus a per-extra-row cost. ``extra_row_flops``,
+so a verification pass of γ+1 rows costs one pass of weight traffic plus a per-extra-row cost. The native format
+(the GGUF file's own blocks, the engine's default) is given as the file's streamed bytes by block type; a profile
+with ``native_stream`` rates (``sparsespec calibrate`` measures them) streams each type at its own rate, and where the attention path has a measured rate, the op's time stands for its reads of the
+cache too (the KV bytes are still reported as traffic). ``extra_row_flops``,
 ``attention_flops`` and the per-row overheads describe the decoding engine more than the chip: ``sparsespec
 calibrate`` measures them for sparsespec's own engine on this machine; profiles without them count them as zero
 (attention then costs its KV bytes, and its FLOPs at peak).
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..config import ModelConfig
 from ..errors import UserError
@@ -56,7 +61,8 @@ from .profile import DeviceProfile
 # - ``int8``: one byte per weight plus a bf16 scale per output channel (``Int8Linear``; in_features padded to 16);
 # - ``int4``: groups of 32 weights along in_features, 4 bits each plus a bf16 scale and a bf16 zero point per group:
 #   (16 + 4) bytes / 32 weights = 0.625 (``Int4Linear`` at the models' group size 32; in padded to 32, out to 16);
-# - ``native``: the GGUF file's own tensors (their bytes from the file header; see ``native_bytes_per_parameter``).
+# - ``native``: the GGUF file's own tensors, given as their streamed bytes by block type (``{"Q4_K": bytes, …}``,
+#   from the file header: ``edge.commands.native_streamed_bytes``).
 # Norm vectors and biases stay dense (bf16). The nominal bytes per weight, for labels and rough totals:
 BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.625}
 WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
@@ -113,12 +119,19 @@ def matrix_bytes(out_features: int, in_features: int, weights: str) -> float:
     return out_features * in_features * _check_choice(weights, BYTES_PER_WEIGHT, "weight format")
 
 
-def weight_bytes(model: ModelConfig, weights: str | float = "bf16") -> float:
+# A weight format for the functions below: a name of BYTES_PER_WEIGHT, the bytes per streamed parameter of a
+# format known only by its total, or the native format's streamed bytes by GGUF block type.
+Weights = str | float | Mapping[str, float]
+
+
+def weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:
     """Bytes of weights streamed from DRAM per forward.
 
-    ``weights`` is a format of :data:`BYTES_PER_WEIGHT` (each matrix by its real bytes, norms and biases dense) or,
-    for a format known only by its total (``native``), a number of bytes per streamed parameter.
+    ``weights`` is a format of :data:`BYTES_PER_WEIGHT` (each matrix by its real bytes, norms and biases dense), a
+    number of bytes per streamed parameter, or the native format's streamed bytes by block type (their sum).
     """
+    if isinstance(weights, Mapping):
+        return float(sum(weights.values()))
     if not isinstance(weights, str):
         return streamed_parameters(model) * float(weights)
     shapes = matrices(model)
@@ -126,7 +139,7 @@ def weight_bytes(model: ModelConfig, weights: str | float = "bf16") -> float:
     return sum(matrix_bytes(o, i, weights) for o, i in shapes) + vectors * _DENSE_VECTOR_BYTES
 
 
-def resident_weight_bytes(model: ModelConfig, weights: str | float = "bf16") -> float:
+def resident_weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:
     """Bytes of all weights held in memory: the streamed ones plus an untied embedding table (kept dense)."""
     untied = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size * _DENSE_VECTOR_BYTES
     return weight_bytes(model, weights) + untied
@@ -217,7 +230,7 @@ def forward_pass(
     *,
     tokens: int,
     kv_entries: int,
-    weights: str = "bf16",
+    weights: Weights = "bf16",
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
     kv_in_sram: bool | None = None,
@@ -239,20 +252,26 @@ def forward_pass(
     kv_traffic = (kv_entries + tokens) * kvb  # N entries read, T entries written
     dram = {"weights": weight_bytes(model, weights), "kv": 0.0 if kv_in_sram else kv_traffic}
     sram = {"kv": kv_traffic if kv_in_sram else 0.0, "activations": activation_bytes(model, tokens)}
-    memory_s = sum(dram.values()) / device.effective_dram_bandwidth + sum(sram.values()) / device.sram_bandwidth
+    path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
+    attention_s = 0.0
+    timed_kv = 0.0  # the KV bytes whose time the attention op's measured rate already holds
+    rate = device.attention_rate(path, kv_dtype)
+    if rate:
+        balance = head_balance(model, device, kv_entries + tokens)
+        attention_s = attention_flops(model, tokens, kv_entries) / rate * balance
+        timed_kv = kv_traffic
+    streaming_weights_s = weights_seconds(device, weights, dram["weights"])
+    memory_s = (streaming_weights_s
+                + (dram["kv"] - (0.0 if kv_in_sram else timed_kv)) / device.effective_dram_bandwidth
+                + (sum(sram.values()) - (timed_kv if kv_in_sram else 0.0)) / device.sram_bandwidth)
     flops = forward_flops(model, tokens, kv_entries)
     compute_s = flops / device.peak(compute_dtype)
     layers = model.num_hidden_layers
     extra = tokens - 1
-    extra_rows_s = 0.0
-    if extra and device.extra_row_flops:
-        extra_rows_s = extra * 2.0 * streamed_parameters(model) / device.extra_row_flops
-    path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
-    attention_s = 0.0
-    if device.attention_flops.get(path):
-        attention_s = attention_flops(model, tokens, kv_entries) / device.attention_flops[path]
+    extra_rows_s = extra * extra_row_seconds(model, device, weights) if extra else 0.0
     overhead_s = device.overhead_s + layers * device.per_layer_overhead_s
     overhead_s += model.vocab_size * (device.per_vocab_overhead_s or 0.0)
+    overhead_s += streaming_weights_s * (device.stream_overhead_fraction or 0.0)
     overhead_s += extra * layers * (device.per_row_layer_overhead_s or 0.0)
     if evicting:
         overhead_s += layers * (device.evict_layer_overhead_s or 0.0)
@@ -261,6 +280,45 @@ def forward_pass(
         tokens, kv_entries, kv_in_sram, dram, sram, flops, memory_s, compute_s, overhead_s, extra_rows_s, attention_s,
         evicting,
     )
+
+
+# The attention op gives each thread whole KV heads while a head holds fewer slots than this (attention.cpp).
+HEADS_SCHEDULE_SLOTS = 4096
+
+
+def head_balance(model: ModelConfig, device: DeviceProfile, slots: int) -> float:
+    """The attention op's time against an even share of its work: with ``device.threads`` threads taking whole KV
+    heads (at most as many threads as heads, fewer than :data:`HEADS_SCHEDULE_SLOTS` slots a head), the busiest
+    thread's ``⌈H / threads⌉`` heads against ``H / threads``; 1 where the heads divide evenly, where the op spreads
+    the work in chunks instead, or where the profile names no threads."""
+    heads, threads = model.num_key_value_heads, device.threads
+    if not threads or heads % threads == 0 or threads > heads or slots >= HEADS_SCHEDULE_SLOTS:
+        return 1.0
+    return -(-heads // threads) * threads / heads
+
+
+def weights_seconds(device: DeviceProfile, weights: Weights, total_bytes: float) -> float:
+    """Seconds to stream one pass's ``total_bytes`` of weights: at the effective DRAM bandwidth, or for the native
+    format each block type at the profile's rate (types without one at the DRAM rate)."""
+    if not isinstance(weights, Mapping):
+        return total_bytes / device.effective_dram_bandwidth
+    return sum(nbytes / (device.weight_stream_rate(kind) or device.effective_dram_bandwidth)
+               for kind, nbytes in weights.items())
+
+
+def extra_row_seconds(model: ModelConfig, device: DeviceProfile, weights: Weights) -> float:
+    """Seconds each row after the first adds to a pass's matrix products: ``2·P / extra_row_flops``, or for the
+    native format each block type's bytes at the profile's extra-row rate (types without one by the FLOP rule on
+    their share of the bytes). Zero when the profile has neither."""
+    flop_rule = 2.0 * streamed_parameters(model) / device.extra_row_flops if device.extra_row_flops else 0.0
+    if not isinstance(weights, Mapping):
+        return flop_rule
+    total = sum(weights.values()) or 1.0
+    seconds = 0.0
+    for kind, nbytes in weights.items():
+        rate = device.extra_row_stream_rate(kind)
+        seconds += nbytes / rate if rate else flop_rule * nbytes / total
+    return seconds
 
 
 # --- SRAM placement ----------------------------------------------------------------------------------------------
@@ -364,7 +422,7 @@ def predict_autoregressive(
     *,
     context: int,
     budget: int | None = None,
-    weights: str = "bf16",
+    weights: Weights = "bf16",
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
 ) -> Prediction:
@@ -412,8 +470,8 @@ def predict_speculative(
     draft: ModelConfig | None = None,
     budget: int | None = None,
     draft_budget: int | None = None,
-    weights: str = "bf16",
-    draft_weights: str | None = None,
+    weights: Weights = "bf16",
+    draft_weights: Weights | None = None,
     kv_dtype: str = "bf16",
     compute_dtype: str = "bf16",
     tokens_per_pass: float | None = None,

@@ -170,8 +170,9 @@ class _GGUFHeader:
         return metadata, tensors
 
 
-def read_gguf_tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes of each tensor of a GGUF file as stored (its GGML type's block size and bytes), from the header alone."""
+def read_gguf_tensor_storage(path: Path) -> dict[str, tuple[str, int]]:
+    """Each tensor of a GGUF file as stored: its GGML type's name (``Q4_K``) and its bytes (by the type's block size
+    and bytes), from the header alone."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     _, tensors = read_gguf_tensor_table(path)
@@ -184,7 +185,7 @@ def read_gguf_tensor_bytes(path: Path) -> dict[str, int]:
         elements = 1
         for d in t.dims:
             elements *= d
-        sizes[name] = elements // block * block_bytes
+        sizes[name] = (GGMLQuantizationType(t.ggml_type).name, elements // block * block_bytes)
     return sizes
 
 
