@@ -14,6 +14,8 @@ from conftest import tiny_config, tiny_model
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
+from sparsespec import kernels
+from sparsespec.edge import calibrate as calibrate_module
 from sparsespec.edge.calibrate import (
     KIB,
     MIB,
@@ -23,10 +25,16 @@ from sparsespec.edge.calibrate import (
     cache_sizes,
     calibrate,
     default_output_path,
+    native_streaming,
+    random_native_weight,
     run_calibrate,
 )
 from sparsespec.edge import list_profiles, load_profile
 from sparsespec.edge.roofline import kv_bytes_per_token, weight_bytes
+
+# GGUF block types: (weights per block, bytes per block).
+BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 # Small enough for a unit test (about a second); the figures it measures mean nothing.
 TINY = replace(
@@ -36,14 +44,20 @@ TINY = replace(
     trials=2,
     gemm_n=64,
     stream_bytes=2 * MIB,
+    stream_rounds=1,
     stream_shapes=((256, 256), (512, 256), (256, 512)),
-    probe_shape=(64, 128, 4, 2, 16),
-    probe_layers=(1, 3),
+    native_types=("Q8_0", "Q4_K"),
+    tiny_probe_shape=(64, 128, 4, 2, 16),
+    tiny_probe_layers=(1, 3),
+    probe_shapes=((256, 512, 4, 2, 64), (512, 1024, 4, 2, 128)),
+    probe_bytes=1 * MIB,
     probe_steps=4,
     probe_rounds=1,
     probe_context=8,
-    probe_budget=8,
+    attention_trials=2,
+    flush_bytes=1 * MIB,
     attention_entries=(32, 96),
+    kv_dtypes=("int8",),
     vocab_sizes=(256, 4096),
     residency_fractions=(1 / 8,),
 )
@@ -73,7 +87,8 @@ def test_profile_has_every_figure_and_cites_it(calibrated):
     assert profile.missing_sources() == []
     for figure in profile.figures():
         assert "sparsespec calibrate on " + cal.date in profile.sources[figure], figure
-    measured = [f for f in profile.figures() if not f.startswith("caches.") and f not in ("memory_bytes", "sram_bytes")]
+    read = ("memory_bytes", "sram_bytes", "threads")
+    measured = [f for f in profile.figures() if not f.startswith("caches.") and f not in read]
     for figure in measured:
         assert profile.sources[figure].startswith("measured by sparsespec calibrate on "), figure
     assert profile.dram_bandwidth > 0 and profile.sram_bandwidth >= profile.dram_bandwidth
@@ -82,6 +97,46 @@ def test_profile_has_every_figure_and_cites_it(calibrated):
     assert profile.per_layer_overhead_s >= 0 and profile.overhead_s >= 0
     assert len(cal.bandwidth_curve) == len(TINY.sizes)
     assert [p["bytes"] for p in cal.bandwidth_curve] == list(TINY.sizes)
+    assert set(profile.native_stream) == ({"Q8_0", "Q4_K"} if kernels.available() else set())
+    assert profile.threads == 1
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_native_streaming_times_the_kernels_in_the_files_bytes():
+    """As many layers as make the bytes asked for, counted as the file stores them (a Q4_K weight of [512, 256]
+    holds 512 rows of one 144-byte block), and the extra rows' rate from paired passes."""
+    shapes = ((512, 256), (256, 512))
+    layer_bytes = 512 * 144 + 256 * 2 * 144
+    measured = native_streaming("Q4_K", 3 * layer_bytes, shapes, 3, trials=2)
+    assert measured["working_set_bytes"] == 3 * layer_bytes
+    assert measured["bytes_per_s"] == pytest.approx(3 * layer_bytes / measured["one_row_s"])
+    assert measured["extra_row_bytes_per_s"] is None or measured["extra_row_bytes_per_s"] > 0
+
+
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_random_native_weights_are_blocks_the_kernels_read(kind):
+    """Random codes with a scale of 0.01: the kernels read them as finite weights of the right size, and their
+    matmul agrees with the dequantized weight."""
+    kernel_type, blob, padded, file_bytes = random_native_weight(kind, 32, 256)
+    assert padded == 256 and blob.numel() == kernels.weight_bytes(kernel_type, 256, 32)
+    assert file_bytes == 32 * 256 // BLOCK_SIZES[kind][0] * BLOCK_SIZES[kind][1]
+    weight = kernels.gguf_dequantize(blob, kernel_type, 256, torch.arange(32))
+    assert torch.isfinite(weight).all() and 0 < weight.abs().max() <= 127 * 32 * 0.01  # Q6_K: int8 scale × 6-bit code
+    x = torch.randn(1, 256)
+    got = kernels.gguf_linear(x, [blob], [kernel_type], [32], 256)
+    assert torch.allclose(got, x @ weight.T, rtol=0.05, atol=0.05 * weight.abs().sum(1).max().item())
+
+
+def test_dram_plateau_takes_the_largest_sizes_when_the_l3_is_reported_too_large(monkeypatch):
+    """A virtual machine may report its host's L3 (here 480 MiB against a curve up to 8 MiB): the DRAM figure is
+    then the two largest sizes' plateau, not a size measured beyond the curve."""
+    rates = {256 * KIB: 100e9, 1 * MIB: 60e9, 8 * MIB: 20e9}
+    monkeypatch.setattr(calibrate_module, "read_bandwidth", lambda size, **kw: rates[size])
+    machine = replace(calibrate_module._machine(1, calibrate_module._Progress(1, True)),
+                      caches={"cpu_l2_per_core": 64 * KIB, "cpu_l3": 480 * MIB})
+    memory = calibrate_module._memory_rates(TINY, machine, calibrate_module._Progress(3, True))
+    assert memory.dram_sizes == [1 * MIB, 8 * MIB] and memory.dram == pytest.approx(40e9)
 
 
 def test_run_calibrate_writes_the_host_profile_that_load_profile_prefers(tmp_path: Path, monkeypatch, capsys):
@@ -145,3 +200,16 @@ def test_kv_bytes_are_the_arena_s():
     cfg = tiny_config()
     arena = KVArena(cfg, make_policy("hybrid", 24), dtype=torch.bfloat16, max_inflight=5)
     assert arena.nbytes == arena.capacity * kv_bytes_per_token(cfg, "bf16")
+
+
+def test_without_native_kernels_the_profile_describes_the_torch_path(monkeypatch, tmp_path):
+    """No compiler: no native streaming rates and no streaming probes; the per-layer cost comes from the tiny probe
+    on torch's dense weights, and the profile says so."""
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no compiler (test)")
+    cal = calibrate(TINY, threads=1, quiet=True)
+    profile = build_profile(cal, TINY)
+    assert profile.native_stream == {} and "probes" not in cal.raw
+    assert cal.stream_overhead_fraction == 0.0 and cal.per_layer_overhead_s >= 0
+    assert "torch path" in profile.description and "torch path" in profile.sources["per_layer_overhead_s"]
+    assert profile.missing_sources() == []

@@ -1,34 +1,50 @@
 """``sparsespec calibrate``: measure this machine and write the ``host`` device profile of the edge simulator.
 
 The edge simulator (:mod:`sparsespec.edge`) predicts decode speed from a device profile. For this machine the
-profile is measured here, with torch on the CPU at ``--threads`` threads:
+profile is measured here, on the engine that decodes by default (the native kernels over the GGUF files' own
+blocks, bfloat16 compute), at ``--threads`` threads:
 
 - **read bandwidth** — an fp32 ``sum`` over buffers from 256 KiB to 1 GiB gives a curve; the DRAM rate is the
-  plateau of the sizes at least 4× the last-level cache (L3), the SRAM rate the plateau of the sizes that fit the
-  L3 but not the L2 caches (small sizes include the per-call cost of a threaded reduction);
+  plateau of the sizes at least 4× the last-level cache (L3; the two largest sizes when the reported L3 is larger
+  than a quarter of the largest, as a virtual machine's may be), the SRAM rate the plateau of the sizes that fit the
+  L3 but not the L2 caches;
 - **matmul peak** — a square bf16 and fp32 GEMM (compute-bound) gives ``peak_flops``;
-- **decode streaming** — one-row bf16 ``F.linear`` over layer-shaped weights much larger than the L3 gives the rate
-  at which decoding streams weights; over the DRAM read rate it is ``dram_efficiency``. The same weights with R
-  rows give the cost of the extra rows of a verification pass (``extra_row_flops``);
+- **native weight streaming** — the native kernels' one-row matmul over layer-shaped weights of each GGUF block type
+  (random blocks, the kernels' own layout), more of them than the caches hold, gives ``native_stream``: the rate in
+  the file's bytes (a real model's weights come from DRAM: within a decode step its attention, cache and activations
+  share the caches, so even a 96 MB model streams at this rate), and the same weights with R rows the rate at which
+  each extra row of a verification pass goes through them;
+- **torch weight streaming** — one-row bf16 ``F.linear`` over the same shapes, for the torch weight formats
+  (``--weights dense|int8|int4``): over the DRAM read rate it is ``dram_efficiency``, and R rows give
+  ``extra_row_flops``;
 - **KV residency** — whether a KV-sized buffer stays in the L3 while a stream of weights passes through it sets
   ``sram_kv_fraction``;
-- **the engine's own costs** — a random model of SmolLM2's width runs through the engine's decode loop
-  (:func:`sparsespec.generate.generate_tokens`) with few and many layers (both streaming their weights from DRAM):
-  the intercept and slope over layers of the step time, less the weights' streaming time at the rate measured
-  above, give ``overhead_s`` and ``per_layer_overhead_s``; multi-row passes give
-  ``per_row_layer_overhead_s``; a full budgeted (hybrid) cache gives ``evict_layer_overhead_s``; sampling over a
-  small and a large vocabulary gives ``per_vocab_overhead_s``; the KV arena's attention at two cache sizes gives
-  ``attention_flops`` for its three paths (one row over the full cache, several rows, a full budgeted cache).
+- **the attention op** — one layer of the KV arena's attention at two cache sizes, for one row and R rows, over the
+  full cache and over a full budgeted (hybrid) cache, and at each KV dtype, with a large buffer read before each
+  call (in a decode step the whole model streams between two visits of a layer's cache): the slopes give
+  ``attention_flops`` per path (and ``path:int8`` / ``path:int4``);
+- **the engine's own costs** — a tiny random model whose weights stay in the caches, run through the engine's
+  decode loop (:func:`sparsespec.generate.generate_tokens`) with few and many layers, gives the pass's fixed cost
+  ``overhead_s`` (its intercept, less its sampling); two random models with native weights streaming from memory,
+  one with narrow and one with wide layers, each timed beside a pass over its projections alone, give what a layer
+  costs around its weights: a fixed part (``per_layer_overhead_s``) and a part in proportion to its streaming time
+  (``stream_overhead_fraction``: the layer's other work runs in caches its weights just went through); their
+  multi-row passes and their steps over a full budgeted cache give ``per_row_layer_overhead_s`` and the eviction's
+  costs (``evict_layer_overhead_s``, ``evict_row_layer_overhead_s``), the attention op's own time taken out at the
+  rates above; sampling over a small and a large vocabulary gives ``per_vocab_overhead_s``.
 
 Hardware capacities (read bandwidth, GEMM peak, cache residency) are the best of several trials: a trial that lost
 the CPU to another process says nothing about the hardware. The engine's own costs (weight streaming, decode steps,
 verification passes, attention, sampling) are medians: the simulator predicts the sustained speed of a whole run,
-and on a shared machine the typical step is slower than the best one by 10–30%. Run it on an idle machine all the
-same.
+and on a shared machine the typical step is slower than the best one. Run it on an idle machine all the same.
+
+Not measured, so not modelled: the torch weight formats' own per-layer overheads (their passes are priced with the
+native engine's), retention's and recall's costs, and several requests sharing passes (``serve --parallel``).
 
 The profile goes to ``$SPARSESPEC_HOME/devices/host.json`` (default ``~/.cache/sparsespec/devices/host.json``),
 which ``edge.profile.load_profile("host")`` prefers over the packaged placeholder; ``--out`` writes elsewhere.
-Progress goes to stderr; ``--json`` prints a JSON summary (profile, curve, raw timings) to stdout.
+A progress bar and one line per measurement go to stderr; ``--json`` prints a JSON summary (profile, curve, raw
+timings) to stdout.
 """
 
 from __future__ import annotations
@@ -55,12 +71,19 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_L2_PER_CORE = 1 * MIB
 DEFAULT_L3 = 32 * MIB
 
-# Shapes of one decoder layer's projections for the streaming test (Qwen2.5-1.5B: hidden 1536, MLP 8960, 2 KV
-# heads of 128): qkv, o, gate+up, down, as [out, in].
-STREAM_LAYER_SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+# Shapes of one decoder layer's projections for the streaming tests, as [out, in] (qkv, o, gate+up, down): a
+# 1024-wide layer with 2 KV heads of 128 and a 4096-wide MLP, whose inputs fill whole 256-weight chunks (8 MiB in
+# Q4_K).
+STREAM_LAYER_SHAPES = ((1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096))
+
+# The GGUF block types the native kernels read (kernels/repack.py), by name.
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # The attention shape the arena is timed with: query heads, KV heads, head width.
 ATTENTION_SHAPE = (12, 2, 64)
+
+# KV dtypes whose attention is timed besides the compute dtype's (cache/quant.py).
+QUANTIZED_KV = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -71,17 +94,27 @@ class CalibrationSettings:
     min_seconds: float  # time spent per timed quantity (at least `trials` trials)
     trials: int
     gemm_n: int  # square GEMM size
-    stream_bytes: int  # weight bytes of the streaming test (at least 4x the L3 for a DRAM figure)
+    stream_bytes: int  # weight bytes of the streaming tests: more than the caches hold
+    stream_rounds: int = 5  # rounds over every block type (the median per type is kept)
     stream_shapes: tuple[tuple[int, int], ...] = STREAM_LAYER_SHAPES
+    native_types: tuple[str, ...] = NATIVE_TYPES
     rows: int = 5  # rows of the multi-row tests (γ + 1 for γ = 4)
-    # The probe model whose decode steps are timed: hidden, MLP width, query heads, KV heads, head width (SmolLM2's).
-    probe_shape: tuple[int, int, int, int, int] = (576, 1536, 9, 3, 64)
-    probe_layers: tuple[int, int] | None = None  # None: the fewest layers whose weights fill 4x the L3, and twice that
+    # The probe models whose decode steps are timed, as (hidden, MLP width, query heads, KV heads, head width):
+    # a tiny one whose weights stay in the caches, at two layer counts (the pass's fixed cost), and two with narrow
+    # and wide layers of random native weights (`probe_type`) that stream from DRAM as a real model's do
+    # (`probe_bytes` each; the engine's per-layer costs around the weights).
+    tiny_probe_shape: tuple[int, int, int, int, int] = (128, 256, 4, 2, 32)
+    tiny_probe_layers: tuple[int, int] = (4, 16)
+    probe_shapes: tuple[tuple[int, int, int, int, int], ...] = ((512, 1536, 8, 2, 64), (1536, 8192, 12, 2, 128))
+    probe_type: str = "Q4_K"
+    probe_bytes: int = 256 * MIB
     probe_steps: int = 40  # steps timed per probe run
     probe_rounds: int = 3  # interleaved repetitions of the probe runs (the median of each is kept)
-    probe_context: int = 48  # tokens in the probe's cache
-    probe_budget: int = 16  # budget of the probe's evicting cache
+    probe_context: int = 256  # tokens in the probe's cache, and the budget of its evicting (hybrid) cache
+    flush_bytes: int = 256 * MIB  # read between two timed attention calls, as a pass's weights pass between them
     attention_entries: tuple[int, int] = (256, 2048)  # cache sizes of the attention test
+    attention_trials: int = 15  # cold calls of each size
+    kv_dtypes: tuple[str, ...] = QUANTIZED_KV  # quantized KV dtypes whose attention is timed too
     vocab_sizes: tuple[int, int] = (4096, 151936)  # vocabularies of the sampling test
     residency_fractions: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
@@ -96,13 +129,18 @@ FULL = CalibrationSettings(
 )
 
 QUICK = CalibrationSettings(
-    sizes=(256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB),
-    min_seconds=0.15,
+    sizes=(256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB),
+    min_seconds=0.1,
     trials=3,
     gemm_n=1024,
-    stream_bytes=192 * MIB,
+    stream_bytes=256 * MIB,
+    stream_rounds=2,
+    native_types=("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"),
+    probe_bytes=128 * MIB,
     probe_steps=16,
+    probe_rounds=2,
     attention_entries=(256, 1024),
+    attention_trials=7,
     residency_fractions=(1 / 8, 1 / 2),
 )
 
@@ -132,10 +170,12 @@ class Calibration:
     stream_bandwidth: float
     stream_bytes: int
     extra_row_flops: float | None
+    native_stream: dict[str, dict[str, Any]]
     residency: dict[str, float]
     sram_kv_fraction: float
     overhead_s: float
     per_layer_overhead_s: float
+    stream_overhead_fraction: float
     per_row_layer_overhead_s: float
     evict_layer_overhead_s: float
     evict_row_layer_overhead_s: float
@@ -305,6 +345,86 @@ def stream_weights(
     }
 
 
+# Offsets of the float16 scales in each block type's GGUF block (ggml's block layouts): random codes, scales of 0.01.
+_F16_SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                      "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_native_weight(kind: str, out_features: int, in_features: int, seed: int = 0):
+    """A weight of GGUF block type ``kind`` with random codes, in the kernels' layout: ``(kernel type, repacked
+    bytes, padded in_features, the file's bytes)``."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from .. import kernels
+    from ..kernels.repack import BLOCK_TYPES, pack
+
+    ggml_type = int(GGMLQuantizationType[kind])
+    _, block, block_bytes = BLOCK_TYPES[ggml_type]
+    if in_features % block:
+        raise UserError(f"A {kind} weight needs inputs in whole blocks of {block}, got {in_features}.")
+    raw = np.random.default_rng(seed).integers(0, 256, (out_features, in_features // block, block_bytes), np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    for offset in _F16_SCALE_OFFSETS[kind]:
+        raw[..., offset:offset + 2] = scale
+    kernel_type, packed, padded = pack(ggml_type, raw.reshape(out_features, -1), in_features,
+                                       kernels.tiles_preferred())
+    return kernel_type, torch.from_numpy(packed.reshape(-1)), padded, raw.size
+
+
+def native_streaming(kind: str, total_bytes: int, shapes: tuple[tuple[int, int], ...], rows: int, *,
+                     trials: int = 3, min_seconds: float = 0.05) -> dict[str, Any]:
+    """The native kernels' matmul over as many layers of ``shapes`` as make ``total_bytes`` of weights of GGUF
+    type ``kind`` (random blocks): one pass on one row (median trial), and the extra time of ``rows`` rows.
+
+    Returns ``bytes_per_s`` (the file's bytes of the pass over its one-row time), ``extra_row_bytes_per_s`` (the
+    same bytes over the extra time per extra row; None when ``rows`` rows took no longer), ``working_set_bytes``
+    and the timings.
+    """
+    import torch
+
+    from .. import kernels
+
+    layer = [random_native_weight(kind, n, k, seed=i) for i, (n, k) in enumerate(shapes)]
+    layer_bytes = sum(w[3] for w in layer)
+    layers = max(1, round(total_bytes / layer_bytes))
+    weights = [(kt, blob.clone(), padded, n) for _ in range(layers) for (kt, blob, padded, _), (n, _k) in
+               zip(layer, shapes)]
+
+    def run(n_rows: int) -> Callable[[], None]:
+        xs = {padded: torch.full((n_rows, padded), 0.5, dtype=torch.bfloat16) for _, _, padded, _ in weights}
+
+        def step() -> None:
+            for kernel_type, blob, padded, n in weights:
+                kernels.gguf_linear(xs[padded], [blob], [kernel_type], [n], padded)
+
+        return step
+
+    one, many = run(1), run(rows)
+    seconds = statistics.median(time_calls(one, trials=trials, min_seconds=min_seconds))
+    # The extra rows add little to a pass that streams from DRAM: one-row and many-row passes alternate, and the
+    # median of their paired differences is kept, so that a drift of the machine's speed cancels.
+    many()
+    differences = []
+    started = time.perf_counter()
+    while len(differences) < 2 * trials or (time.perf_counter() - started < 2 * min_seconds and len(differences) < 200):
+        t0 = time.perf_counter()
+        one()
+        t1 = time.perf_counter()
+        many()
+        differences.append(time.perf_counter() - t1 - (t1 - t0))
+    extra = statistics.median(differences) / (rows - 1)
+    total = layers * layer_bytes
+    return {
+        "bytes_per_s": total / seconds,
+        "extra_row_bytes_per_s": total / extra if extra > 0 else None,
+        "working_set_bytes": total,
+        "one_row_s": seconds,
+        "extra_row_s": extra,
+    }
+
+
 def kv_residency(
     l3_bytes: int, fractions: tuple[float, ...], stream_bytes: int, *, trials: int = 3
 ) -> dict[str, float]:
@@ -340,7 +460,7 @@ def kv_residency(
 
 
 # ----------------------------------------------------------------------------------------- engine timings
-def probe_config(layers: int, shape: tuple[int, int, int, int, int] = (576, 1536, 9, 3, 64),
+def probe_config(layers: int, shape: tuple[int, int, int, int, int] = (128, 256, 4, 2, 32),
                  vocab: int = 512) -> ModelConfig:
     """A random decoder of ``shape`` (hidden, MLP width, query heads, KV heads, head width) and a small vocabulary."""
     hidden, intermediate, heads, kv_heads, head_dim = shape
@@ -377,11 +497,49 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict:
     return state
 
 
-def probe_layer_counts(shape: tuple[int, int, int, int, int], l3_bytes: int) -> tuple[int, int]:
-    """The fewest layers whose bf16 weights fill 4x the L3 (so they stream from DRAM), and twice that."""
-    per_layer = 2 * (probe_config(2, shape).num_parameters() - probe_config(1, shape).num_parameters())
-    lo = max(2, math.ceil(4 * l3_bytes / per_layer))
-    return lo, 2 * lo
+def native_probe_model(shape: tuple[int, int, int, int, int], layers: int, kind: str):
+    """A :class:`Transformer` of ``layers`` layers of ``shape`` whose projections are random native weights of
+    GGUF type ``kind`` (one layer's blocks, copied into every layer, so each streams its own memory) and whose
+    head is random Q8_0 over a 512-entry vocabulary."""
+    import torch
+
+    from ..linear import NativeLinear
+    from ..model import Transformer
+
+    config = probe_config(layers, shape)
+    h, i, heads, kv_heads, hd = shape
+    q, kv = heads * hd, kv_heads * hd
+    parts = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+    blocks = {part: random_native_weight(kind, n, k, seed=j) for j, (part, (n, k)) in enumerate(parts.items())}
+    linears: dict[str, object] = {}
+    for layer in range(layers):
+        for part, (kernel_type, blob, padded, _) in blocks.items():
+            n, k = parts[part]
+            linears[f"layers.{layer}.{part}"] = NativeLinear([(kernel_type, blob.clone(), n)], k, padded)
+    kernel_type, blob, padded, _ = random_native_weight("Q8_0", config.vocab_size, h)
+    linears["lm_head"] = NativeLinear([(kernel_type, blob, config.vocab_size)], h, padded)
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    state = {"model.embed_tokens.weight": torch.randn(config.vocab_size, h).to(torch.bfloat16) / h**0.5,
+             "model.norm.weight": ones}
+    for layer in range(layers):
+        state[f"model.layers.{layer}.input_layernorm.weight"] = ones
+        state[f"model.layers.{layer}.post_attention_layernorm.weight"] = ones
+    return Transformer(config, state, torch.bfloat16, "native", linears=linears)
+
+
+def linears_pass(model, rows: int) -> Callable[[], None]:
+    """A pass that calls every projection of ``model`` once, in model order, on ``rows`` rows and does nothing else:
+    the weights' streaming alone, as in a decode step; as a call."""
+    import torch
+
+    items = [linear for _, linear in model.linear_items()]
+    xs = {lin.in_features: torch.full((rows, lin.in_features), 0.5, dtype=torch.bfloat16) for lin in items}
+
+    def step() -> None:
+        for lin in items:
+            lin(xs[lin.in_features])
+
+    return step
 
 
 def _arena(model, policy, max_tokens: int, max_inflight: int):
@@ -390,26 +548,32 @@ def _arena(model, policy, max_tokens: int, max_inflight: int):
     from ..cache.arena import KVArena
 
     return KVArena(model.config, policy, dtype=torch.bfloat16, max_tokens=max_tokens, max_block=64,
-                   max_inflight=max_inflight, positions="original")
+                   max_inflight=max_inflight)
+
+
+def decode_steps(model, policy, context: int, steps: int) -> Callable[[], None]:
+    """The engine's decode loop (forward, commit, greedy sampling) after a ``context``-token prompt, as a call that
+    runs its next step (at most ``steps`` calls)."""
+    from ..generate import generate_tokens
+    from ..sampling import SamplingParams
+
+    arena = _arena(model, policy, context + steps + 4, 1)
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(context + 1)]
+    tokens = generate_tokens(model, arena, prompt, max_new_tokens=steps + 2, sampling=SamplingParams(),
+                             prefill_chunk=64)
+    next(tokens)  # the prompt's pass
+    return lambda: next(tokens)
 
 
 def decode_step_seconds(model, policy, context: int, steps: int) -> float:
     """Seconds of the median step of the engine's decode loop (forward, commit, greedy sampling)."""
-    from ..generate import generate_tokens
-    from ..sampling import SamplingParams
-
-    arena = _arena(model, policy, context + steps + 2, 1)
-    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(context + 1)]
-    stamps = []
-    for _ in generate_tokens(model, arena, prompt, max_new_tokens=steps + 1, sampling=SamplingParams(),
-                             prefill_chunk=64):
-        stamps.append(time.perf_counter())
-    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    step = decode_steps(model, policy, context, steps)
+    return statistics.median(time_calls(step, trials=steps - 1))
 
 
-def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> float:
-    """Seconds of the median ``rows``-row pass (forward, greedy choice of every row, rollback) over ``context``
-    tokens, as a greedy verification pass does it."""
+def block_pass(model, policy, context: int, rows: int) -> Callable[[], None]:
+    """A ``rows``-row pass (forward, greedy choice of every row, rollback) over ``context`` tokens, as a greedy
+    verification pass does it, as a call."""
     import torch
 
     from ..generate import prefill
@@ -422,7 +586,24 @@ def block_pass_seconds(model, policy, context: int, rows: int, steps: int) -> fl
         model.forward(block, arena).argmax(dim=-1).tolist()
         arena.commit(0)
 
-    return statistics.median(time_calls(step, trials=steps))
+    return step
+
+
+def paired_seconds(calls: dict[str, Callable[[], Any]], trials: int) -> dict[str, list[float]]:
+    """Seconds of every call, the calls made in turn ``trials`` times: entry ``i`` of each list comes from the same
+    turn, so that differences between calls taken turn by turn leave the machine's drift out."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(trials):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median_difference(a: list[float], b: list[float]) -> float:
+    """The median of ``a[i] − b[i]``: how much longer ``a`` took than ``b`` in the same turn."""
+    return statistics.median(x - y for x, y in zip(a, b))
 
 
 def sampling_seconds(vocab: int, *, trials: int = 5, min_seconds: float = 0.05) -> float:
@@ -437,12 +618,10 @@ def sampling_seconds(vocab: int, *, trials: int = 5, min_seconds: float = 0.05) 
                                         min_seconds=min_seconds))
 
 
-def attention_seconds(
-    entries: int, rows: int, *, evicting: bool, shape: tuple[int, int, int] = ATTENTION_SHAPE,
-    trials: int = 5, min_seconds: float = 0.05,
-) -> float:
-    """Seconds of one layer of :meth:`KVArena.attend` for ``rows`` rows over ``entries`` cached entries (median
-    trial).
+def attention_step(entries: int, rows: int, *, evicting: bool, shape: tuple[int, int, int] = ATTENTION_SHAPE,
+                   kv_dtype: str = "auto") -> Callable[[], None]:
+    """One layer of :meth:`KVArena.attend` for ``rows`` rows over ``entries`` cached entries, as a call to time
+    (rolled back after each call), keys and values at ``kv_dtype`` (``auto``: bfloat16, the compute dtype).
 
     ``evicting``: a hybrid cache of budget ``entries``, filled past it, so every row evicts; else the full cache.
     """
@@ -460,7 +639,7 @@ def attention_seconds(
     policy = make_policy("hybrid", entries) if evicting else make_policy("full")
     fill = entries + 64 if evicting else entries
     arena = KVArena(config, policy, dtype=torch.bfloat16, max_tokens=fill + rows + 2, max_block=64,
-                    max_inflight=rows + 1, positions="original")
+                    max_inflight=rows + 1, kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(0)
 
     def rnd(h: int, n: int) -> torch.Tensor:
@@ -482,7 +661,28 @@ def attention_seconds(
         arena.end()
         arena.commit(0)
 
-    return statistics.median(time_calls(step, trials=trials, min_seconds=min_seconds))
+    return step
+
+
+def cold_pair_seconds(small: Callable[[], Any], large: Callable[[], Any], flush, trials: int) -> tuple[float, float]:
+    """Seconds of ``small`` and ``large`` after reading ``flush`` (a tensor larger than the caches, as a decode
+    step's weights pass between two visits of a layer's cache): the median of each, the two called in turn so that
+    the machine's drift falls on both alike, and the median of their paired differences added to the small one."""
+    small()
+    large()
+    first, differences = [], []
+    for _ in range(trials):
+        flush.sum()
+        t0 = time.perf_counter()
+        small()
+        t1 = time.perf_counter()
+        flush.sum()
+        t2 = time.perf_counter()
+        large()
+        differences.append(time.perf_counter() - t2 - (t1 - t0))
+        first.append(t1 - t0)
+    base = statistics.median(first)
+    return base, base + statistics.median(differences)
 
 
 def attention_rate(seconds_small: float, seconds_large: float, entries: tuple[int, int], rows: int,
@@ -496,9 +696,25 @@ def attention_rate(seconds_small: float, seconds_large: float, entries: tuple[in
 
 
 # ------------------------------------------------------------------------------------------------ calibrate
-def _progress(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"[calibrate] {message}", file=sys.stderr, flush=True)
+class _Progress:
+    """A progress bar over the measurements (stderr), with one line per result above it; silent when ``quiet``."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        from tqdm import tqdm
+
+        self.quiet = quiet
+        self.bar = tqdm(total=total, desc="calibrate", unit="step", file=sys.stderr, disable=quiet, leave=False)
+
+    def line(self, message: str) -> None:
+        if not self.quiet:
+            self.bar.write(f"[calibrate] {message}", file=sys.stderr)
+
+    def done(self, what: str) -> None:
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _plateau(curve: list[dict[str, float]], low: float, high: float) -> tuple[float | None, list[int]]:
@@ -517,25 +733,30 @@ def calibrate(settings: CalibrationSettings = FULL, *, threads: int | None = Non
         if threads < 1:
             raise UserError(f"--threads must be at least 1 (got {threads}).")
         torch.set_num_threads(threads)
+    steps = len(settings.sizes) + len(settings.native_types) + 6
+    progress = _Progress(steps, quiet)
     try:
-        return _calibrate(settings, torch.get_num_threads(), quiet)
+        return _calibrate(settings, torch.get_num_threads(), progress)
     finally:
+        progress.close()
         torch.set_num_threads(previous_threads)
 
 
-def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Calibration:
+def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress) -> Calibration:
     """The measurements in order; each step reports its progress and keeps its raw timings in ``raw``."""
     started = time.perf_counter()
-    machine = _machine(threads, quiet)
+    machine = _machine(threads, progress)
     raw: dict[str, Any] = {}
-    memory = _memory_rates(settings, machine, quiet)
-    peaks = _compute_peaks(settings, quiet)
-    stream, extra_row_flops = _weight_streaming(settings, raw, quiet)
-    residency, kv_fraction = _kv_residency_fraction(settings, machine, quiet)
-    per_vocab = _sampling_cost(settings, raw)
-    probe = _probe_engine(settings, machine, raw, quiet)
-    overheads = _fit_overheads(settings, probe, stream["bytes_per_s"], extra_row_flops, per_vocab, quiet)
-    attention = _attention_rates(settings, raw, quiet)
+    memory = _memory_rates(settings, machine, progress)
+    peaks = _compute_peaks(settings, progress)
+    stream, extra_row_flops = _weight_streaming(settings, raw, progress)
+    residency, kv_fraction = _kv_residency_fraction(settings, machine, progress)
+    native = _native_streaming(settings, progress)
+    per_vocab = _sampling_cost(settings, raw, progress)
+    pass_s, cached_layer_s = _tiny_probe_overhead(settings, stream["bytes_per_s"], native, per_vocab, raw)
+    probes = _probe_engine(settings, raw, progress)
+    attention = _attention_rates(settings, raw, progress)
+    overheads = _fit_overheads(settings, probes, pass_s, cached_layer_s, attention, progress)
     return Calibration(
         date=machine.date, threads=threads, loadavg_before=machine.load_before, loadavg_after=loadavg(),
         seconds=time.perf_counter() - started, cpu=machine.cpu, cores=machine.cores, hypervisor=machine.hypervisor,
@@ -543,10 +764,11 @@ def _calibrate(settings: CalibrationSettings, threads: int, quiet: bool) -> Cali
         bandwidth_curve=memory.curve, dram_bandwidth=memory.dram, dram_sizes=memory.dram_sizes,
         sram_bandwidth=memory.sram, sram_sizes=memory.sram_sizes, peak_flops=peaks,
         stream_bandwidth=stream["bytes_per_s"], stream_bytes=int(stream["bytes"]), extra_row_flops=extra_row_flops,
-        residency=residency, sram_kv_fraction=kv_fraction, overhead_s=overheads.overhead_s,
-        per_layer_overhead_s=overheads.per_layer_s, per_row_layer_overhead_s=overheads.per_row_layer_s,
-        evict_layer_overhead_s=overheads.evict_layer_s, evict_row_layer_overhead_s=overheads.evict_row_layer_s,
-        per_vocab_overhead_s=per_vocab, attention_flops=attention, raw=raw,
+        native_stream=native, residency=residency, sram_kv_fraction=kv_fraction, overhead_s=overheads.overhead_s,
+        per_layer_overhead_s=overheads.per_layer_s, stream_overhead_fraction=overheads.stream_fraction,
+        per_row_layer_overhead_s=overheads.per_row_layer_s, evict_layer_overhead_s=overheads.evict_layer_s,
+        evict_row_layer_overhead_s=overheads.evict_row_layer_s, per_vocab_overhead_s=per_vocab,
+        attention_flops=attention, raw=raw,
     )
 
 
@@ -573,12 +795,12 @@ class _Machine:
         return self.caches.get("cpu_l3", DEFAULT_L3)
 
 
-def _machine(threads: int, quiet: bool) -> _Machine:
+def _machine(threads: int, progress: _Progress) -> _Machine:
     cpu, flags, hypervisor = _cpuinfo()
     caches, cache_source = cache_sizes()
     machine = _Machine(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), loadavg(), cpu, flags, hypervisor,
                        os.cpu_count() or 1, threads, caches, cache_source)
-    _progress(f"{cpu}, {machine.cores} cores, {threads} threads, load average {machine.load_before:.2f}", quiet)
+    progress.line(f"{cpu}, {machine.cores} cores, {threads} threads, load average {machine.load_before:.2f}")
     return machine
 
 
@@ -591,15 +813,21 @@ class _MemoryRates:
     sram_sizes: list[int]
 
 
-def _memory_rates(s: CalibrationSettings, machine: _Machine, quiet: bool) -> _MemoryRates:
-    """The read-bandwidth curve and its DRAM and L3 plateaus (measured at one more size where the curve has none)."""
+def _memory_rates(s: CalibrationSettings, machine: _Machine, progress: _Progress) -> _MemoryRates:
+    """The read-bandwidth curve and its DRAM and L3 plateaus (measured at one more size where the curve has none).
+
+    The DRAM plateau is the sizes at least 4x the L3; where the L3 is reported larger than a quarter of the largest
+    size (a virtual machine may report its host's), the two largest sizes."""
     kw = dict(trials=s.trials, min_seconds=s.min_seconds)
     curve = []
     for size in s.sizes:
         rate = read_bandwidth(size, **kw)
         curve.append({"bytes": float(size), "bytes_per_s": rate})
-        _progress(f"read {size / MIB:9.2f} MiB: {rate / 1e9:7.1f} GB/s", quiet)
-    dram, dram_sizes = _plateau(curve, 4 * machine.l3, math.inf)
+        progress.line(f"read {size / MIB:9.2f} MiB: {rate / 1e9:7.1f} GB/s")
+        progress.done("read bandwidth")
+    largest = sorted(s.sizes)
+    dram_from = 4 * machine.l3 if 4 * machine.l3 <= largest[-1] else largest[max(0, len(largest) - 2)]
+    dram, dram_sizes = _plateau(curve, dram_from, math.inf)
     if dram is None:
         size = max(4 * machine.l3, max(s.sizes))
         dram, dram_sizes = read_bandwidth(size, **kw), [size]
@@ -608,166 +836,268 @@ def _memory_rates(s: CalibrationSettings, machine: _Machine, quiet: bool) -> _Me
         size = max(machine.l3 // 4, 1)
         sram, sram_sizes = read_bandwidth(size, **kw), [size]
     sram = max(sram, dram)
-    _progress(f"DRAM {dram / 1e9:.1f} GB/s, L3 {sram / 1e9:.1f} GB/s", quiet)
+    progress.line(f"DRAM {dram / 1e9:.1f} GB/s, L3 {sram / 1e9:.1f} GB/s")
     return _MemoryRates(curve, dram, dram_sizes, sram, sram_sizes)
 
 
-def _compute_peaks(s: CalibrationSettings, quiet: bool) -> dict[str, float]:
+def _compute_peaks(s: CalibrationSettings, progress: _Progress) -> dict[str, float]:
     peaks = {dt: matmul_flops(dt, s.gemm_n, trials=s.trials, min_seconds=s.min_seconds) for dt in ("bf16", "fp32")}
-    _progress(f"GEMM {s.gemm_n}: bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s", quiet)
+    progress.line(f"GEMM {s.gemm_n}: bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
+    progress.done("GEMM peak")
     return peaks
 
 
-def _weight_streaming(s: CalibrationSettings, raw: dict, quiet: bool) -> tuple[dict[str, float], float | None]:
-    """Decode-style weight streaming, and the FLOP rate of the extra rows of a multi-row pass (None: free)."""
+def _weight_streaming(s: CalibrationSettings, raw: dict, progress: _Progress) -> tuple[dict[str, float], float | None]:
+    """Torch's decode-style weight streaming, and the FLOP rate of the extra rows of a multi-row pass (None: free)."""
     stream = stream_weights(s.stream_bytes, s.stream_shapes, s.rows, trials=s.trials, min_seconds=s.min_seconds)
     raw["stream"] = stream
     extra = stream["rows_s"] - stream["one_row_s"]
     extra_row_flops = (s.rows - 1) * 2.0 * stream["parameters"] / extra if extra > 0 else None
-    _progress(
-        f"bf16 matrix-vector over {stream['bytes'] / MIB:.0f} MiB: {stream['bytes_per_s'] / 1e9:.1f} GB/s; "
-        f"{s.rows} rows take {stream['rows_s'] / stream['one_row_s']:.2f}x one row",
-        quiet,
+    progress.line(
+        f"torch bf16 matrix-vector over {stream['bytes'] / MIB:.0f} MiB: {stream['bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"{s.rows} rows take {stream['rows_s'] / stream['one_row_s']:.2f}x one row"
     )
+    progress.done("torch streaming")
     return stream, extra_row_flops
 
 
-def _kv_residency_fraction(s: CalibrationSettings, machine: _Machine, quiet: bool) -> tuple[dict[str, float], float]:
+def _native_streaming(s: CalibrationSettings, progress: _Progress) -> dict[str, dict[str, Any]]:
+    """The native kernels' streaming curve and extra-row rate of every block type (``native_stream``); none where
+    the kernels are not available (the profile then describes the torch path)."""
+    from .. import kernels
+
+    out: dict[str, dict[str, Any]] = {}
+    if not kernels.available():
+        progress.line(f"native kernels unavailable ({kernels.unavailable_reason()}): measuring the torch path")
+        for _ in s.native_types:
+            progress.done("native streaming")
+        return out
+    # Every type once per round, rounds in turn: a slow moment of the machine spoils one round of one type, and the
+    # median over the rounds leaves it out.
+    rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in s.native_types}
+    for _ in range(s.stream_rounds):
+        for kind in s.native_types:
+            rounds[kind].append(native_streaming(kind, s.stream_bytes, s.stream_shapes, s.rows, trials=s.trials,
+                                                 min_seconds=s.min_seconds))
+    for kind, measured in rounds.items():
+        extras = [m["extra_row_bytes_per_s"] for m in measured]
+        out[kind] = {
+            "bytes_per_s": statistics.median(m["bytes_per_s"] for m in measured),
+            "extra_row_bytes_per_s": statistics.median(extras) if None not in extras else None,
+            "working_set_bytes": measured[0]["working_set_bytes"],
+            "rounds": measured,
+        }
+        extra = out[kind]["extra_row_bytes_per_s"]
+        progress.line(f"native {kind} over {measured[0]['working_set_bytes'] / MIB:.0f} MiB: "
+                      f"{out[kind]['bytes_per_s'] / 1e9:.1f} GB/s (rounds: "
+                      + ", ".join(f"{m['bytes_per_s'] / 1e9:.1f}" for m in measured) + "); each extra row "
+                      + (f"{extra / 1e9:.0f} GB/s" if extra else "free"))
+        progress.done(f"native {kind}")
+    return out
+
+
+def _kv_residency_fraction(s: CalibrationSettings, machine: _Machine,
+                           progress: _Progress) -> tuple[dict[str, float], float]:
     """KV residency while weights stream through the cache, and the largest fraction of the L3 that stays."""
     residency = kv_residency(machine.l3, s.residency_fractions, max(4 * machine.l3, 64 * MIB), trials=s.trials)
     resident = [float(f) for f, share in residency.items() if share >= 0.5]
     kv_fraction = max(resident) if resident else min(s.residency_fractions) / 2
-    _progress(f"KV residency after streaming 4x L3: {residency} -> sram_kv_fraction {kv_fraction:.3g}", quiet)
+    progress.line(f"KV residency after streaming 4x L3: {residency} -> sram_kv_fraction {kv_fraction:.3g}")
+    progress.done("KV residency")
     return residency, kv_fraction
 
 
-def _sampling_cost(s: CalibrationSettings, raw: dict) -> float:
+def _sampling_cost(s: CalibrationSettings, raw: dict, progress: _Progress) -> float:
     """Sampling seconds per vocabulary entry (the slope between a small and a large vocabulary)."""
     vocab_small, vocab_large = s.vocab_sizes
     sample_small = sampling_seconds(vocab_small, trials=s.trials, min_seconds=s.min_seconds)
     sample_large = sampling_seconds(vocab_large, trials=s.trials, min_seconds=s.min_seconds)
     raw["sampling_seconds"] = {str(vocab_small): sample_small, str(vocab_large): sample_large}
+    progress.done("sampling")
     return max(0.0, _slope(vocab_small, sample_small, vocab_large, sample_large))
+
+
+def _tiny_probe_overhead(s: CalibrationSettings, torch_rate: float, native: dict[str, dict[str, Any]],
+                         per_vocab: float, raw: dict) -> tuple[float, float]:
+    """The pass's fixed cost and the cost of a layer whose weights stay in the caches: the intercept and the slope
+    over layers of the decode step of a tiny model (native Q8_0; bf16 on the torch path), less its weights'
+    streaming and its sampling."""
+    import torch
+
+    from .. import kernels
+    from ..cache.policy import make_policy
+    from ..model import Transformer
+
+    lo, hi = s.tiny_probe_layers
+    use_native = kernels.available()
+    state = random_state(probe_config(hi, s.tiny_probe_shape))
+    models = {n: Transformer(probe_config(n, s.tiny_probe_shape), state, torch.bfloat16,
+                             "native" if use_native else "dense") for n in (lo, hi)}
+    per_weight = 34 / 32 if use_native else 2.0
+    head = models[lo].lm_head
+    head_bytes = head.out_features * head.in_features * per_weight
+    q8 = native.get("Q8_0")
+    rate = q8["bytes_per_s"] if q8 else torch_rate
+    steps = {n: statistics.median(decode_step_seconds(m, make_policy("full"), s.probe_context, s.probe_steps)
+                                  for _ in range(s.probe_rounds)) for n, m in models.items()}
+    slope = _slope(lo, steps[lo], hi, steps[hi])
+    layer_bytes = sum(lin.out_features * lin.in_features * per_weight for lin in (
+        models[lo].layers[0].qkv, models[lo].layers[0].o_proj, models[lo].layers[0].gate_up, models[lo].layers[0].down))
+    overhead = steps[lo] - lo * slope - head_bytes / rate - models[lo].config.vocab_size * per_vocab
+    raw["tiny_probe"] = {"layers": [lo, hi], "shape": list(s.tiny_probe_shape),
+                         "step_seconds": {str(n): t for n, t in steps.items()}}
+    return max(0.0, overhead), max(0.0, slope - layer_bytes / rate)
 
 
 @dataclass(frozen=True)
 class _Probe:
-    """Median seconds of the probe model's decode steps and passes, by kind and layer count."""
+    """One streaming probe model's shape, layer count, and median seconds: ``stream_1`` (a pass over its projections
+    alone, one row), and, each taken turn by turn against its reference, ``around`` (a decode step less
+    ``stream_1``), ``evicting`` (a step over a full hybrid cache less one over the full cache), ``extra_rows``
+    (a ``rows``-row pass less a 1-row pass, less the same difference of the projections alone) and
+    ``evicting_rows`` (a ``rows``-row pass over the full hybrid cache less one over the full cache)."""
 
-    lo: int
-    hi: int
-    times: dict[str, dict[int, float]]
-    weights: dict[int, int]  # weight bytes streamed per token
-    head_bytes: int
-    vocab: int
+    shape: tuple[int, int, int, int, int]
+    layers: int
+    times: dict[str, float]
 
 
-def _probe_engine(s: CalibrationSettings, machine: _Machine, raw: dict, quiet: bool) -> _Probe:
-    """Decode steps and passes of a probe model with few and many layers, in interleaved rounds (median of each: a
-    burst of contention spoils one at most). Its weights stream from DRAM as a real model's do."""
+def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> list[_Probe]:
+    """The streaming probe models' decode steps and passes, every kind in turn with the pass over its projections
+    alone, ``probe_steps × probe_rounds`` turns (medians of the turn-by-turn differences: the machine's drift falls
+    on both sides of each). On the torch path (no native kernels) there are none."""
+    from .. import kernels
+    from ..cache.policy import make_policy
+
+    if not kernels.available():
+        progress.done("engine overheads")
+        return []
+    ctx, rows = s.probe_context, s.rows
+    turns = s.probe_steps * s.probe_rounds
+    full, evict = make_policy("full"), make_policy("hybrid", ctx)
+    over = ctx + 64  # a prompt that fills the hybrid cache of `ctx` entries, so that every row evicts
+    probes = []
+    for shape in s.probe_shapes:
+        one = native_probe_model(shape, 1, s.probe_type)
+        layer_bytes = sum(lin.nbytes for name, lin in one.linear_items() if name != "lm_head")
+        model = native_probe_model(shape, max(2, math.ceil(s.probe_bytes / layer_bytes)), s.probe_type)
+        t = paired_seconds({
+            "step": decode_steps(model, full, ctx, turns),
+            "stream_1": linears_pass(model, 1),
+            "step_evict": decode_steps(model, evict, over, turns),
+            "pass_1": block_pass(model, full, ctx, 1),
+            "pass_rows": block_pass(model, full, ctx, rows),
+            "stream_rows": linears_pass(model, rows),
+            "pass_rows_evict": block_pass(model, evict, over, rows),
+        }, turns)
+        times = {
+            "stream_1": statistics.median(t["stream_1"]),
+            "around": median_difference(t["step"], t["stream_1"]),
+            "evicting": median_difference(t["step_evict"], t["step"]),
+            "extra_rows": statistics.median((a - b) - (c - d) for a, b, c, d in
+                                            zip(t["pass_rows"], t["pass_1"], t["stream_rows"], t["stream_1"])),
+            "evicting_rows": median_difference(t["pass_rows_evict"], t["pass_rows"]),
+        }
+        probes.append(_Probe(shape, model.config.num_hidden_layers, times))
+        progress.line(
+            f"probe {shape[0]} wide, {model.config.num_hidden_layers} layers: its projections alone "
+            f"{times['stream_1'] * 1e3:.2f} ms, a decode step {times['around'] * 1e3:.2f} ms more; evicting "
+            f"{times['evicting'] * 1e3:+.2f} ms; {rows} rows {times['extra_rows'] * 1e3:+.2f} ms beyond their "
+            f"products, evicting {times['evicting_rows'] * 1e3:+.2f} ms"
+        )
+        del model
+    raw["probes"] = [{"shape": list(p.shape), "type": s.probe_type, "layers": p.layers, "seconds": p.times}
+                     for p in probes]
+    progress.done("engine overheads")
+    return probes
+
+
+def _attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> dict[str, float]:
+    """FLOP rates of the arena's attention paths, from two cache sizes each, at every KV dtype, the cache read
+    from memory (a buffer of ``flush_bytes`` is read before each call)."""
     import torch
 
-    from ..cache.policy import make_policy
-    from ..model import Transformer
-
-    lo, hi = s.probe_layers or probe_layer_counts(s.probe_shape, machine.l3)
-    full, evict = make_policy("full"), make_policy("hybrid", s.probe_budget)
-    state = random_state(probe_config(hi, s.probe_shape))
-    models = {n: Transformer(probe_config(n, s.probe_shape), state, torch.bfloat16) for n in (lo, hi)}
-    del state
-    weights = {n: m.bytes_read_per_token() for n, m in models.items()}
-    head_bytes = models[lo].lm_head.nbytes
-    ctx, steps = s.probe_context, s.probe_steps
-    measures = {
-        "ar_full": lambda m: decode_step_seconds(m, full, ctx, steps),
-        "ar_evict": lambda m: decode_step_seconds(m, evict, ctx, steps),
-        "pass_1": lambda m: block_pass_seconds(m, full, ctx, 1, steps),
-        "pass_rows": lambda m: block_pass_seconds(m, full, ctx, s.rows, steps),
-        "pass_rows_evict": lambda m: block_pass_seconds(m, evict, ctx, s.rows, steps),
-    }
-    rounds: dict[str, dict[int, list[float]]] = {k: {} for k in measures}
-    for _ in range(s.probe_rounds):
-        for layers, model in models.items():
-            for kind, measure in measures.items():
-                rounds[kind].setdefault(layers, []).append(measure(model))
-    times = {kind: {layers: statistics.median(values) for layers, values in by_layers.items()}
-             for kind, by_layers in rounds.items()}
-    for layers in (lo, hi):
-        _progress(
-            f"probe model, {layers} layers ({weights[layers] / MIB:.0f} MiB): decode step "
-            f"{times['ar_full'][layers] * 1e3:.2f} ms (evicting {times['ar_evict'][layers] * 1e3:.2f} ms); "
-            f"{s.rows}-row pass {times['pass_rows'][layers] * 1e3:.2f} ms vs 1-row "
-            f"{times['pass_1'][layers] * 1e3:.2f} ms",
-            quiet,
-        )
-    raw["probe"] = {
-        "layers": [lo, hi],
-        "shape": list(s.probe_shape),
-        "weight_bytes": {str(k): v for k, v in weights.items()},
-        "seconds": {k: {str(n): v for n, v in d.items()} for k, d in times.items()},
-    }
-    return _Probe(lo, hi, times, weights, head_bytes, probe_config(lo, s.probe_shape).vocab_size)
+    flush = torch.ones(max(s.flush_bytes // 4, 256), dtype=torch.float32)
+    entries = s.attention_entries
+    rates: dict[str, float] = {}
+    raw["attention_seconds"] = {}
+    paths = (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True))
+    for kv_dtype in ("auto", *s.kv_dtypes):
+        for path, rows, evicting in paths:
+            steps = [attention_step(n, rows, evicting=evicting, kv_dtype=kv_dtype) for n in entries]
+            small, large = cold_pair_seconds(*steps, flush, s.attention_trials)
+            key = path if kv_dtype == "auto" else f"{path}:{kv_dtype}"
+            raw["attention_seconds"][key] = {str(entries[0]): small, str(entries[1]): large, "rows": rows}
+            flops = attention_rate(small, large, entries, rows)
+            if flops is not None:
+                rates[key] = flops
+    progress.line("attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
+    progress.done("attention")
+    return rates
 
 
 @dataclass(frozen=True)
 class _Overheads:
     overhead_s: float
     per_layer_s: float
+    stream_fraction: float
     per_row_layer_s: float
     evict_layer_s: float
     evict_row_layer_s: float
 
 
-def _fit_overheads(s: CalibrationSettings, probe: _Probe, rate: float, extra_row_flops: float | None,
-                   per_vocab: float, quiet: bool) -> _Overheads:
-    """The engine's own costs from the probe's times: intercept and slope over layers, less the weights' streaming
-    time at ``rate`` (bytes/s) and the sampling cost."""
-    lo, hi, times = probe.lo, probe.hi, probe.times
-    layer_bytes = (probe.weights[hi] - probe.weights[lo]) / (hi - lo)
+def _fit_overheads(s: CalibrationSettings, probes: list[_Probe], pass_s: float, cached_layer_s: float,
+                   attention: dict[str, float], progress: _Progress) -> _Overheads:
+    """The engine's own costs from the streaming probes: each step less its projections alone, the pass's fixed
+    cost ``pass_s`` and the attention op's time over its entries at the measured ``attention`` rates, per layer:
+    a fixed part and a part in proportion to the layer's streaming time (the layer's other work runs in caches its
+    weights just went through), fitted through the narrow and the wide probe; the extra rows' and the eviction's
+    costs beside the same passes alone, less the attention op's own difference. Without probes (the torch path),
+    a layer costs what the tiny probe's did (``cached_layer_s``)."""
+    if not probes:
+        progress.line(f"overheads (torch path): {pass_s * 1e3:.3f} ms per pass + {cached_layer_s * 1e6:.1f} µs per "
+                      "layer")
+        return _Overheads(pass_s, cached_layer_s, 0.0, 0.0, 0.0, 0.0)
+    rows, ctx = s.rows, s.probe_context
+    decoding = ctx + s.probe_steps * s.probe_rounds / 2  # mean entries of a decode step over the full cache
 
-    def slope(kind: str, minus: str | None = None) -> float:
-        y = {n: times[kind][n] - (times[minus][n] if minus else 0.0) for n in (lo, hi)}
-        return _slope(lo, y[lo], hi, y[hi])
+    def attend(p: _Probe, path: str, entries: float, n_rows: int = 1) -> float:
+        """Seconds of one layer's attention op beyond its fixed cost, at the measured rate."""
+        rate = attention.get(path)
+        return 4.0 * p.shape[2] * p.shape[4] * entries * n_rows / rate if rate else 0.0
 
-    step_slope = slope("ar_full")
-    per_layer = max(0.0, step_slope - layer_bytes / rate)
-    overhead = times["ar_full"][lo] - lo * step_slope - probe.head_bytes / rate - probe.vocab * per_vocab
-    if overhead < 0:  # noise tilted the line: put it through the origin and the larger probe instead
-        overhead = 0.0
-        per_layer = max(0.0, (times["ar_full"][hi] - probe.weights[hi] / rate - probe.vocab * per_vocab) / hi)
-    # Extra rows cost little and mostly per layer (small-M products and masks); their slope over layers is too
-    # small to separate from noise, so each probe's extra time is spread over its layers and the two are averaged.
-    extra_rows_per_layer = (s.rows - 1) * layer_bytes / extra_row_flops if extra_row_flops else 0.0  # 2·P FLOPs/row
-    per_row_layer = statistics.mean(
-        max(0.0, (times["pass_rows"][n] - times["pass_1"][n]) / n - extra_rows_per_layer) / (s.rows - 1)
-        for n in (lo, hi)
+    def around(p: _Probe) -> tuple[float, float]:  # (streaming, other work) per layer
+        t = p.times
+        return t["stream_1"] / p.layers, (t["around"] - pass_s) / p.layers - attend(p, "single", decoding)
+
+    points = sorted(around(p) for p in probes)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    fraction = max(0.0, _slope(x0, y0, x1, y1)) if x1 > x0 else 0.0
+    per_layer = y0 - fraction * x0
+    if per_layer < 0:  # noise tilted the line: through the origin and the wide probe instead
+        per_layer, fraction = 0.0, max(0.0, y1 / x1)
+
+    def per_row(p: _Probe) -> float:
+        extra = p.times["extra_rows"] / p.layers
+        return (extra - attend(p, "multi", ctx, rows) + attend(p, "single", ctx)) / (rows - 1)
+
+    def evicting(p: _Probe) -> float:
+        return p.times["evicting"] / p.layers - attend(p, "evicting", ctx) + attend(p, "single", decoding)
+
+    per_row_layer = max(0.0, statistics.mean(per_row(p) for p in probes))
+    evict_layer = max(0.0, statistics.mean(evicting(p) for p in probes))
+
+    def evicting_rows(p: _Probe) -> float:
+        extra = p.times["evicting_rows"] / p.layers - evict_layer
+        return (extra - attend(p, "evicting", ctx, rows) + attend(p, "multi", ctx, rows)) / (rows - 1)
+
+    evict_row_layer = max(0.0, statistics.mean(evicting_rows(p) for p in probes))
+    progress.line(
+        f"overheads: {pass_s * 1e3:.3f} ms per pass + {per_layer * 1e6:.1f} µs per layer + {fraction:.3f} of the "
+        f"weights' streaming time; +{per_row_layer * 1e6:.1f} µs per layer and extra row; when evicting "
+        f"+{evict_layer * 1e6:.1f} µs per layer and +{evict_row_layer * 1e6:.1f} µs per layer and extra row"
     )
-    evict_layer = max(0.0, slope("ar_evict", "ar_full"))
-    evict_row_layer = max(0.0, (slope("pass_rows_evict", "pass_rows") - evict_layer) / (s.rows - 1))
-    _progress(
-        f"overheads: {overhead * 1e3:.3f} ms per pass + {per_layer * 1e6:.1f} µs per layer; "
-        f"+{per_row_layer * 1e6:.1f} µs per layer and extra row; when evicting +{evict_layer * 1e6:.1f} µs per "
-        f"layer and +{evict_row_layer * 1e6:.1f} µs per layer and extra row; sampling {per_vocab * 1e9:.2f} ns per "
-        "vocabulary entry",
-        quiet,
-    )
-    return _Overheads(overhead, per_layer, per_row_layer, evict_layer, evict_row_layer)
-
-
-def _attention_rates(s: CalibrationSettings, raw: dict, quiet: bool) -> dict[str, float]:
-    """FLOP rates of the arena's attention paths, from two cache sizes each."""
-    entries = s.attention_entries
-    attention: dict[str, float] = {}
-    raw["attention_seconds"] = {}
-    for path, rows, evicting in (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True)):
-        small = attention_seconds(entries[0], rows, evicting=evicting, trials=s.trials, min_seconds=s.min_seconds)
-        large = attention_seconds(entries[1], rows, evicting=evicting, trials=s.trials, min_seconds=s.min_seconds)
-        raw["attention_seconds"][path] = {str(entries[0]): small, str(entries[1]): large, "rows": rows}
-        flops = attention_rate(small, large, entries, rows)
-        if flops is not None:
-            attention[path] = flops
-    _progress("attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in attention.items()), quiet)
-    return attention
+    return _Overheads(pass_s, per_layer, fraction, per_row_layer, evict_layer, evict_row_layer)
 
 
 # -------------------------------------------------------------------------------------------------- profile
@@ -785,23 +1115,30 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     # DRAM figure is then raised to the streaming rate, so that bandwidth × efficiency is always what was measured.
     dram = max(cal.dram_bandwidth, cal.stream_bandwidth)
     efficiency = cal.stream_bandwidth / dram
-    lo, hi = cal.raw["probe"]["layers"]
-    h, i, heads, kv_heads, hd = cal.raw["probe"]["shape"]
-    probe = (f"a random bf16 model (hidden {h}, MLP {i}, {heads} query / {kv_heads} KV heads of {hd}) with {lo} and "
-             f"{hi} layers run through the engine's decode loop (median step of {settings.probe_steps}, median of "
-             f"{settings.probe_rounds} rounds)")
-    streaming = f"less its weights' streaming time at {cal.stream_bandwidth / 1e9:.1f} GB/s"
+    lo, hi = cal.raw["tiny_probe"]["layers"]
+    h, i, heads, kv_heads, hd = cal.raw["tiny_probe"]["shape"]
+    native = bool(cal.native_stream)
+    tiny = (f"a tiny random model with {'native Q8_0' if native else 'bf16 (torch path: no native kernels)'} "
+            f"weights (hidden {h}, MLP {i}, {heads} query / {kv_heads} KV heads of {hd}) with {lo} and {hi} layers, "
+            f"its weights in the caches, run through the engine's decode loop (median step of "
+            f"{settings.probe_steps}, median of {settings.probe_rounds} rounds)")
+    probes = "; ".join(f"{p['layers']} layers of hidden {p['shape'][0]}, MLP {p['shape'][1]}, {p['shape'][2]} "
+                       f"query / {p['shape'][3]} KV heads of {p['shape'][4]}" for p in cal.raw.get("probes", []))
+    streaming = (f"two random models with native {settings.probe_type} weights streaming from memory ({probes}) run "
+                 f"through the engine's decode loop and passes (median step of {settings.probe_steps}, median of "
+                 f"{settings.probe_rounds} rounds), each beside a pass over its projections alone")
     isa = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx2", "fma", "asimd", "sve")
            if f in cal.flags]
     sources = {
         "memory_bytes": f"{read}: sysconf SC_PHYS_PAGES × SC_PAGE_SIZE.",
-        "dram_bandwidth": f"{stamp}: fp32 sum over buffers of {_sizes(cal.dram_sizes)} (at least 4x the L3), "
+        "dram_bandwidth": f"{stamp}: fp32 sum over buffers of {_sizes(cal.dram_sizes)} (the largest sizes), "
                           "median of the best trial per size"
                           + (f" ({cal.dram_bandwidth / 1e9:.1f} GB/s), raised to the decode streaming rate, which "
                              "was higher" if dram > cal.dram_bandwidth else "") + ".",
-        "dram_efficiency": f"{stamp}: one-row bf16 F.linear over {cal.stream_bytes / MIB:.0f} MiB of layer-shaped "
-                           f"weights streams {cal.stream_bandwidth / 1e9:.1f} GB/s; over the DRAM figure "
-                           f"{dram / 1e9:.1f} GB/s that is {efficiency:.3f}.",
+        "dram_efficiency": f"{stamp}: one-row bf16 F.linear (torch, the dense weight format) over "
+                           f"{cal.stream_bytes / MIB:.0f} MiB of layer-shaped weights streams "
+                           f"{cal.stream_bandwidth / 1e9:.1f} GB/s; over the DRAM figure {dram / 1e9:.1f} GB/s that "
+                           f"is {efficiency:.3f}. The native format streams at native_stream's rates instead.",
         "sram_bytes": f"{read} from {cal.cache_source}: the L3 (last-level cache)"
                       + ("" if "cpu_l3" in cal.caches else f"; not reported, {DEFAULT_L3 // MIB} MiB assumed") + ".",
         "sram_bandwidth": f"{stamp}: fp32 sum over buffers of {_sizes(cal.sram_sizes)} (fit the L3, not the L2s), "
@@ -812,17 +1149,28 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
                                           else "; none was, so half the smallest fraction tested") + ".",
         "peak_flops.bf16": f"{stamp}: {settings.gemm_n}x{settings.gemm_n} bf16 torch.mm, best trial.",
         "peak_flops.fp32": f"{stamp}: {settings.gemm_n}x{settings.gemm_n} fp32 torch.mm, best trial.",
-        "overhead_s": f"{stamp}: intercept over layers of the decode-step time of {probe}, {streaming} and its "
-                      "sampling cost.",
-        "per_layer_overhead_s": f"{stamp}: slope per layer of the decode-step time of {probe}, {streaming}.",
-        "per_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass − 1-row pass) / ({settings.rows - 1} × "
-                                    f"layers), less the extra rows' products at extra_row_flops, mean over the two "
-                                    f"layer counts of {probe}.",
-        "evict_layer_overhead_s": f"{stamp}: slope per layer of (decode step over a full hybrid cache of "
-                                  f"{settings.probe_budget} − over the full cache) for {probe}.",
-        "evict_row_layer_overhead_s": f"{stamp}: slope per layer of ({settings.rows}-row pass over the full hybrid "
-                                      f"cache − over the full cache), less evict_layer_overhead_s, over "
-                                      f"{settings.rows - 1} extra rows, for {probe}.",
+        "overhead_s": f"{stamp}: intercept over layers of the decode-step time of {tiny}, less its head's "
+                      "streaming and its sampling cost.",
+        "per_layer_overhead_s": (f"{stamp}: per layer, the decode step less the projections alone, the pass's "
+                                 f"fixed cost and the attention op's time over its entries at attention_flops, for "
+                                 f"{streaming}: the part that does not grow with the layer's streaming time (a line "
+                                 "through the narrow and the wide model)." if native else
+                                 f"{stamp}: slope per layer of the decode-step time of {tiny}, less its weights' "
+                                 "streaming time."),
+        "stream_overhead_fraction": (f"{stamp}: the same line's slope against the layer's streaming time." if native
+                                     else f"{read}: not measured on the torch path (no native kernels)."),
+        "per_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass − 1-row pass), less the same difference of "
+                                    "the projections alone and of the attention op at attention_flops, per layer "
+                                    f"and extra row, mean over {streaming}."
+                                    if native else f"{read}: not measured on the torch path.",
+        "evict_layer_overhead_s": f"{stamp}: (decode step over a full hybrid cache of {settings.probe_context} − "
+                                  f"over the full cache of about as many entries) per layer, less the attention "
+                                  f"op's difference at attention_flops, mean over {streaming}."
+                                  if native else f"{read}: not measured on the torch path.",
+        "evict_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass over the full hybrid cache − over the full "
+                                      "cache) per layer, less evict_layer_overhead_s, per extra row, for the same "
+                                      "models." if native else f"{read}: not measured on the torch path.",
+        "threads": f"{read}: the torch threads it measured with (--threads); the engine decodes with as many.",
         "per_vocab_overhead_s": f"{stamp}: greedy choice (argmax) over one row of logits, slope between vocabularies of "
                                 f"{settings.vocab_sizes[0]} and {settings.vocab_sizes[1]} entries.",
     }
@@ -834,12 +1182,20 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     heads, kv_heads, hd = ATTENTION_SHAPE
     paths = {"single": "1 row over the full cache", "multi": f"{settings.rows} rows over the full cache",
              "evicting": "1 row over a full hybrid cache"}
-    for path in cal.attention_flops:
-        sources[f"attention_flops.{path}"] = (
-            f"{stamp}: one layer of KVArena.attend ({heads} query heads, {kv_heads} KV heads of {hd}), {paths[path]}, "
-            f"at {settings.attention_entries[0]} and {settings.attention_entries[1]} entries: 4·H·d per entry and "
-            "row "
-            "over the extra time."
+    for key in cal.attention_flops:
+        path, _, kv_dtype = key.partition(":")
+        sources[f"attention_flops.{key}"] = (
+            f"{stamp}: one layer of KVArena.attend ({heads} query heads, {kv_heads} KV heads of {hd}; "
+            f"{kv_dtype or 'bfloat16'} keys and values), {paths[path]}, at {settings.attention_entries[0]} and "
+            f"{settings.attention_entries[1]} entries, {settings.flush_bytes // MIB} MiB read before each call: "
+            "4·H·d per entry and row over the extra time."
+        )
+    for kind, curve in cal.native_stream.items():
+        sources[f"native_stream.{kind}"] = (
+            f"{stamp}: the native kernels' one-row matmul over random {kind} blocks of layers shaped "
+            f"{list(settings.stream_shapes)} ([out, in]), {curve['working_set_bytes'] / MIB:.0f} MiB in all (median "
+            f"trial; the file's bytes over the time); extra_row_bytes_per_s: the same bytes over the extra time per "
+            f"extra row of {settings.rows}-row passes (median of one-row and {settings.rows}-row passes in turn)."
         )
     caches = {}
     for key, label in (("cpu_l1d_per_core", "L1d per core"), ("cpu_l2_per_core", "L2 per core"), ("cpu_l3", "L3")):
@@ -849,8 +1205,8 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     vm = " under a hypervisor" if cal.hypervisor else ""
     return DeviceProfile(
         name=name,
-        description=f"This machine: {cal.cores} × {cal.cpu}{vm}, decoding with sparsespec's torch engine on the CPU "
-                    f"at {cal.threads} threads",
+        description=f"This machine: {cal.cores} × {cal.cpu}{vm}, decoding with sparsespec's "
+                    f"{'native kernels' if native else 'torch path'} on the CPU at {cal.threads} threads",
         compute_unit=f"CPU: {cal.cores} cores" + (f" ({', '.join(isa)})" if isa else ""),
         memory_bytes=cal.memory_bytes,
         dram_bandwidth=dram,
@@ -862,18 +1218,23 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         peak_flops=dict(cal.peak_flops),
         overhead_s=cal.overhead_s,
         per_layer_overhead_s=cal.per_layer_overhead_s,
+        stream_overhead_fraction=cal.stream_overhead_fraction,
+        threads=cal.threads,
         extra_row_flops=cal.extra_row_flops,
         per_row_layer_overhead_s=cal.per_row_layer_overhead_s,
         evict_layer_overhead_s=cal.evict_layer_overhead_s,
         evict_row_layer_overhead_s=cal.evict_row_layer_overhead_s,
         per_vocab_overhead_s=cal.per_vocab_overhead_s,
         attention_flops=dict(cal.attention_flops),
+        native_stream={kind: {k: entry[k] for k in ("bytes_per_s", "extra_row_bytes_per_s")}
+                       for kind, entry in cal.native_stream.items()},
         caches=caches,
         sources=sources,
         note=f"Measured by sparsespec calibrate on {cal.date} in {cal.seconds:.0f} s at {cal.threads} threads "
              f"(load average {cal.loadavg_before:.2f} before, {cal.loadavg_after:.2f} after). The overheads, "
-             "extra-row, sampling and attention figures describe sparsespec's own engine (bf16, original "
-             "positions), not the chip alone. Read bandwidth by buffer size (bytes: GB/s): "
+             "native streaming, extra-row, sampling and attention figures describe sparsespec's own engine (native "
+             "kernels, bfloat16 compute), not the chip alone; the torch weight formats are priced with the same "
+             "overheads, which they do not have. Read bandwidth by buffer size (bytes: GB/s): "
              + ", ".join(f"{int(p['bytes'])}: {p['bytes_per_s'] / 1e9:.1f}" for p in cal.bandwidth_curve) + ".",
     )
 
@@ -892,7 +1253,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help=f"where to write the profile (default: {default_output_path()}, which "
                              "`simulate --device host` then uses)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer sizes and shorter timings (about 10 s; noisier)")
+                        help="fewer sizes, block types and trials (about a minute; noisier)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     return parser
 
@@ -913,9 +1274,14 @@ def format_summary(cal: Calibration, profile: DeviceProfile, path: Path) -> str:
         f"(efficiency {profile.dram_efficiency:.2f}); L3 {cal.sram_bandwidth / 1e9:.1f} GB/s "
         f"({profile.sram_bytes / MIB:.0f} MiB, KV fraction {profile.sram_kv_fraction:.3g})",
         f"  GEMM bf16 {cal.peak_flops['bf16'] / 1e9:.0f} GFLOP/s, fp32 {cal.peak_flops['fp32'] / 1e9:.0f} GFLOP/s; "
-        "extra rows "
+        "torch extra rows "
         + (f"{cal.extra_row_flops / 1e9:.0f} GFLOP/s" if cal.extra_row_flops else "free"),
-        f"  overheads: {cal.overhead_s * 1e3:.3f} ms per pass, {cal.per_layer_overhead_s * 1e6:.1f} µs per layer, "
+        "  native streaming (GB/s; each extra row): " + ", ".join(
+            f"{kind} {curve['bytes_per_s'] / 1e9:.1f}"
+            + (f" ({curve['extra_row_bytes_per_s'] / 1e9:.0f})" if curve["extra_row_bytes_per_s"] else "")
+            for kind, curve in cal.native_stream.items()),
+        f"  overheads: {cal.overhead_s * 1e3:.3f} ms per pass, {cal.per_layer_overhead_s * 1e6:.1f} µs per layer "
+        f"+ {cal.stream_overhead_fraction:.3f} of the weights' streaming time, "
         f"{cal.per_row_layer_overhead_s * 1e6:.1f} µs per layer and extra row, "
         f"{cal.evict_layer_overhead_s * 1e6:.1f} + {cal.evict_row_layer_overhead_s * 1e6:.1f} µs per layer and "
         "evicting pass + extra row, "
