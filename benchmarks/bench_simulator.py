@@ -1,24 +1,29 @@
 """The edge simulator against real runs on this machine: measured decode tok/s vs the `host` profile's prediction.
 
-Runs real configurations of the engine (`run_generation`, bf16, greedy, original positions), takes the median
-tok/s of `--runs` runs and the measured acceptance, and predicts each configuration with the edge simulator from
-the model shapes and the device profile (`--device`, default `host`: the profile written by `sparsespec calibrate`
-when there is one). Speculative predictions take the measured acceptance: `predicted_tok_s` replays the measured
-rounds (their γ and accepted tokens) through the simulator's pass costs; `predicted_tok_s_simulator` is
-`predict_speculative` with the measured tokens per target pass, `predicted_tok_s_iid` the same through the i.i.d.
-formula on the measured per-token acceptance. Measured tok/s counts the tokens after the first forward pass (or
-speculative round) over the time after it; `engine_tok_s` is `RunStats.tokens_per_s` for comparison. Prints one
-JSON line per configuration:
-{config, measured_tok_s, predicted_tok_s, error_fraction, ...}, then a summary line.
+Runs real configurations of the engine (`run_generation`, the native GGUF weights by default, bfloat16, greedy),
+takes the median tok/s of `--runs` runs and the measured acceptance, and predicts each configuration with the edge
+simulator from the model shapes, the GGUF file's bytes by block type and the device profile (`--device`, default
+`host`: the profile written by `sparsespec calibrate` when there is one). The default configurations are the nine of
+the simulator's goal: each fixture model autoregressive at 512 tokens, speculating at 512 tokens (the 1.5B with the
+0.5B as its draft, the smaller two drafting for themselves with a 64-entry hybrid cache) and decoding over a
+1,024-entry hybrid cache after an 8,000-token prompt (retention off: it changes which entries the budget keeps, not
+what a decode step costs, and it triples the prefill).
+
+Speculative predictions take the measured acceptance: `predicted_tok_s` replays the measured rounds (their γ and
+accepted tokens) through the simulator's pass costs; `predicted_tok_s_simulator` is `predict_speculative` with the
+measured tokens per target pass, `predicted_tok_s_iid` the same through the i.i.d. formula on the measured per-token
+acceptance. Measured tok/s counts the tokens after the first forward pass (or speculative round) over the time after
+it; `engine_tok_s` is `RunStats.tokens_per_s` for comparison. Prints one JSON line per configuration:
+{config, measured_tok_s, predicted_tok_s, error_fraction, ...}, then a summary line, and plots predicted against
+measured (`--plot`).
 
 The context of a prediction is the mean number of cached tokens over the timed steps (prompt + new_tokens / 2) for
 a full cache, the budget for a budgeted one. Calibrate first, at the same thread count, on an idle machine:
 
     sparsespec calibrate --threads 2
-    python benchmarks/bench_simulator.py                # Qwen2.5-Coder 1.5B (+0.5B draft) and SmolLM2; minutes
+    python benchmarks/bench_simulator.py                # the nine configurations; about ten minutes
     python benchmarks/bench_simulator.py --quick        # SmolLM2 only, few tokens, short contexts; under a minute
     python benchmarks/bench_simulator.py --weights int8 --draft-weights int4   # torch's formats, by their bytes
-    python benchmarks/bench_simulator.py --weights native   # the GGUF files' own blocks (the default for GGUF)
 
 The summary line reports the mean absolute and the mean signed error ((predicted − measured) / measured): a signed
 mean far from zero is a bias of the model, not noise.
@@ -39,7 +44,8 @@ from common import PROSE_PROMPT, RESULTS_DIR, emit, loadavg, machine, median
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.edge import load_profile, predict_autoregressive, predict_speculative
-from sparsespec.edge.commands import native_bytes_per_parameter
+from sparsespec.edge.commands import native_streamed_bytes
+from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.errors import UserError
 from sparsespec.eval.prompts import load_prompts
@@ -61,21 +67,20 @@ class Config:
     budget: int | None = None
     draft: str | None = None
     draft_budget: int | None = None
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
 
 
 def full_configs(target: str, draft: str, small: str) -> list[Config]:
-    return [
-        Config("ar-full-128", target, 128),
-        Config("ar-full-4k", target, 4096),
-        Config("ar-hybrid256-4k", target, 4096, budget=256),
-        Config("spec-draft-128", target, 128, draft=draft),
-        Config("spec-draft-hybrid256-4k", target, 4096, budget=256, draft=draft, draft_budget=256),
-        Config("self-spec-128", target, 128, draft="self", draft_budget=64),
-        Config(f"{small}-ar-full-128", small, 128),
-        Config(f"{small}-self-spec-128", small, 128, draft="self", draft_budget=64),
-        Config(f"{small}-self-spec-hybrid256-4k", small, 4096, budget=256, draft="self", draft_budget=64),
-    ]
+    """Each model autoregressive, speculating, and over a 1,024-entry budget at 8k."""
+    configs = []
+    for model, label, spec_draft, spec_budget in ((target, "1.5b", draft, None), (draft, "0.5b", "self", 64),
+                                                  (small, "135m", "self", 64)):
+        configs += [
+            Config(f"{label}-ar-512", model, 512),
+            Config(f"{label}-spec-512", model, 512, draft=spec_draft, draft_budget=spec_budget),
+            Config(f"{label}-hybrid1024-8k", model, 8000, budget=1024),
+        ]
+    return configs
 
 
 def quick_configs(small: str) -> list[Config]:
@@ -114,7 +119,7 @@ def prompt_for(loaded, context: int) -> list[int]:
 
 def cache_for(budget: int | None) -> CacheOptions:
     policy = make_policy("full") if budget is None else make_policy("hybrid", budget)
-    return CacheOptions(policy, "original", 512, force_context=True)
+    return CacheOptions(policy, "original", 512, force_context=True, retention="off" if budget else "auto")
 
 
 # Tokens that arrive less than this long after the previous one were produced by the same forward pass (a
@@ -174,10 +179,10 @@ SIMULATOR_FORMAT = {"dense": "bf16", "int8": "int8", "int4": "int4"}
 WEIGHT_CHOICES = (*SIMULATOR_FORMAT, "native")
 
 
-def simulator_format(weights: str, model: str) -> str | float:
+def simulator_format(weights: str, model: str):
     """The simulator's weight format for the engine's ``weights`` on ``model``: a format name, or for ``native``
-    the GGUF file's own bytes per streamed parameter."""
-    return native_bytes_per_parameter(model) if weights == "native" else SIMULATOR_FORMAT[weights]
+    the GGUF file's streamed bytes by block type."""
+    return native_streamed_bytes(model) if weights == "native" else SIMULATOR_FORMAT[weights]
 
 
 def predict(config: Config, target, draft_model, device, prompt_tokens: int, new_tokens: int, run: Run,
@@ -231,6 +236,39 @@ def _brief(pred) -> dict:
     return out
 
 
+def plot_predictions(records: list[dict], path: Path, title: str) -> None:
+    """Predicted against measured tok/s, one labelled point per configuration, the ±15% band around equality."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    measured = [r["measured_tok_s"] for r in records]
+    predicted = [r["predicted_tok_s"] for r in records]
+    top = max(measured + predicted) * 1.3
+    low = min(measured + predicted) / 1.3
+    line = [low, top]
+    ax.plot(line, line, color="black", lw=1, label="predicted = measured")
+    ax.fill_between(line, [v * 0.85 for v in line], [v * 1.15 for v in line], color="grey", alpha=0.2, label="±15%")
+    ax.scatter(measured, predicted, zorder=3)
+    for r in records:
+        ax.annotate(f"{r['config']} ({r['error_fraction']:+.0%})", (r["measured_tok_s"], r["predicted_tok_s"]),
+                    fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(low, top)
+    ax.set_ylim(low, top)
+    ax.set_xlabel("measured tok/s")
+    ax.set_ylabel("predicted tok/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{SMALL} only, few tokens, contexts up to 1k")
@@ -241,13 +279,17 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated configuration names to run (default: all)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (16 with --quick)")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="dense",
-                        help="the target's weight format, run by the engine and modelled by its bytes (default: dense)")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="native",
+                        help="the target's weight format, run by the engine and modelled by its bytes (default: "
+                             "native, the engine's own)")
     parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                         help="a draft model's weight format (default: as --weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None,
                         help="also append the JSON lines here (default: results/simulator.jsonl; none with --quick)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="predicted against measured tok/s as a PNG (default: results/simulator.png; none with "
+                             "--quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = args.new_tokens or (16 if args.quick else 64)
@@ -270,7 +312,7 @@ def main() -> None:
                                 sampling=SamplingParams(), cache=cache_for(None)))
         return models[name, weights]
 
-    errors = []
+    errors, records = [], []
     for config in configs:
         target = get(config.target, args.weights)
         draft_weights = args.draft_weights or args.weights
@@ -306,8 +348,13 @@ def main() -> None:
                           measured_other_s_per_round=_untimed_per_round(run))
         record.update(prediction, device=device.name, loadavg=loadavg(), date=machine()["date"])
         errors.append(record["error_fraction"])
+        records.append(record)
         emit(record, out)
         gc.collect()
+    plot = args.plot if args.plot is not None else (None if args.quick else RESULTS_DIR / "simulator.png")
+    if plot and records:
+        plot_predictions(records, plot, f"{device.name} profile, {args.weights} weights, {machine()['date']}")
+        print(f"wrote {plot}", file=sys.stderr)
     if errors:  # signed: (predicted − measured) / measured; a mean signed error far from 0 is a systematic bias
         emit({"bench": "simulator_summary", "configs": len(errors),
               "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
