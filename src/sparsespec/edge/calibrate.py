@@ -108,8 +108,8 @@ class CalibrationSettings:
     probe_shapes: tuple[tuple[int, int, int, int, int], ...] = ((512, 1536, 8, 2, 64), (1536, 8192, 12, 2, 128))
     probe_type: str = "Q4_K"
     probe_bytes: int = 256 * MIB
-    probe_steps: int = 40  # steps timed per probe run
-    probe_rounds: int = 3  # interleaved repetitions of the probe runs (the median of each is kept)
+    probe_steps: int = 40  # steps timed per run of the tiny probe (median of each run)
+    probe_rounds: int = 3  # its runs per layer count (median); the streaming probes take steps × rounds turns
     probe_context: int = 256  # tokens in the probe's cache, and the budget of its evicting (hybrid) cache
     flush_bytes: int = 256 * MIB  # read between two timed attention calls, as a pass's weights pass between them
     attention_entries: tuple[int, int] = (256, 2048)  # cache sizes of the attention test
