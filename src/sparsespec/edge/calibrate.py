@@ -497,20 +497,21 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict:
     return state
 
 
-def native_probe_model(shape: tuple[int, int, int, int, int], layers: int, kind: str):
-    """A :class:`Transformer` of ``layers`` layers of ``shape`` whose projections are random native weights of
-    GGUF type ``kind`` (one layer's blocks, copied into every layer, so each streams its own memory) and whose
-    head is random Q8_0 over a 512-entry vocabulary."""
+def native_probe_model(shape: tuple[int, int, int, int, int], kind: str, total_bytes: int):
+    """A :class:`Transformer` of ``shape`` with as many layers as make ``total_bytes`` of random native weights of
+    GGUF type ``kind`` (the file's bytes; at least 2 layers; one layer's blocks copied into every layer, so each
+    streams its own memory) and a random Q8_0 head over a 512-entry vocabulary."""
     import torch
 
     from ..linear import NativeLinear
     from ..model import Transformer
 
-    config = probe_config(layers, shape)
     h, i, heads, kv_heads, hd = shape
     q, kv = heads * hd, kv_heads * hd
     parts = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
     blocks = {part: random_native_weight(kind, n, k, seed=j) for j, (part, (n, k)) in enumerate(parts.items())}
+    layers = max(2, math.ceil(total_bytes / sum(block[3] for block in blocks.values())))
+    config = probe_config(layers, shape)
     linears: dict[str, object] = {}
     for layer in range(layers):
         for part, (kernel_type, blob, padded, _) in blocks.items():
@@ -978,9 +979,7 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
     over = ctx + 64  # a prompt that fills the hybrid cache of `ctx` entries, so that every row evicts
     probes = []
     for shape in s.probe_shapes:
-        one = native_probe_model(shape, 1, s.probe_type)
-        layer_bytes = sum(lin.nbytes for name, lin in one.linear_items() if name != "lm_head")
-        model = native_probe_model(shape, max(2, math.ceil(s.probe_bytes / layer_bytes)), s.probe_type)
+        model = native_probe_model(shape, s.probe_type, s.probe_bytes)
         t = paired_seconds({
             "step": decode_steps(model, full, ctx, turns),
             "stream_1": linears_pass(model, 1),
@@ -1167,8 +1166,8 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
                                   f"over the full cache of about as many entries) per layer, less the attention "
                                   f"op's difference at attention_flops, mean over {streaming}."
                                   if native else f"{read}: not measured on the torch path.",
-        "evict_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass over the full hybrid cache − over the full "
-                                      "cache) per layer, less evict_layer_overhead_s, per extra row, for the same "
+        "evict_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass over the full hybrid cache − over the "
+                                      "full cache) per layer, less evict_layer_overhead_s, per extra row, for the same "
                                       "models." if native else f"{read}: not measured on the torch path.",
         "threads": f"{read}: the torch threads it measured with (--threads); the engine decodes with as many.",
         "per_vocab_overhead_s": f"{stamp}: greedy choice (argmax) over one row of logits, slope between vocabularies of "

@@ -24,8 +24,9 @@ products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
 
 so a verification pass of γ+1 rows costs one pass of weight traffic plus a per-extra-row cost. The native format
 (the GGUF file's own blocks, the engine's default) is given as the file's streamed bytes by block type; a profile
-with ``native_stream`` rates (``sparsespec calibrate`` measures them) streams each type at its own rate, and where the attention path has a measured rate, the op's time stands for its reads of the
-cache too (the KV bytes are still reported as traffic). ``extra_row_flops``,
+with ``native_stream`` rates (``sparsespec calibrate`` measures them) streams each type at its own rate, and where
+the attention path has a measured rate, the op's time stands for its reads of the cache too (the KV bytes are
+still reported as traffic). ``extra_row_flops``,
 ``attention_flops`` and the per-row overheads describe the decoding engine more than the chip: ``sparsespec
 calibrate`` measures them for sparsespec's own engine on this machine; profiles without them count them as zero
 (attention then costs its KV bytes, and its FLOPs at peak).
@@ -253,17 +254,16 @@ def forward_pass(
     dram = {"weights": weight_bytes(model, weights), "kv": 0.0 if kv_in_sram else kv_traffic}
     sram = {"kv": kv_traffic if kv_in_sram else 0.0, "activations": activation_bytes(model, tokens)}
     path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
-    attention_s = 0.0
-    timed_kv = 0.0  # the KV bytes whose time the attention op's measured rate already holds
     rate = device.attention_rate(path, kv_dtype)
-    if rate:
+    if rate:  # the op's measured time holds its reads of the cache
         balance = head_balance(model, device, kv_entries + tokens)
         attention_s = attention_flops(model, tokens, kv_entries) / rate * balance
-        timed_kv = kv_traffic
+        kv_s = 0.0
+    else:
+        attention_s = 0.0
+        kv_s = kv_traffic / (device.sram_bandwidth if kv_in_sram else device.effective_dram_bandwidth)
     streaming_weights_s = weights_seconds(device, weights, dram["weights"])
-    memory_s = (streaming_weights_s
-                + (dram["kv"] - (0.0 if kv_in_sram else timed_kv)) / device.effective_dram_bandwidth
-                + (sum(sram.values()) - (timed_kv if kv_in_sram else 0.0)) / device.sram_bandwidth)
+    memory_s = streaming_weights_s + kv_s + sram["activations"] / device.sram_bandwidth
     flops = forward_flops(model, tokens, kv_entries)
     compute_s = flops / device.peak(compute_dtype)
     layers = model.num_hidden_layers
