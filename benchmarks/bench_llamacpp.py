@@ -28,7 +28,7 @@ one JSON line (stdout and ``--out``); the last line per model is a ``summary``.
     python benchmarks/bench_llamacpp.py                   # the full run (minutes per model)
     python benchmarks/bench_llamacpp.py --quick           # smoke test: SmolLM2-135M, few tokens
 
-The first run of a model builds sparsespec's tensor cache (see ``sparsespec/loading/weights.py``) for each format;
+The first run of a model builds sparsespec's tensor cache (see ``sparsespec/loading/tensor_cache.py``) for each format;
 later runs load in seconds. llama.cpp runs without a GPU, with ``n_threads = n_threads_batch = --threads``.
 """
 

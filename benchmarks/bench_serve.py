@@ -518,8 +518,9 @@ def bench_aiperf(args, base: dict) -> None:
     file), for each C of ``--concurrency``, rounds alternated; a line per engine and round, then a summary per C."""
     import tempfile
 
+    from transformers import AutoTokenizer
+
     from sparsespec.loading.source import resolve_model
-    from sparsespec.loading.tokenizer import load_tokenizer
 
     if not Path(args.aiperf).is_file():
         raise SystemExit(f"No aiperf at {args.aiperf}: install it (`python -m venv /tmp/aiperf-venv && "
@@ -527,7 +528,10 @@ def bench_aiperf(args, base: dict) -> None:
     engines = ["sparsespec"] + (["llama_server"] if Path(args.llama_server).is_file() else [])
     with tempfile.TemporaryDirectory() as work:
         tokenizer_dir = Path(work) / "tokenizer"  # aiperf reads a Hugging Face tokenizer folder
-        load_tokenizer(resolve_model(args.model)).save_pretrained(tokenizer_dir)
+        source = resolve_model(args.model)
+        hf = (AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+              if source.kind == "gguf" else AutoTokenizer.from_pretrained(str(source.path)))
+        hf.save_pretrained(tokenizer_dir)
         for concurrency in args.concurrency:
             rounds: dict[str, list[dict]] = {engine: [] for engine in engines}
             servers: dict[str, Server] = {}

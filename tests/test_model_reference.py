@@ -230,7 +230,8 @@ def transformers_greedy(smollm2_f32, smollm2_reference) -> dict[str, list[int]]:
     assert {len(v) for v in ids.values()} == {12}
     inputs = torch.tensor(list(ids.values()))
     generation = GenerationConfig(
-        do_sample=False, max_new_tokens=GREEDY_NEW_TOKENS, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+        do_sample=False, max_new_tokens=GREEDY_NEW_TOKENS, eos_token_id=None,
+        pad_token_id=tokenizer.token_id("pad_token"),
     )
     with torch.no_grad():
         output = smollm2_reference.generate(

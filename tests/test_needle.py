@@ -11,6 +11,7 @@ import pytest
 from sparsespec.cli import main
 from sparsespec.errors import UserError
 from sparsespec.eval import needle
+from sparsespec.loading.tokenizer import Tokenizer
 from sparsespec.eval.needle import (
     TASKS,
     Answer,
@@ -50,10 +51,11 @@ def haystack_text() -> str:
 def bpe_tokenizer(haystack_text):
     """A small byte-level BPE trained on the haystack and the needles' words (lossless, with offsets, a BOS and a
     chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE())
+    backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "<|user|>", "<|assistant|>"],
@@ -62,7 +64,7 @@ def bpe_tokenizer(haystack_text):
     backend.train_from_iterator([haystack_text, *needle_words * 20], trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>")
     tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return Tokenizer.from_transformers(tokenizer)
 
 
 @pytest.fixture(params=["bpe", "smollm2"])

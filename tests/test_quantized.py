@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.generate import generate_tokens
 from sparsespec.linear import MODEL_INT4_GROUP_SIZE, Int4Linear, auto_format, resolve_format
-from sparsespec.loading import load as load_module
 from sparsespec.loading.load import load_model
 from sparsespec.loading.source import ModelSource
-from sparsespec.loading.weights import source_cache_key, tensor_cache_file, tensor_cache_root
+from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
+from sparsespec.loading.weights import tensor_cache_file
 from sparsespec.model import Transformer
 from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
@@ -308,25 +308,6 @@ def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     assert tensor_cache_root(False) is None and tensor_cache_root(root) == root
 
 
-def test_tokenizer_cache_round_trip(tmp_path, monkeypatch, smollm2_f32):
-    """A GGUF tokenizer saved next to the tensors loads back with the same vocabulary, encoding and template."""
-    original = smollm2_f32.tokenizer
-    calls = []
-    monkeypatch.setattr(load_module, "load_tokenizer", lambda source: calls.append(source) or original)
-    folder = tmp_path / "tokenizer"
-    first = load_module._cached_tokenizer(smollm2_f32.source, folder)
-    second = load_module._cached_tokenizer(smollm2_f32.source, folder)
-    assert first is original and len(calls) == 1  # built once, then read from the folder
-    text = "Hello world! <|im_start|>user\n  def f(x):\treturn x**2  # ünïcödé 😀\n"
-    assert second.encode(text) == original.encode(text)
-    assert second.get_vocab() == original.get_vocab()
-    assert second.chat_template == original.chat_template
-    assert (second.bos_token_id, second.eos_token_id) == (original.bos_token_id, original.eos_token_id)
-    messages = [{"role": "user", "content": "hi"}]
-    assert second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-        original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 # ------------------------------------------------------------------------------------- native weights, stored repacked
 def _native_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     """Every tensor a native model holds, by name: norms, the embedding table's blocks, each linear's blocks."""
@@ -366,6 +347,43 @@ def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied
     assert second.model.weight_nbytes == uncached.model.weight_nbytes
     ids = random_ids(24, config.vocab_size, seed=2)
     assert torch.equal(full_logits(uncached.model, ids), full_logits(second.model, ids))
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_path, monkeypatch):
+    """The stored build a command prefetches is read on the background thread and taken by load_model (not read
+    twice), its tensors 64-byte aligned views; a guess the load does not take is dropped; a store damaged under a
+    prefetch is rebuilt."""
+    import threading
+
+    from sparsespec.loading import tensor_cache
+
+    config = tiny_config("qwen3", vocab_size=128)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=4), q8=True)
+    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    built = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
+    reads = []
+    read = tensor_cache.read_tensor_file
+    monkeypatch.setattr(tensor_cache, "read_tensor_file",
+                        lambda file: reads.append((file.name, threading.current_thread().name)) or read(file))
+    tensor_cache.prefetch_stored_models([str(path), "no-such-model"], "bfloat16", [None, "auto"])
+    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
+    [stored] = (tmp_path / "tensors").rglob("*.safetensors")
+    assert loaded.from_cache and reads == [(stored.name, "sparsespec prefetch")]
+    tensors = [t for t in _native_tensors(loaded.model).values() if t is not None and t.numel()]
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    ids = random_ids(16, config.vocab_size, seed=1)
+    assert torch.equal(full_logits(built.model, ids), full_logits(loaded.model, ids))
+
+    tensor_cache.prefetch_stored_models([str(path)], "bfloat16", ["auto"])
+    assert not load_model(str(path), torch.float32, "auto", tokenizer=False).from_cache  # another dtype
+    assert not tensor_cache._prefetches  # the bfloat16 read it did not take is gone
+
+    with open(stored, "r+b") as f:
+        f.truncate(stored.stat().st_size - 100)
+    tensor_cache.prefetch_stored_models([str(path)], "bfloat16", ["native"])
+    rebuilt = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
+    assert not rebuilt.from_cache and torch.equal(full_logits(rebuilt.model, ids), full_logits(built.model, ids))
 
 
 @pytest.mark.usefixtures("native_kernels")

@@ -16,6 +16,7 @@ from .flags import (  # the shared flags (also importable from here, as commands
     check_draft_flags,
     draft_settings,
     load_draft,
+    prefetch_models,
     reject_without,
     setup_torch,
 )
@@ -78,6 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
     from contextlib import closing
 
+    prefetch_models(args)  # first: the stored weights are read while torch imports
     from .engine import RunStats, run_generation
     from .generate import stream_text
     from .loading.load import load_model
@@ -110,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{target.name} has no chat template; drop --chat.")
         prompt_ids = list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
     else:
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     eos = set() if args.ignore_eos else eos_token_ids(tokenizer)

@@ -175,7 +175,7 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
     cache, gamma = settings
     if args.draft == "self":
         return DraftOptions(target, cache, gamma, is_self=True)
-    model = load_model(args.draft, dtype, args.draft_weights, role="draft")
+    model = load_model(args.draft, dtype, args.draft_weights, role="draft", share_tokenizer=target.tokenizer)
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
     return DraftOptions(model, cache, gamma)
@@ -200,6 +200,15 @@ def reject_without(given: list[str], needed: str, reason: str = "") -> None:
         verb = "does" if len(given) == 1 else "do"
         raise UserError(f"{', '.join(given)} {verb} nothing without {needed}{reason}; drop "
                         + ("it." if len(given) == 1 else "them."))
+
+
+def prefetch_models(args: argparse.Namespace) -> None:
+    """Start reading the stored builds of ``--model`` and ``--draft`` in the background, before the command imports
+    torch (``loading/tensor_cache.py``); the loads take them."""
+    from .loading.tensor_cache import prefetch_stored_models
+
+    draft_weights = getattr(args, "draft_weights", None) or args.weights
+    prefetch_stored_models([args.model, getattr(args, "draft", None)], args.dtype, [args.weights, draft_weights])
 
 
 def setup_torch(args: argparse.Namespace):

@@ -401,7 +401,8 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     def load_draft(ref: str):
         if ref not in loaded_drafts:
-            loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights, role="draft")
+            loaded_drafts[ref] = load_model(ref, dtype, args.draft_weights, role="draft",
+                                            share_tokenizer=target.tokenizer)
         return loaded_drafts[ref]
 
     options = SweepOptions(

@@ -206,11 +206,7 @@ def answer_is_correct(answer: str, expected: str) -> bool:
 def token_starts(tokenizer, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[int]]:
     """``(ids, starts)`` of ``text``: its token ids and the character where each token starts (special tokens
     the tokenizer adds start at 0)."""
-    try:
-        encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    except NotImplementedError:  # slow (Python) tokenizers have no offsets
-        raise UserError("needle places text by token offsets, which this model's tokenizer does not give; use a "
-                        "model with a fast (tokenizers) tokenizer.") from None
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
 
 

@@ -69,5 +69,5 @@ def prompt_ids(tokenizer, prompt: Prompt, context: str = "") -> list[int]:
             raise UserError(
                 "The model's tokenizer has no chat template; leave chat prompts out (--prompts code,prose).")
         return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
     return list(tokenizer.encode(text, add_special_tokens=True))

@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..linear import NATIVE, default_linear_options, resolve_format
 from ..model import Transformer
 from .source import ModelSource, resolve_model
-from .tokenizer import load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer, stored_tokenizer_digest
 from .weights import (
     gguf_native_types,
     load_gguf_native,
@@ -23,8 +23,8 @@ from .weights import (
     load_state,
     save_model_tensors,
     tensor_cache_file,
-    tensor_cache_root,
 )
+from .tensor_cache import drop_prefetches, tensor_cache_root
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -45,7 +45,7 @@ class LoadedModel:
     source: ModelSource
     config: ModelConfig
     model: Transformer
-    tokenizer: object
+    tokenizer: Tokenizer | None
     weights: str = "dense"
     from_cache: bool = False
 
@@ -58,6 +58,7 @@ def load_model(
     *,
     role: str = "target",
     cache: bool | str | Path = True,
+    share_tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
     """Resolve ``ref`` (fixture name, ``.gguf`` path or Hugging Face folder) and load weights and tokenizer.
 
@@ -69,16 +70,30 @@ def load_model(
             kernels read (when they are built), else the torch format for ``role``.
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
-        cache: the on-disk tensor cache (see ``loading/weights.py``): ``True`` = default folder, ``False`` = off,
+        cache: the on-disk tensor cache (see ``loading/tensor_cache.py``): ``True`` = default folder, ``False`` = off,
             or a folder. A hit skips reading the source's weights and building the model (for native weights:
-            repacking the GGUF's blocks); a miss builds the model and stores it. For GGUF files the tokenizer is
-            cached too (next to the tensors).
+            repacking the GGUF's blocks); a miss builds the model and stores it. The tokenizer is cached too
+            (next to the tensors).
+        share_tokenizer: another model's tokenizer, taken as this model's when their stored backends are the
+            same (a draft's, whose chat template and special tokens are never used).
     """
+    from .. import kernels
+
     source = resolve_model(ref)
-    fmt, note = choose_format(source, weights, role, dtype)
     root = tensor_cache_root(cache)
-    file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
-    hit = None if file is None else load_model_tensors(file, dtype, fmt)
+
+    def cached(fmt: str):
+        file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
+        return file, (None if file is None else load_model_tensors(file, dtype, fmt))
+
+    fmt, note, file, hit = NATIVE, None, None, None
+    if weights in ("auto", NATIVE) and source.kind == "gguf" and kernels.available():
+        # A stored native build of this file means the kernels read all its weights: that is what choose_format
+        # would find by reading the file's header (a third of a second for a 150k-token vocabulary).
+        file, hit = cached(NATIVE)
+    if hit is None:
+        fmt, note = choose_format(source, weights, role, dtype)
+        file, hit = cached(fmt)
     if hit is not None:
         config, model = hit
     else:
@@ -94,9 +109,11 @@ def load_model(
         if file is not None and not save_model_tensors(model, file, source):
             print(f"sparsespec: warning: could not store the built weights in {file.parent} (disk full or not "
                   "writable?); the next start builds them again.", file=sys.stderr)
+    if file is not None:
+        drop_prefetches(file.parent)  # a background read of this model the load did not take
     tok = None
     if tokenizer:
-        tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer")
+        tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer", share_tokenizer)
     if note:  # said once the model loaded, so that a file that fails to load gets its one error line only
         print(f"sparsespec: note: {note}", file=sys.stderr)
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
@@ -147,26 +164,28 @@ def choose_format(source: ModelSource, weights: str, role: str,
     return NATIVE, None
 
 
-def _cached_tokenizer(source: ModelSource, folder: Path | None):
-    """The tokenizer, from ``folder`` (a ``save_pretrained`` copy) when present; GGUF tokenizers are saved there.
+def _cached_tokenizer(source: ModelSource, folder: Path | None, share: Tokenizer | None = None) -> Tokenizer:
+    """The tokenizer, read from ``folder`` when stored there, else built with ``transformers`` and stored; or
+    ``share`` itself when the stored backend is the same (the same ids for the same text; for a draft, which
+    reads ids only, so that the pair holds one tokenizer, ~90 MB for 150k tokens, not two).
 
-    Building a tokenizer from GGUF metadata parses the whole file (seconds for a 150k-token vocabulary); the
-    saved copy loads in a fraction of that. Hugging Face folders already hold a saved tokenizer.
+    Building one imports ``transformers`` and, for a GGUF file, parses the whole file (seconds for a 150k-token
+    vocabulary); the stored copy loads in a third of a second without ``transformers`` (150k tokens; ~90 MB).
     """
-    if folder is None or source.kind != "gguf":
+    if folder is None:
         return load_tokenizer(source)
-    if (folder / "tokenizer_config.json").is_file():
+    if share is not None and share.digest is not None and stored_tokenizer_digest(folder) == share.digest:
+        return share
+    if (folder / "tokenizer.json").is_file():
         try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(folder))
-        except Exception:  # unreadable copy: rebuild it below
+            return Tokenizer.from_folder(folder)
+        except Exception:  # unreadable or from an older version: rebuild it below
             pass
     tok = load_tokenizer(source)
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(str(tmp))
+        tok.save(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     except Exception:  # caching is best effort (e.g. a full disk)

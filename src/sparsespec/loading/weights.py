@@ -1,38 +1,12 @@
-"""Reading weights: GGUF files (dequantized) and safetensors folders into a Hugging Face-named state dict, and the
-on-disk cache of built models.
-
-Tensor cache
-------------
-Opening a GGUF file is slow in pure Python (parsing the metadata of the 1.5B Qwen2.5 file alone takes seconds, and
-dequantizing every tensor with ``gguf`` more), and quantizing to int8 / int4 adds more. So after a model is built
-its tensors are stored, exactly as the model holds them (dense weights in the compute dtype, or packed int4 / int8
-codes with their scales), in one safetensors file::
-
-    <cache root>/<source key>/<dtype>-<format>[-<options>].safetensors
-
-with the model config and each layer's facts in the file's metadata. A later load of the same source, dtype and
-format reads that file and builds nothing, so it holds exactly the same values as the uncached path.
-
-* Cache root: ``cache_dir()/tensors`` (``$SPARSESPEC_HOME/tensors``); ``$SPARSESPEC_TENSOR_CACHE`` set to
-  ``0`` / ``off`` / ``false`` turns the cache off, set to a folder it moves it there.
-* Source key (what invalidates the cache): for a GGUF file with a fetch stamp (``<file>.sha256.json``, written by
-  ``sparsespec fetch``) whose recorded size and mtime still match, its sha256: ``sha256-<hex>``. Any other GGUF
-  file, and a Hugging Face folder (``config.json`` and every ``*.safetensors``), is keyed by a hash of resolved
-  path, size and mtime (``stat-<hex>``), so replacing or touching the file makes a new key without hashing
-  gigabytes on every start. Each key folder records its source in ``source.json``; whenever an entry is written,
-  the folders of the same path's old keys and of paths that no longer exist are deleted.
-* Options in the file name: the quantized kernel dtype (``k<dtype>``) and, for int4, the group size and
-  :func:`~sparsespec.linear.int4_layout_tag` (the packed layout depends on the CPU's vector width and the torch
-  version), so a cache moved to another machine is rebuilt rather than misread.
-* Files are written to a temporary name and renamed into place, so a reader never sees a partial file; a file
-  that cannot be read (or was written by another cache version) is ignored and rebuilt. Failing to write (e.g. a
-  full disk) only skips caching.
+"""Reading weights: GGUF files (dequantized) and safetensors folders into a Hugging Face-named state dict; and
+the on-disk cache of built models, whose files this module names, writes and rebuilds models from
+(``tensor_cache.py`` describes the cache, keys its folders and reads its files).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -45,9 +19,8 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
 from ..model import LAYER_NORMS
-from .fetch import stamped_sha256
-from .fixtures import cache_dir
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
+from .tensor_cache import source_cache_key, take_tensor_file
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -323,42 +296,8 @@ def _check_complete(config: ModelConfig, state: dict[str, torch.Tensor], where: 
 
 # ------------------------------------------------------------------------------------------------ tensor cache
 
-TENSOR_CACHE_ENV = "SPARSESPEC_TENSOR_CACHE"
 TENSOR_CACHE_VERSION = 2  # 2: the config carries RoPE scaling (entries without it may be wrong, so rebuild)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def tensor_cache_root(cache: bool | str | Path = True) -> Path | None:
-    """Where cached model tensors live, or None when caching is off.
-
-    ``cache``: ``True`` (the default root, or ``$SPARSESPEC_TENSOR_CACHE`` when it names a folder), ``False``
-    (off), or a folder.
-    """
-    if cache is False or cache is None:
-        return None
-    if cache is not True:
-        return Path(cache)
-    env = os.environ.get(TENSOR_CACHE_ENV, "").strip()
-    if env.lower() in ("0", "off", "false", "no"):
-        return None
-    return Path(env).expanduser() if env and env.lower() not in ("1", "on", "true", "yes") else cache_dir() / "tensors"
-
-
-def source_cache_key(source: ModelSource) -> str:
-    """The cache key of a model source: ``sha256-<hex>`` from a matching fetch stamp, else ``stat-<hex>``."""
-    path = Path(source.path)
-    if source.kind == "gguf":
-        sha = stamped_sha256(path)
-        if sha is not None:
-            return f"sha256-{sha}"
-        files = [path]
-    else:
-        files = [path / "config.json", *sorted(path.glob("*.safetensors"))]
-    digest = hashlib.sha256()
-    for file in files:
-        st = file.stat()
-        digest.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return f"stat-{digest.hexdigest()[:32]}"
 
 
 def tensor_cache_file(
@@ -472,31 +411,29 @@ def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Metadata and tensors of a safetensors file, read with plain file reads into fresh tensors.
+    """Metadata and tensors of a safetensors file, in process memory (see :func:`tensor_cache.read_tensor_file`;
+    taken from its background read when the command started one).
 
-    Unlike a memory-mapped load, the tensors live in ordinary process memory: weights streamed from file-backed
-    pages decode 7-13% slower (measured on Qwen2.5 0.5B / 1.5B, bf16, 2 threads), the peak memory is the tensors
-    alone (a memory-mapped load that is then copied counts both), fresh allocations are aligned for the quantized
-    kernels, and the model does not depend on the file staying untouched.
+    Unlike a memory-mapped file, the tensors live in anonymous memory: weights streamed from file-backed pages
+    decode 7-13% slower (measured on Qwen2.5 0.5B / 1.5B, bf16, 2 threads), the peak memory is the tensors alone,
+    and the model does not depend on the file staying untouched. Tensors are views of the one read buffer where
+    their offset keeps them 64-byte aligned for the kernels, else copies.
     """
-    with open(file, "rb") as f:
-        (header_len,) = np.frombuffer(f.read(8), dtype="<u8")
-        header = json.loads(f.read(int(header_len)))
-        metadata = header.pop("__metadata__", None) or {}
-        base = 8 + int(header_len)
-        tensors = {}
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = (int(x) for x in info["data_offsets"])
-            t = torch.empty([int(d) for d in info["shape"]], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
-            if t.numel() * t.element_size() != end - begin:
-                raise ValueError(f"tensor {name}: {end - begin} bytes for shape {info['shape']} {info['dtype']}")
-            if end > begin:
-                f.seek(base + begin)
-                buffer = memoryview(t.view(-1).view(torch.uint8).numpy())
-                if f.readinto(buffer) != end - begin:
-                    raise ValueError(f"tensor {name} is truncated")
-            tensors[name] = t
-    return metadata, tensors
+    stored = take_tensor_file(file)
+    tensors = {}
+    for name, info in stored.entries.items():
+        begin, end = (int(x) for x in info["data_offsets"])
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        count = math.prod(shape)
+        if count * dtype.itemsize != end - begin:
+            raise ValueError(f"tensor {name}: {end - begin} bytes for shape {shape} {info['dtype']}")
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(stored.data, dtype=dtype, count=count, offset=begin).view(shape)
+        tensors[name] = t if begin % 64 == 0 else t.clone()
+    return stored.metadata, tensors
 
 
 def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):

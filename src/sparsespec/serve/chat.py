@@ -64,8 +64,7 @@ class Chat:
     def answer(self, text: str) -> None:
         """Stream the answer to ``text``; Ctrl-C stops it (what was said so far stays in the conversation)."""
         messages = self.messages + [{"role": "user", "content": text}]
-        ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False))
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         stats = RunStats()
         tokens = self.session.run(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                   seed=self.seed + self.turns, eos_ids=self.eos, stats=stats)

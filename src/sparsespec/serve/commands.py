@@ -67,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve the model over HTTP until interrupted."""
+    from ..flags import prefetch_models
+
+    prefetch_models(args)  # first: the stored weights are read while torch imports
     import uvicorn
 
     from ..loading.source import resolve_model
@@ -150,6 +153,9 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     """An interactive chat in the terminal."""
+    from ..flags import prefetch_models
+
+    prefetch_models(args)  # first: the stored weights are read while torch imports
     from ..engine import Session
     from ..sampling import SamplingParams
     from .chat import Chat

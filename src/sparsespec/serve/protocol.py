@@ -138,7 +138,7 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("This model has no chat template; use /v1/completions.", "messages")
     try:
-        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
     except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
         raise BadRequest(f"The chat template rejected the messages: {exc}", "messages") from None
 

@@ -1,0 +1,200 @@
+"""The on-disk cache of built models: where its files live, and reading one, in the background if asked.
+
+Opening a GGUF file is slow in pure Python (parsing the metadata of the 1.5B Qwen2.5 file alone takes a third of a
+second), repacking its blocks for the native kernels takes seconds, and quantizing to int8 / int4 more. So after
+a model is built its tensors are stored, exactly as the model holds them (repacked GGUF blocks, dense weights in
+the compute dtype, or packed int4 / int8 codes with their scales), in one safetensors file, its tokenizer beside it::
+
+    <cache root>/<source key>/<dtype>-<format>[-<options>].safetensors
+    <cache root>/<source key>/tokenizer/
+
+with the model config and each layer's facts in the file's metadata. A later load of the same source, dtype and
+format reads that file and builds nothing, so it holds exactly the same values as the uncached path
+(``weights.py`` names the files, stores and rebuilds models; ``load.py`` reads the tokenizer).
+
+* Cache root: ``cache_dir()/tensors`` (``$SPARSESPEC_HOME/tensors``); ``$SPARSESPEC_TENSOR_CACHE`` set to
+  ``0`` / ``off`` / ``false`` turns the cache off, set to a folder it moves it there.
+* Source key (what invalidates the cache): for a GGUF file with a fetch stamp (``<file>.sha256.json``, written by
+  ``sparsespec fetch``) whose recorded size and mtime still match, its sha256: ``sha256-<hex>``. Any other GGUF
+  file, and a Hugging Face folder (``config.json``, every ``*.safetensors`` and its tokenizer files), is keyed by a
+  hash of resolved path, size and mtime (``stat-<hex>``), so replacing or touching the file makes a new key
+  without hashing gigabytes on every start. Each key folder records its source in ``source.json``; whenever an
+  entry is written, the folders of the same path's old keys and of paths that no longer exist are deleted.
+* Options in the file name: the quantized kernel dtype (``k<dtype>``), for int4 the group size and
+  :func:`~sparsespec.linear.int4_layout_tag`, for native weights :func:`~sparsespec.linear.native_layout_tag`
+  (the packed layouts depend on the CPU), so a cache moved to another machine is rebuilt rather than misread.
+* Files are written to a temporary name and renamed into place, so a reader never sees a partial file; a file
+  that cannot be read (truncated, or written by another cache version) is ignored and rebuilt. Failing to write
+  (e.g. a full disk) only skips caching.
+
+Reading a stored file costs about half a second per GB on a 2-core host, most of it the kernel handing out fresh
+pages. :func:`prefetch_stored_models` starts that reading on a background thread before the command imports torch
+(about a second, during which the reading thread needs the interpreter only between its system calls), so a
+start pays the larger of the two rather than their sum. This module does not import torch for that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fetch import stamped_sha256
+from .fixtures import cache_dir
+from .source import ModelSource, resolve_model
+
+TENSOR_CACHE_ENV = "SPARSESPEC_TENSOR_CACHE"
+
+
+def tensor_cache_root(cache: bool | str | Path = True) -> Path | None:
+    """Where cached model tensors live, or None when caching is off.
+
+    ``cache``: ``True`` (the default root, or ``$SPARSESPEC_TENSOR_CACHE`` when it names a folder), ``False``
+    (off), or a folder.
+    """
+    if cache is False or cache is None:
+        return None
+    if cache is not True:
+        return Path(cache)
+    env = os.environ.get(TENSOR_CACHE_ENV, "").strip()
+    if env.lower() in ("0", "off", "false", "no"):
+        return None
+    return Path(env).expanduser() if env and env.lower() not in ("1", "on", "true", "yes") else cache_dir() / "tensors"
+
+
+def source_cache_key(source: ModelSource) -> str:
+    """The cache key of a model source: ``sha256-<hex>`` from a matching fetch stamp, else ``stat-<hex>`` (of the
+    file, or of a folder's config, weights and tokenizer files: the cache holds its tokenizer too)."""
+    path = Path(source.path)
+    if source.kind == "gguf":
+        sha = stamped_sha256(path)
+        if sha is not None:
+            return f"sha256-{sha}"
+        files = [path]
+    else:
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+        files = [path / "config.json", *sorted(path.glob("*.safetensors")),
+                 *(path / name for name in tokenizer_files if (path / name).is_file())]
+    digest = hashlib.sha256()
+    for file in files:
+        st = file.stat()
+        digest.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"stat-{digest.hexdigest()[:32]}"
+
+
+# ----------------------------------------------------------------------------------------------- reading a file
+@dataclass
+class StoredTensors:
+    """A safetensors file read into memory: its metadata, its header's entries (name → ``{"dtype", "shape",
+    "data_offsets"}``) and its data section, in anonymous memory (page-aligned, so an entry whose offset is a
+    multiple of 64 is 64-byte aligned; on Linux in transparent huge pages where the system allows them)."""
+
+    metadata: dict[str, str]
+    entries: dict[str, dict]
+    data: mmap.mmap
+
+
+def read_tensor_file(file: Path) -> StoredTensors:
+    """Read ``file`` whole; ``ValueError`` when its header is malformed or its data truncated, ``OSError`` when it
+    cannot be read."""
+    with open(file, "rb", buffering=0) as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError(f"{file}: the header is not a table")
+        metadata = header.pop("__metadata__", None) or {}
+        size = os.fstat(f.fileno()).st_size - 8 - header_len
+        if size < max((int(e["data_offsets"][1]) for e in header.values()), default=0):
+            raise ValueError(f"{file} is truncated")
+        data = mmap.mmap(-1, max(size, 1))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            data.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while reading, fewer TLB misses while decoding
+        view, done = memoryview(data), 0
+        while done < size:
+            n = f.readinto(view[done:size])
+            if not n:
+                raise ValueError(f"{file} is truncated")
+            done += n
+        view.release()
+    return StoredTensors(metadata, header, data)
+
+
+class _Prefetch:
+    """One file to be read by the background thread of :func:`prefetch_stored_models`."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.result: StoredTensors | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.result = read_tensor_file(self.file)
+        except BaseException as exc:  # handed to whoever takes the file
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def take(self) -> StoredTensors:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+_prefetches: dict[Path, _Prefetch] = {}
+_prefetches_lock = threading.Lock()
+
+
+def take_tensor_file(file: Path) -> StoredTensors:
+    """``file``'s contents: from its background read when one was started (waiting for it), else read now."""
+    with _prefetches_lock:
+        prefetch = _prefetches.pop(Path(file), None)
+    return prefetch.take() if prefetch is not None else read_tensor_file(file)
+
+
+def stored_native_file(ref: str, dtype_name: str) -> Path | None:
+    """The stored native build of the GGUF model ``ref`` for ``dtype_name``, when exactly one exists (None when
+    ``ref`` is not a GGUF model, is unknown, or has no or several such builds: then nothing is guessed)."""
+    root = tensor_cache_root(True)
+    try:
+        source = resolve_model(ref)
+        if root is None or source.kind != "gguf":
+            return None
+        candidates = list((root / source_cache_key(source)).glob(f"{dtype_name}-native-*.safetensors"))
+    except Exception:  # whatever is wrong with ref, load_model says it in its own words
+        return None
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: list[str | None]) -> None:
+    """Start reading, on one background thread, the stored native builds of the GGUF models ``refs`` (each with
+    its ``--weights`` choice, None meaning auto), for :func:`take_tensor_file` to take.
+
+    Only the default path is guessed: native weights from a GGUF file (``auto`` or ``native``) with one stored
+    build for the dtype. ``load_model`` drops what it did not take of its model (:func:`drop_prefetches`), so a
+    wrong guess holds memory only until then.
+    """
+    files = []
+    for ref, fmt in zip(refs, weights):
+        file = stored_native_file(ref, dtype_name) if ref and fmt in (None, "auto", "native") else None
+        if file is not None and file not in files:
+            files.append(file)
+    started = [_Prefetch(file) for file in files]
+    with _prefetches_lock:
+        _prefetches.update({p.file: p for p in started})
+    if started:
+        threading.Thread(target=lambda: [p.run() for p in started], name="sparsespec prefetch", daemon=True).start()
+
+
+def drop_prefetches(folder: Path) -> None:
+    """Forget the background reads of files in ``folder`` (one model's key folder) that were not taken."""
+    with _prefetches_lock:
+        for file in [f for f in _prefetches if f.parent == folder]:
+            del _prefetches[file]
