@@ -309,15 +309,19 @@ def test_without_a_compiler_one_warning_and_the_torch_kernels(tmp_path):
 
 
 def test_a_build_says_so_and_a_built_library_loads_silently(tmp_path, monkeypatch, capsys):
-    """The first load in a fresh kernel folder says it builds (and when it is done); a later one, finding the
-    library, says nothing. The compiler is a stand-in that leaves the library file behind."""
+    """The first load in a fresh kernel folder says it builds (and when it is done); a library that does not import
+    is built again; a finished one is imported without the builder, silently. The compiler is a stand-in that
+    leaves an empty library file behind."""
     from torch.utils import cpp_extension
 
     class Module:
         def set_isa(self, isa):
             return True
 
+    builds = []
+
     def fake_build(name, sources, build_directory, **kwargs):
+        builds.append(build_directory)
         (Path(build_directory) / kernels.LIBRARY).write_bytes(b"")
         return Module()
 
@@ -326,12 +330,16 @@ def test_a_build_says_so_and_a_built_library_loads_silently(tmp_path, monkeypatc
     monkeypatch.setattr(cpp_extension, "load", fake_build)
     kernels._load.cache_clear()
     try:
-        assert not kernels.built() and kernels.available() and kernels.built()
+        assert not kernels.built() and kernels.available() and kernels.built() and len(builds) == 1
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 2 and err[0].startswith("sparsespec: building native kernels (once, about a minute)")
         assert err[1].startswith("sparsespec: native kernels built in ")
         kernels._load.cache_clear()
-        assert kernels.available() and capsys.readouterr().err == ""
+        assert kernels.available() and len(builds) == 2  # the empty file does not import: built again
+        assert capsys.readouterr().err.startswith("sparsespec: building native kernels")
+        monkeypatch.setattr(kernels, "_import_finished_build", lambda folder: Module())
+        kernels._load.cache_clear()
+        assert kernels.available() and len(builds) == 2 and capsys.readouterr().err == ""
     finally:
         kernels._load.cache_clear()  # the real kernels again for the tests after this one
 

@@ -57,7 +57,9 @@ def _build_dir() -> Path:
     digest = hashlib.sha256()
     for name in sorted(p.name for p in CSRC.iterdir()):
         digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}\0{sys.version_info[:2]}\0{' '.join(CFLAGS)}".encode())
+    # The sources' location too: torch's builder rebuilds a folder whenever the paths it was built from change, so
+    # two installs sharing one folder would rebuild it (a minute) each time they take turns.
+    digest.update(f"{torch.__version__}\0{sys.version_info[:2]}\0{' '.join(CFLAGS)}\0{CSRC.resolve()}".encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16]
 
 
@@ -121,6 +123,24 @@ def built() -> bool:
     return (_build_dir() / LIBRARY).is_file()
 
 
+def _import_finished_build(folder: Path):
+    """The extension in ``folder`` when a finished build left it there, else None.
+
+    The folder's name keys these sources, toolchain and location (:func:`_build_dir`), so a library in it is current:
+    importing it directly skips importing the builder and its up-to-date check (~0.1 s of every start)."""
+    import importlib.machinery
+    import importlib.util
+
+    path = folder / LIBRARY
+    loader = importlib.machinery.ExtensionFileLoader("sparsespec_kernels", str(path))
+    try:
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(path.stem, path, loader=loader))
+        loader.exec_module(module)
+    except ImportError:  # damaged or foreign: the builder rebuilds it
+        return None
+    return module
+
+
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
@@ -128,25 +148,26 @@ def _load():
     if isa is None:
         return f"disabled by {KERNELS_ENV}=torch"
     try:
-        from torch.utils import cpp_extension
-
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         wait_for_other_build(folder)
-        building = not built()
+        module = _import_finished_build(folder) if built() else None
+        building = module is None
         if building:
             print(f"sparsespec: building native kernels (once, about a minute) in {folder}", file=sys.stderr)
             started = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = cpp_extension.load(
-                name="sparsespec_kernels",
-                sources=[str(CSRC / s) for s in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                verbose=False,
-            )
+            from torch.utils import cpp_extension
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = cpp_extension.load(
+                    name="sparsespec_kernels",
+                    sources=[str(CSRC / s) for s in SOURCES],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
+                    verbose=False,
+                )
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back to the torch kernels
         reason = _failure_reason(exc)
         print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
