@@ -436,6 +436,26 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     assert result["load_seconds"] > 0 and result["prefill_seconds"] > 0
 
 
+def test_console_script_flushes_its_output_and_exit_code(smollm2_path):
+    """The console script's fast exit (``cli.entry``) loses no output and keeps the exit status: a streamed run's
+    text and summary, a --json object whole, a user mistake's sentence and status 2 (subprocesses, as a shell runs
+    it)."""
+    import subprocess
+    import sys
+
+    def entry(*argv: str) -> subprocess.CompletedProcess:
+        code = f"import sys; sys.argv = ['sparsespec', *{list(argv)!r}]; from sparsespec.cli import entry; entry()"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    streamed = entry("generate", "-m", "smollm2-135m", "--prompt", PROMPT, "-n", "4", "--ignore-eos")
+    assert streamed.returncode == 0 and streamed.stdout.strip(), streamed.stderr
+    assert "[5 prompt tokens, 4 new tokens" in streamed.stderr
+    as_json = entry("generate", "-m", "smollm2-135m", "--prompt", PROMPT, "-n", "4", "--ignore-eos", "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["new_tokens"] == 4
+    mistake = entry("generate", "-m", "no-such-model", "--prompt", PROMPT)
+    assert mistake.returncode == 2 and mistake.stderr.startswith("sparsespec: error: Unknown model 'no-such-model'")
+
+
 _PLAIN_RUNS: dict[str, dict] = {}
 
 

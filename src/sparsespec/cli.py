@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import UserError
@@ -251,6 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nsparsespec: interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The ``sparsespec`` console script: :func:`main`, then an exit that skips tearing the interpreter down.
+
+    Freeing a loaded model's objects one by one at exit took 0.25 s of the 1.5B's 2 s start-to-first-token run
+    (``generate -n 1``); the command's output is flushed and its files are closed by then, and nothing in sparsespec
+    registers exit handlers. ``python -m sparsespec.cli`` and callers of :func:`main` exit normally.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
