@@ -386,6 +386,24 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     assert not rebuilt.from_cache and torch.equal(full_logits(rebuilt.model, ids), full_logits(built.model, ids))
 
 
+def test_info_lists_what_the_tensor_cache_holds(tmp_path, monkeypatch, capsys):
+    """``sparsespec info`` names the cache's folder, each stored model's source and builds, and says when the
+    cache is off."""
+    from sparsespec.cli import main
+
+    config = tiny_config("llama")
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=2))
+    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    load_model(str(path), torch.float32, "dense", tokenizer=False)
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith(f"tensor cache: {tmp_path / 'tensors'}, 1 model, ")
+    assert lines[-1].startswith(f"  {path.resolve()}: float32-dense (") and lines[-1].endswith(" MB)")
+    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")
+    assert main(["info"]) == 0 and capsys.readouterr().out.splitlines()[-1] == \
+        "tensor cache: off ($SPARSESPEC_TENSOR_CACHE)"
+
+
 @pytest.mark.usefixtures("native_kernels")
 def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypatch, capsys):
     """A truncated store is not used: the next start repacks and stores it again. A store that cannot be written

@@ -49,14 +49,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     for name, path in fetch(args.names, progress=not args.quiet).items():
         print(f"{name}: {path}")
     print(kernels.info())
+    print("\n".join(describe_tensor_cache()))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """One line each: the version, and which kernels, instruction set and threads decoding uses."""
+    """The version; which kernels, instruction set and threads decoding uses; what the tensor cache holds."""
     import torch
 
     from . import __version__, kernels
+    from .loading.tensor_cache import describe_tensor_cache
 
     if args.threads is not None:
         if args.threads < 1:
@@ -64,6 +66,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     print(f"sparsespec {__version__}, torch {torch.__version__}")
     print(kernels.info())
+    print("\n".join(describe_tensor_cache()))
     return 0
 
 

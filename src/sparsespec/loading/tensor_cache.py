@@ -87,6 +87,30 @@ def source_cache_key(source: ModelSource) -> str:
     return f"stat-{digest.hexdigest()[:32]}"
 
 
+def describe_tensor_cache() -> list[str]:
+    """Lines for ``sparsespec info``: the cache's folder and size, then each model's stored builds and tokenizer."""
+    root = tensor_cache_root(True)
+    if root is None:
+        return [f"tensor cache: off (${TENSOR_CACHE_ENV})"]
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+    lines, total = [], 0
+    for folder in folders:
+        try:
+            source = str(json.loads((folder / "source.json").read_text())["path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            source = folder.name
+        builds = []
+        for file in sorted(folder.glob("*.safetensors")):
+            size = file.stat().st_size
+            total += size
+            builds.append(f"{file.stem} ({size / 1e9:.2f} GB)" if size >= 1e8 else f"{file.stem} ({size / 1e6:.1f} MB)")
+        if (folder / "tokenizer").is_dir():
+            builds.append("tokenizer")
+        lines.append(f"  {source}: {', '.join(builds) or 'nothing stored'}")
+    models = f"{len(folders)} model{'' if len(folders) == 1 else 's'}"
+    return [f"tensor cache: {root}, {models}, {total / 1e9:.2f} GB"] + lines
+
+
 # ----------------------------------------------------------------------------------------------- reading a file
 @dataclass
 class StoredTensors:
