@@ -10,7 +10,8 @@ time (process start to exit) and its peak resident memory (the child's ``ru_maxr
   tensor cache warm: each job runs once before the rounds (``warm_up`` lines; where the cache was empty, e.g. the
   baseline's, that run includes the one-off build).
 * ``--baseline-src DIR``: also run another checkout's ``src`` (e.g. a ``git worktree`` of an older commit) with its
-  own tensor cache (``--baseline-cache``), as the before of a before/after.
+  own tensor cache (``--baseline-cache``), as the before of a before/after (``python -m sparsespec.cli``: before
+  ``cli.entry`` existed that was what the console script ran).
 * ``--cap``: then run the pair once under a hard memory cap of the two files' sizes + 25% (a memory cgroup
   created under this process's own: v2 ``memory.max`` or v1 ``memory.limit_in_bytes``), sparsespec and the
   baseline; a process over the cap is killed by the kernel (exit 137 / signal 9).
@@ -73,8 +74,8 @@ def jobs(args) -> dict[tuple[str, str], tuple[list[str], dict | None]]:
     if args.baseline_src:
         env = dict(os.environ, PYTHONPATH=args.baseline_src, SPARSESPEC_TENSOR_CACHE=args.baseline_cache)
         for (model, engine), (cmd, _) in list(out.items()):
-            if engine == "sparsespec":
-                out[(model, "baseline")] = (cmd, env)
+            if engine == "sparsespec":  # its own checkout's command line, whatever its console script was
+                out[(model, "baseline")] = ([sys.executable, "-m", "sparsespec.cli", *cmd[1:]], env)
     return out
 
 
