@@ -49,7 +49,6 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     for name, path in fetch(args.names, progress=not args.quiet).items():
         print(f"{name}: {path}")
     print(kernels.info())
-    print("\n".join(describe_tensor_cache()))
     return 0
 
 

@@ -92,7 +92,8 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """The text of ``ids`` (a list of ints or one int)."""
-        return self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         """Every token (added tokens included) and its id."""
