@@ -372,6 +372,11 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     assert loaded.from_cache and reads == [(stored.name, "sparsespec prefetch")]
     tensors = [t for t in _native_tensors(loaded.model).values() if t is not None and t.numel()]
     assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    if os.path.exists("/proc/self/maps"):  # private anonymous memory (shared would be shmem: no huge pages)
+        maps = [line.split() for line in open("/proc/self/maps")]
+        for t in tensors:
+            [perms] = [m[1] for m in maps if int(m[0].split("-")[0], 16) <= t.data_ptr() < int(m[0].split("-")[1], 16)]
+            assert perms.endswith("p"), perms
     ids = random_ids(16, config.vocab_size, seed=1)
     assert torch.equal(full_logits(built.model, ids), full_logits(loaded.model, ids))
 

@@ -135,7 +135,10 @@ def read_tensor_file(file: Path) -> StoredTensors:
         size = os.fstat(f.fileno()).st_size - 8 - header_len
         if size < max((int(e["data_offsets"][1]) for e in header.values()), default=0):
             raise ValueError(f"{file} is truncated")
-        data = mmap.mmap(-1, max(size, 1))
+        if hasattr(mmap, "MAP_PRIVATE"):  # private: Python's default for anonymous maps is shared (shmem) memory
+            data = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            data = mmap.mmap(-1, max(size, 1))
         if hasattr(mmap, "MADV_HUGEPAGE"):
             data.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while reading, fewer TLB misses while decoding
         view, done = memoryview(data), 0
