@@ -373,6 +373,27 @@ def random_native_weight(kind: str, out_features: int, in_features: int, seed: i
     return kernel_type, torch.from_numpy(packed.reshape(-1)), padded, raw.size
 
 
+def in_engine_memory(blobs: list):
+    """Copies of the byte tensors ``blobs`` in one mapping of the memory the engine's weights stream from
+    (:func:`~sparsespec.loading.tensor_cache.anonymous_memory`: huge pages), each 64-byte aligned; their rates are
+    the engine's (decoding ran 10-20% faster from it than from one allocation per tensor)."""
+    import torch
+
+    from ..loading.tensor_cache import anonymous_memory
+
+    offsets, end = [], 0
+    for blob in blobs:
+        offsets.append(end)
+        end += -(-blob.numel() // 64) * 64
+    memory = anonymous_memory(end)
+    copies = []
+    for blob, offset in zip(blobs, offsets):
+        copy = torch.frombuffer(memory, dtype=torch.uint8, count=blob.numel(), offset=offset)
+        copy.copy_(blob)
+        copies.append(copy)
+    return copies
+
+
 def native_streaming(kind: str, total_bytes: int, shapes: tuple[tuple[int, int], ...], rows: int, *,
                      trials: int = 3, min_seconds: float = 0.05) -> dict[str, Any]:
     """The native kernels' matmul over as many layers of ``shapes`` as make ``total_bytes`` of weights of GGUF
@@ -389,8 +410,9 @@ def native_streaming(kind: str, total_bytes: int, shapes: tuple[tuple[int, int],
     layer = [random_native_weight(kind, n, k, seed=i) for i, (n, k) in enumerate(shapes)]
     layer_bytes = sum(w[3] for w in layer)
     layers = max(1, round(total_bytes / layer_bytes))
-    weights = [(kt, blob.clone(), padded, n) for _ in range(layers) for (kt, blob, padded, _), (n, _k) in
-               zip(layer, shapes)]
+    weights = [(kt, blob, padded, n) for _ in range(layers) for (kt, blob, padded, _), (n, _k) in zip(layer, shapes)]
+    copies = in_engine_memory([blob for _, blob, _, _ in weights])
+    weights = [(kt, copy, padded, n) for (kt, _, padded, n), copy in zip(weights, copies)]
 
     def run(n_rows: int) -> Callable[[], None]:
         xs = {padded: torch.full((n_rows, padded), 0.5, dtype=torch.bfloat16) for _, _, padded, _ in weights}
@@ -513,10 +535,11 @@ def native_probe_model(shape: tuple[int, int, int, int, int], kind: str, total_b
     layers = max(2, math.ceil(total_bytes / sum(block[3] for block in blocks.values())))
     config = probe_config(layers, shape)
     linears: dict[str, object] = {}
+    copies = iter(in_engine_memory([blob for _ in range(layers) for _, blob, _, _ in blocks.values()]))
     for layer in range(layers):
-        for part, (kernel_type, blob, padded, _) in blocks.items():
+        for part, (kernel_type, _, padded, _) in blocks.items():
             n, k = parts[part]
-            linears[f"layers.{layer}.{part}"] = NativeLinear([(kernel_type, blob.clone(), n)], k, padded)
+            linears[f"layers.{layer}.{part}"] = NativeLinear([(kernel_type, next(copies), n)], k, padded)
     kernel_type, blob, padded, _ = random_native_weight("Q8_0", config.vocab_size, h)
     linears["lm_head"] = NativeLinear([(kernel_type, blob, config.vocab_size)], h, padded)
     ones = torch.ones(h, dtype=torch.bfloat16)
