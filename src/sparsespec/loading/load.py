@@ -87,13 +87,15 @@ def load_model(
         return file, (None if file is None else load_model_tensors(file, dtype, fmt))
 
     fmt, note, file, hit = NATIVE, None, None, None
-    if weights in ("auto", NATIVE) and source.kind == "gguf" and kernels.available():
+    tried_native = weights in ("auto", NATIVE) and source.kind == "gguf" and kernels.available()
+    if tried_native:
         # A stored native build of this file means the kernels read all its weights: that is what choose_format
         # would find by reading the file's header (a third of a second for a 150k-token vocabulary).
         file, hit = cached(NATIVE)
     if hit is None:
         fmt, note = choose_format(source, weights, role, dtype)
-        file, hit = cached(fmt)
+        if not (tried_native and fmt == NATIVE):  # a native store found unusable above is not read again
+            file, hit = cached(fmt)
     if hit is not None:
         config, model = hit
     else:

@@ -417,8 +417,8 @@ def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
     Unlike a memory-mapped file, the tensors live in anonymous memory: weights streamed from file-backed pages
     decode 7-13% slower (measured on Qwen2.5 0.5B / 1.5B, bf16, 2 threads), the peak memory is the tensors alone,
     and the model does not depend on the file staying untouched. Tensors are views of the one read buffer where
-    their offset keeps them 64-byte aligned for the kernels, else copies; the buffer's huge pages made native
-    decoding 10-20% faster than one allocation per tensor (the 1.5B / 0.5B, Intel AMX host, 2026-12-05).
+    their offset keeps them 64-byte aligned for the kernels, else copies; the buffer is in huge pages
+    (:func:`tensor_cache.anonymous_memory`).
     """
     stored = take_tensor_file(file)
     tensors = {}
