@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Phi-3 models built in-process, and the real SmolLM2 weights."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 3 models built in-process, and the real SmolLM2
+weights."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
 
 
 def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    """A Hugging Face-named float32 state dict with random weights (norm weights near 1)."""
+    """A Hugging Face-named float32 state dict with random weights (norm weights near 1: the factors the decoder
+    multiplies by, so Gemma's are ``1 + w`` of its Hugging Face ``w``)."""
     g = torch.Generator().manual_seed(seed)
     h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -57,6 +59,9 @@ def random_state(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
                 state[p + f"self_attn.{name}.weight"] = 1 + 0.3 * torch.randn(hd, generator=g)
+        if config.gemma:
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                state[p + f"{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
         state[p + "mlp.gate_proj.weight"] = w(i, h)
         state[p + "mlp.up_proj.weight"] = w(i, h)
         state[p + "mlp.down_proj.weight"] = w(h, i)
@@ -82,13 +87,18 @@ GGUF_LAYER_NAMES = {
     "qwen3": _GGUF_SPLIT_NAMES | {"self_attn.q_norm.weight": "attn_q_norm.weight",
                                  "self_attn.k_norm.weight": "attn_k_norm.weight"},
     "phi3": _GGUF_LAYER_NAMES | {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma3": _GGUF_SPLIT_NAMES | {"self_attn.q_norm.weight": "attn_q_norm.weight",
+                                  "self_attn.k_norm.weight": "attn_k_norm.weight",
+                                  "post_attention_layernorm.weight": "post_attention_norm.weight",
+                                  "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }
 
 
 def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], q8: bool = False,
                      rope_dims: int | None = None, sliding_window: int | None = None, tensors=None,
                      keys: dict | None = None):
-    """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3 or phi3), laid out as llama.cpp's converter
+    """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3, phi3 or gemma3), laid out as llama.cpp's converter
     writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): float32 tensors, or with
     ``q8`` every matrix in Q8_0 blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``;
     ``sliding_window``: an ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name;
@@ -104,9 +114,13 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "gemma3":  # every sixth layer global: what llama.cpp assumes of these files
+        assert config.layer_types == tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                           for i in range(config.num_hidden_layers))
+        sliding_window = config.sliding_window
     if rope_dims is not None:
         writer.add_rope_dimension_count(rope_dims)
     if sliding_window is not None:

@@ -56,7 +56,8 @@ SCALINGS = {
 def hf_dict(**rope) -> dict:
     """The tiny Llama of ``conftest.tiny_config`` as a Hugging Face ``config.json`` dictionary, with ``rope``."""
     config = tiny_config("llama", max_position_embeddings=512)
-    fields = {k: v for k, v in config.to_dict().items() if k not in ("architecture", "rope_scaling")}
+    gemma_only = ("layer_types", "sliding_window", "local_rope_theta", "query_pre_attn_scalar")
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("architecture", "rope_scaling", *gemma_only)}
     return dict(fields, model_type="llama", **rope)
 
 

@@ -13,13 +13,19 @@ from typing import Any, Mapping, Sequence
 
 from .errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 # Hugging Face ``model_type`` entries that map to the decoder's families (Mistral's block is Llama's; its GGUF files
 # say llama).
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                   "gemma3_text": "gemma3"}
 # Architectures whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
-_QK_NORM_ARCHITECTURES = ("qwen3",)
+_QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+# Gemma 3 as llama.cpp reads its GGUF files, which do not store these: every sixth layer attends globally, the others
+# over a sliding window with RoPE base 10,000.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # layer kinds, as Hugging Face's ``layer_types`` names them
 # Architectures whose files store q/k/v as one projection and gate/up as one (Phi-3: ``qkv_proj``, ``gate_up_proj``).
 _FUSED_ARCHITECTURES = ("phi3",)
 
@@ -84,12 +90,19 @@ class ModelConfig:
     """Shapes and constants of a Llama-family decoder.
 
     ``architecture`` is ``"llama"`` (Llama, SmolLM2: no q/k/v bias), ``"qwen2"`` (q/k/v bias), ``"qwen3"`` (no
-    bias; each query and key head RMS-normalised over ``head_dim`` before RoPE, :attr:`qk_norm`) or ``"phi3"`` (a
-    Llama block whose files fuse q/k/v and gate/up, :attr:`fused_projections`).
+    bias; each query and key head RMS-normalised over ``head_dim`` before RoPE, :attr:`qk_norm`), ``"phi3"`` (a
+    Llama block whose files fuse q/k/v and gate/up, :attr:`fused_projections`) or ``"gemma3"`` (q/k norms; embeddings
+    scaled by √hidden; norms after attention and after the MLP too; GELU(tanh)-gated MLP; RMSNorm weights held as
+    the GGUF files store them, ``1 + w`` of Hugging Face's ``w``).
 
-    A model trained with sliding-window attention (Phi-3's ``sliding_window``) gets that window as its
-    ``max_position_embeddings``: up to the window, full attention is what it computes, and longer runs with true
-    positions are refused rather than computed without the window.
+    ``layer_types``: each layer's kind, :data:`SLIDING` or :data:`GLOBAL` (empty: every layer global). A sliding
+    layer attends to the ``sliding_window`` most recent positions, itself included, with RoPE base
+    ``local_rope_theta`` and no scaling; global layers use ``rope_theta`` and ``rope_scaling``.
+    ``query_pre_attn_scalar``: queries are scaled by its inverse square root instead of ``head_dim``'s (0: head_dim).
+
+    A model whose every layer is trained with sliding-window attention (Phi-3's ``sliding_window``) gets that window
+    as its ``max_position_embeddings`` instead: up to the window, full attention is what it computes, and longer runs
+    with true positions are refused rather than computed without the window.
     """
 
     architecture: str
@@ -106,8 +119,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: RopeScaling | None = None  # None: RoPE as trained
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    local_rope_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON gives a list
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings")
         for name in sizes:
@@ -117,6 +135,13 @@ class ModelConfig:
             raise _unsupported(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads.")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {SLIDING, GLOBAL}:
+                raise UserError(f"The model config's layer_types must name {SLIDING!r} or {GLOBAL!r} for each of its "
+                                f"{self.num_hidden_layers} layers.")
+            if SLIDING in self.layer_types and (self.sliding_window < 2 or self.local_rope_theta <= 0):
+                raise UserError("A model with sliding-window layers needs a sliding_window of at least 2 and their "
+                                "RoPE base.")
         factors = self.rope_scaling.freq_factors if self.rope_scaling else ()
         if factors and len(factors) != self.head_dim // 2:
             raise UserError(f"The model gives {len(factors)} RoPE frequency factors for head_dim {self.head_dim}; "
@@ -133,6 +158,16 @@ class ModelConfig:
         return self.architecture in _FUSED_ARCHITECTURES
 
     @property
+    def gemma(self) -> bool:
+        """Gemma's block: embeddings scaled by √hidden, a norm after attention and after the MLP, GELU(tanh) gate."""
+        return self.architecture == "gemma3"
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that attend over a sliding window (empty: none)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == SLIDING)
+
+    @property
     def queries_per_kv_head(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -146,7 +181,8 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + 3 * h * i + norms
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head
 
@@ -172,6 +208,8 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         if heads < 1:
             raise UserError(f"The model config gives num_attention_heads = {heads}; it must be at least 1.")
+        if arch == "gemma3":
+            return _gemma3_from_hf(cls, cfg, heads, hidden)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -238,22 +276,31 @@ class ModelConfig:
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+        window = meta.get(f"{arch}.attention.sliding_window")
+        layers = int(get("block_count"))
+        gemma = {}
+        if arch == "gemma3":  # sliding layers as llama.cpp lays them out; the window is theirs, not the context's
+            gemma = dict(layer_types=tuple(GLOBAL if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else SLIDING
+                                           for i in range(layers)),
+                         sliding_window=int(get("attention.sliding_window")),
+                         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA)
+            window = None
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,  # Qwen3 files give it as attention.key_length (it is not hidden / heads there)
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=_within_window(int(get("context_length")),
-                                                   meta.get(f"{arch}.attention.sliding_window")),
+            max_position_embeddings=_within_window(int(get("context_length")), window),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=_gguf_rope_scaling(arch, meta, tuple(rope_freqs)),
+            **gemma,
         )
 
 
@@ -261,6 +308,53 @@ def _within_window(context: int, sliding_window: Any) -> int:
     """The context a run may use: the trained one, or a sliding-window model's window where that is shorter (every
     layer of such a model attends only that far back, which the decoder does not model)."""
     return min(context, int(sliding_window)) if sliding_window else context
+
+
+def _gemma3_from_hf(cls, cfg: Mapping[str, Any], heads: int, hidden: int) -> ModelConfig:
+    """A Gemma 3 text config (``model_type`` ``gemma3_text``): RoPE per layer kind in ``rope_parameters``
+    (transformers 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (transformers 4)."""
+    layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not kinds:
+        every = int(cfg.get("sliding_window_pattern") or GEMMA3_GLOBAL_EVERY)
+        kinds = [GLOBAL if (i + 1) % every == 0 else SLIDING for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    if GLOBAL in params or SLIDING in params:
+        global_rope, local_rope = dict(params.get(GLOBAL) or {}), dict(params.get(SLIDING) or {})
+    else:
+        global_rope = dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1000000.0))
+        local_rope = {"rope_theta": cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)}
+    if str(local_rope.get("rope_type", "default")) != "default":
+        raise UserError(f"The model config scales the sliding layers' RoPE ({local_rope['rope_type']}); sparsespec "
+                        "reads scaling on global layers only.")
+    activation = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise UserError(f"The model config's hidden_activation is {activation!r}; sparsespec's Gemma 3 runs "
+                        "gelu_pytorch_tanh.")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key):
+            raise UserError(f"The model config sets {key}, which sparsespec does not implement.")
+    return cls(
+        architecture="gemma3",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rope_theta=float(global_rope.get("rope_theta", 1000000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_scaling=_hf_rope_scaling({"rope_scaling": global_rope,
+                                       "max_position_embeddings": cfg.get("max_position_embeddings", 32768)}),
+        layer_types=tuple(kinds),
+        sliding_window=int(cfg.get("sliding_window") or 4096),  # transformers' default
+        local_rope_theta=float(local_rope.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0),
+    )
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

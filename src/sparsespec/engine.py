@@ -13,10 +13,12 @@ from typing import Iterator
 import torch
 
 from .cache.arena import KVArena
+from .cache.layered import LayeredArena, global_config, sliding_config, window_policy
 from .cache.policy import CachePolicy, make_policy
 from .cache.quant import BITS, check_kv_dtype, recent_window_for
 from .cache.recall import recall_for
 from .cache.retention import retention_for
+from .config import ModelConfig
 from .errors import UserError
 from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
@@ -134,10 +136,11 @@ def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_
 
 
 def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int,
-               initial_tokens: int | None = None) -> KVArena:
-    """An arena for ``loaded`` that can hold a run of ``max_tokens`` tokens (only the full cache needs that; with
-    ``initial_tokens`` it starts with that much room and grows), its budget sized to ``cache.kv_bytes`` when that is
-    set (:func:`sized_policy`).
+               initial_tokens: int | None = None) -> KVArena | LayeredArena:
+    """An arena for ``loaded`` (a :class:`LayeredArena` where it has sliding-window layers) that can hold a run of
+    ``max_tokens`` tokens (only the full cache needs that; with ``initial_tokens`` it starts with that much room and
+    grows), its budget sized to ``cache.kv_bytes`` when that is set (:func:`sized_policy`; sliding-window layers
+    take their windows' bytes first, the global layers' budget what is left).
 
     Raises :class:`UserError` when its in-cache ranks would pass the trained context (:func:`check_in_cache_ranks`).
     """
@@ -145,27 +148,29 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
     staging = arena_staging(cache, max_tokens, max_inflight)
     policy = cache.policy
     if cache.kv_bytes is not None:
-        policy = sized_policy(policy.name, policy.sinks or None, loaded.config, loaded.model.dtype, cache.kv_dtype,
-                              cache.kv_bytes, staging, max_inflight, cache.recent_window)
+        config, kv_bytes = loaded.config, cache.kv_bytes
+        if config.sliding_layers:
+            kv_bytes -= KVArena.nbytes_for(sliding_config(config), cache.kv_dtype, loaded.model.dtype,
+                                           window_policy(config).budget + staging, max_inflight, cache.recent_window)
+            config = global_config(config)
+        policy = sized_policy(policy.name, policy.sinks or None, config, loaded.model.dtype, cache.kv_dtype,
+                              kv_bytes, staging, max_inflight, cache.recent_window)
     retention = retention_for(cache.retention, policy, cache.retention_tokens,
                               context=loaded.config.max_position_embeddings)
     # Held prompt tokens are ranked like staged ones: the ranks reach the budget plus the larger of the two.
     check_in_cache_ranks(loaded, replace(cache, policy=policy), max(staging, retention.max_held if retention else 0))
-    return KVArena(
-        loaded.config,
-        policy,
-        dtype=loaded.model.dtype,
-        max_tokens=max_tokens,
-        max_block=max_block,
-        max_inflight=max_inflight,
-        positions=cache.positions,
-        kv_dtype=cache.kv_dtype,
-        key_offset=loaded.model.key_biases(),
-        recent_window=cache.recent_window,
-        retention=retention,
-        recall=recall_for(cache.recall_pages, policy),
-        initial_tokens=initial_tokens,
-    )
+
+    def arena(config: ModelConfig, **overrides) -> KVArena:
+        options = dict(policy=policy, dtype=loaded.model.dtype, max_tokens=max_tokens, max_block=max_block,
+                       max_inflight=max_inflight, positions=cache.positions, kv_dtype=cache.kv_dtype,
+                       key_offset=loaded.model.key_biases(), recent_window=cache.recent_window, retention=retention,
+                       recall=recall_for(cache.recall_pages, policy), initial_tokens=initial_tokens)
+        options.update(overrides)
+        return KVArena(config, options.pop("policy"), **options)
+
+    if loaded.config.sliding_layers:
+        return LayeredArena(loaded.config, arena, key_offset=loaded.model.key_biases())
+    return arena(loaded.config)
 
 
 @dataclass
@@ -384,7 +389,7 @@ class Session:
         stats.reused_tokens = reuse
         evicted_before = self.evicted_tokens
         for arena in self.arenas:  # this run's peak
-            arena.peak_nbytes = arena.nbytes
+            arena.restart_peak()
         started = time.perf_counter()
         prefilled_at = [started]
 

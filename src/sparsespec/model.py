@@ -1,5 +1,6 @@
-"""One compact Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Phi-3
-(q/k/v and gate/up stored fused), grouped-query attention.
+"""One compact Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Phi-3
+(q/k/v and gate/up stored fused) and Gemma 3 (scaled embeddings, norms after attention and MLP, GELU(tanh) gate,
+sliding-window layers), grouped-query attention.
 
 The model knows nothing about caching policy: each layer hands its queries, keys and values to the KV arena,
 which stores them and computes attention (see ``cache/arena.py``).
@@ -38,8 +39,9 @@ class Block:
 @dataclass
 class DecoderLayer:
     """Weights of one block. ``qkv`` maps ``[T, hidden]`` to ``[T, (n_heads + 2 n_kv) head_dim]``;
-    ``gate_up`` maps ``[T, hidden]`` to ``[T, 2 intermediate]``; ``q_norm`` / ``k_norm`` ``[head_dim]`` (Qwen3;
-    None elsewhere) RMS-normalise each query and key head before RoPE."""
+    ``gate_up`` maps ``[T, hidden]`` to ``[T, 2 intermediate]``; ``q_norm`` / ``k_norm`` ``[head_dim]`` (Qwen3,
+    Gemma 3; None elsewhere) RMS-normalise each query and key head before RoPE; ``attn_post_norm`` /
+    ``mlp_post_norm`` ``[hidden]`` (Gemma 3) normalise the attention's and the MLP's outputs before the residual."""
 
     attn_norm: torch.Tensor
     qkv: object
@@ -49,11 +51,24 @@ class DecoderLayer:
     down: object
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_post_norm: torch.Tensor | None = None
+    mlp_post_norm: torch.Tensor | None = None
 
 
-# The norm weights of a layer: DecoderLayer field -> Hugging Face name inside ``model.layers.{i}.`` (+ ``.weight``).
-LAYER_NORMS = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
-               ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
+def layer_norms(config: ModelConfig) -> tuple[tuple[str, str, str], ...]:
+    """The norms of the config's layers: (:class:`DecoderLayer` field, Hugging Face name inside ``model.layers.{i}.``
+    and GGUF name inside ``blk.{i}.``, both before ``.weight``). Llama's ``post_attention_layernorm`` is the norm
+    before the MLP; Gemma's is the norm of the attention's output."""
+    if config.gemma:
+        norms = (("attn_norm", "input_layernorm", "attn_norm"),
+                 ("attn_post_norm", "post_attention_layernorm", "post_attention_norm"),
+                 ("mlp_norm", "pre_feedforward_layernorm", "ffn_norm"),
+                 ("mlp_post_norm", "post_feedforward_layernorm", "post_ffw_norm"))
+    else:
+        norms = (("attn_norm", "input_layernorm", "attn_norm"), ("mlp_norm", "post_attention_layernorm", "ffn_norm"))
+    if config.qk_norm:
+        norms += (("q_norm", "self_attn.q_norm", "attn_q_norm"), ("k_norm", "self_attn.k_norm", "attn_k_norm"))
+    return norms
 
 
 class Transformer:
@@ -112,18 +127,18 @@ class Transformer:
             else:
                 attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
                 mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            norms = {field: tensor(f"{p}{name}.weight") for field, name, _ in layer_norms(config)}
             self.layers.append(
                 DecoderLayer(
-                    attn_norm=tensor(p + "input_layernorm.weight"),
                     qkv=fused(f"layers.{i}.qkv", attn, config.attention_bias),
                     o_proj=fused(f"layers.{i}.o_proj", [p + "self_attn.o_proj"], False),
-                    mlp_norm=tensor(p + "post_attention_layernorm.weight"),
                     gate_up=fused(f"layers.{i}.gate_up", mlp, False),
                     down=fused(f"layers.{i}.down", [p + "mlp.down_proj"], False),
-                    q_norm=tensor(p + "self_attn.q_norm.weight") if config.qk_norm else None,
-                    k_norm=tensor(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                    **norms,
                 )
             )
+        # Gemma scales embeddings by √hidden, rounded to the compute dtype as transformers does.
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if config.gemma else None
         self.norm = tensor("model.norm.weight")
         head = state.get("lm_head.weight")
         if "lm_head" in prebuilt:
@@ -180,7 +195,7 @@ class Transformer:
         """Bytes of all weights as stored for computation."""
         total = self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes
         for layer in self.layers:
-            total += sum(getattr(layer, field).nbytes for field, _ in LAYER_NORMS if getattr(layer, field) is not None)
+            total += sum(getattr(layer, field).nbytes for field, _, _ in layer_norms(self.config))
             total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         if self.head_shares_embedding:
             total -= self.lm_head.nbytes
@@ -203,11 +218,15 @@ class Transformer:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native_ops:
-            return kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+            return kernels.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)  # a head's rows may be strided
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side)."""
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side): SiLU, or GELU with
+        the tanh approximation (Gemma)."""
+        if self.config.gemma:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if self.native_ops:
             return kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -245,6 +264,8 @@ class Transformer:
         sizes = [block.tokens.shape[0] for block in blocks]
         tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([block.tokens for block in blocks])
         x = self.embed[tokens]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for block, n_rows in zip(blocks, sizes):
             block.cache.begin(n_rows, per_block=block.per_block)
         for index, layer in enumerate(self.layers):
@@ -258,8 +279,14 @@ class Transformer:
                     q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
                     k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
                 attended.append(block.cache.attend(index, q, k, v))
-            x = x + layer.o_proj(attended[0] if len(blocks) == 1 else torch.cat(attended))
-            x = x + layer.down(self._silu_mul(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
+            attention = layer.o_proj(attended[0] if len(blocks) == 1 else torch.cat(attended))
+            if layer.attn_post_norm is not None:
+                attention = self._rms_norm(attention, layer.attn_post_norm)
+            x = x + attention
+            mlp = layer.down(self._gated(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
+            if layer.mlp_post_norm is not None:
+                mlp = self._rms_norm(mlp, layer.mlp_post_norm)
+            x = x + mlp
         for block in blocks:
             block.cache.end()
         scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits

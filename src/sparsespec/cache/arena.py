@@ -195,7 +195,7 @@ class KVArena:
         self.recent_values = torch.zeros_like(self.recent_keys)
         self._allocate_slot_metadata()
         self.rope = Rope.for_model(config)
-        self.scale = 1.0 / math.sqrt(hd)
+        self.scale = 1.0 / math.sqrt(config.query_pre_attn_scalar or hd)
         if recall is not None and policy.is_full:
             raise ValueError("recall needs a budgeted policy")
         # Recalled keys rotate by their true positions, or (in-cache) by the rank just after the sinks.
@@ -321,6 +321,10 @@ class KVArena:
         + recent_slots * bytes_per_slot(config, "auto", dtype))``."""
         return self._keys.nbytes + self._values.nbytes + self.recent_keys.nbytes + self.recent_values.nbytes
 
+    def restart_peak(self) -> None:
+        """Make :attr:`peak_nbytes` count from now (a run's own peak)."""
+        self.peak_nbytes = self.nbytes
+
     @staticmethod
     def bytes_per_slot(config: ModelConfig, kv_dtype: str, dtype: torch.dtype) -> int:
         """Bytes of one slot's key and value in one layer and KV head."""
@@ -332,15 +336,23 @@ class KVArena:
         return recent_window + max(max_inflight, 1) - 1 if recent_window else 0
 
     @classmethod
-    def budget_for_bytes(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, nbytes: int,
-                         staging: int, max_inflight: int = 1, recent_window: int | None = None) -> int:
-        """The largest budget whose arena of ``budget + staging`` slots (and the full-precision ring of
-        ``recent_window`` positions, None: ``kv_dtype``'s default, for ``max_inflight`` rows in flight) keeps
-        :attr:`nbytes` within ``nbytes`` (may be below 1 when even the staging slots do not fit)."""
+    def nbytes_for(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, slots: int, max_inflight: int = 1,
+                   recent_window: int | None = None) -> int:
+        """:attr:`nbytes` of an arena of ``slots`` slots (budget + staging) with the full-precision ring of
+        ``recent_window`` positions (None: ``kv_dtype``'s default) for ``max_inflight`` rows in flight."""
         heads = config.num_hidden_layers * config.num_key_value_heads
         ring_slots = cls.ring_slots(recent_window_for(kv_dtype, recent_window), max_inflight)
         ring = ring_slots * cls.bytes_per_slot(config, "auto", dtype)
-        return (nbytes - ring * heads) // (cls.bytes_per_slot(config, kv_dtype, dtype) * heads) - staging
+        return heads * (slots * cls.bytes_per_slot(config, kv_dtype, dtype) + ring)
+
+    @classmethod
+    def budget_for_bytes(cls, config: ModelConfig, kv_dtype: str, dtype: torch.dtype, nbytes: int,
+                         staging: int, max_inflight: int = 1, recent_window: int | None = None) -> int:
+        """The largest budget whose arena of ``budget + staging`` slots (:meth:`nbytes_for`) keeps :attr:`nbytes`
+        within ``nbytes`` (may be below 1 when even the staging slots do not fit)."""
+        fixed = cls.nbytes_for(config, kv_dtype, dtype, 0, max_inflight, recent_window)
+        per_slot = cls.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
+        return (nbytes - fixed) // per_slot - staging
 
     @property
     def metadata_nbytes(self) -> int:

@@ -18,43 +18,47 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
-from ..model import LAYER_NORMS
+from ..model import layer_norms
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
 from .tensor_cache import source_cache_key, take_tensor_file
 
-# GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
+# GGUF tensor names -> Hugging Face names ("{i}" is the layer index); the layers' norms come from layer_norms.
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-
-
 # Files with fused projections (ModelConfig.fused_projections, Phi-3): q/k/v in attn_qkv, gate and up in ffn_up.
-_GGUF_TO_HF_FUSED = _GGUF_TO_HF | {
+_GGUF_FUSED = {
     "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
 }
+# Every layer tensor name any architecture's files use (gguf_weight_table checks their dimensions before the config).
+_GGUF_LAYER_NAMES = {key.split(".", 2)[2] for key in _GGUF_TO_HF | _GGUF_FUSED if key.startswith("blk.")} | {
+    "attn_norm.weight", "ffn_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight",
+    "attn_q_norm.weight", "attn_k_norm.weight"}
 
 
-def _hf_name(gguf_name: str, fused: bool = False) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None for tensors the decoder does not read); ``fused``: the file
-    stores fused projections (:attr:`ModelConfig.fused_projections`)."""
-    table = _GGUF_TO_HF_FUSED if fused else _GGUF_TO_HF
+def gguf_to_hf(config: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name for ``config``'s files (``{i}``: the layer index)."""
+    table = _GGUF_TO_HF | (_GGUF_FUSED if config.fused_projections else {})
+    return table | {f"blk.{{i}}.{gguf}.weight": f"model.layers.{{i}}.{hf}.weight"
+                    for _, hf, gguf in layer_norms(config)}
+
+
+def _hf_name(gguf_name: str, table: Mapping[str, str]) -> str | None:
+    """The Hugging Face name of a GGUF tensor in ``table`` (:func:`gguf_to_hf`), None for tensors the decoder does
+    not read."""
     if gguf_name.startswith("blk."):
         _, index, rest = gguf_name.split(".", 2)
         template = table.get(f"blk.{{i}}.{rest}")
@@ -74,7 +78,9 @@ def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
         if t.ggml_type not in known:
             raise UserError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which the installed gguf "
                             "package does not know.")
-        if _hf_name(t.name, fused=True) is not None and len(t.dims) not in (1, 2):
+        model_tensor = t.name.split(".", 2)[-1] in _GGUF_LAYER_NAMES if t.name.startswith("blk.") else (
+            t.name in _GGUF_TO_HF)
+        if model_tensor and len(t.dims) not in (1, 2):
             raise UserError(f"{path}: tensor {t.name} has {len(t.dims)} dimensions, but a Llama or Qwen2 model's "
                             "weights have one or two.")
     return metadata, tensors
@@ -99,10 +105,11 @@ def load_gguf_state(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     config = read_gguf_config(path, gguf_weight_table(path))
+    names = gguf_to_hf(config)
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name, config.fused_projections)
+        name = _hf_name(tensor.name, names)
         if name is None:
             continue
         try:
@@ -146,6 +153,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     metadata, tensors = gguf_weight_table(path)
     config = read_gguf_config(path, (metadata, tensors))
     shapes = expected_shapes(config)
+    names = gguf_to_hf(config)
     file = np.memmap(path, dtype=np.uint8, mode="r")
     tiles = kernels.tiles_preferred()
 
@@ -159,7 +167,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
         return file[t.offset: t.offset + nbytes].reshape(rows, -1)
 
     def segment(gguf_name: str) -> tuple[int, torch.Tensor, int, int]:
-        hf = _hf_name(gguf_name, config.fused_projections)
+        hf = _hf_name(gguf_name, names)
         t = tensors.get(gguf_name)
         if t is None:
             raise UserError(f"{path} lacks the tensor {gguf_name}; the model is incomplete.")
@@ -203,11 +211,8 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     linears: dict[str, object] = {}
     for i in range(config.num_hidden_layers):
         blk = f"blk.{i}."
-        state[f"model.layers.{i}.input_layernorm.weight"] = vector(blk + "attn_norm.weight")
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = vector(blk + "ffn_norm.weight")
-        if config.qk_norm:
-            state[f"model.layers.{i}.self_attn.q_norm.weight"] = vector(blk + "attn_q_norm.weight")
-            state[f"model.layers.{i}.self_attn.k_norm.weight"] = vector(blk + "attn_k_norm.weight")
+        for _, hf, gguf in layer_norms(config):
+            state[f"model.layers.{i}.{hf}.weight"] = vector(f"{blk}{gguf}.weight")
         fused = config.fused_projections
         qkv = [blk + "attn_qkv.weight"] if fused else [blk + f"attn_{p}.weight" for p in "qkv"]
         biases = [blk + f"attn_{p}.bias" for p in "qkv"] if config.attention_bias else []
@@ -224,7 +229,9 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
 
 
 def load_hf_state(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and state dict of a Hugging Face folder (``config.json`` + ``*.safetensors``)."""
+    """Config and state dict of a Hugging Face folder (``config.json`` + ``*.safetensors``).
+
+    Gemma's RMSNorm weights ``w`` become ``1 + w``, the factor its norms multiply by, as its GGUF files store them."""
     from safetensors.torch import load_file
 
     config = ModelConfig.from_hf_folder(folder)
@@ -234,6 +241,10 @@ def load_hf_state(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             state.update(load_file(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is not a readable safetensors file ({exc}).") from None
+    if config.gemma:
+        # Gemma 3 checkpoints saved from the multimodal class name their text weights model.language_model.*
+        state = {name.replace("model.language_model.", "model.", 1): t for name, t in state.items()}
+        state = {name: t.float() + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
     _check_complete(config, state, str(folder))
     return config, state
 
@@ -254,9 +265,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     for i in range(c.num_hidden_layers):
         layer = f"model.layers.{i}."
+        shapes.update({f"{layer}{hf}.weight": (c.head_dim if field in ("q_norm", "k_norm") else c.hidden_size,)
+                       for field, hf, _ in layer_norms(c)})
         shapes.update({
-            layer + "input_layernorm.weight": (c.hidden_size,),
-            layer + "post_attention_layernorm.weight": (c.hidden_size,),
             layer + "self_attn.o_proj.weight": (c.hidden_size, q_out),
             layer + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         })
@@ -271,9 +282,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 layer + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
                 layer + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             })
-        if c.qk_norm:
-            shapes.update({layer + "self_attn.q_norm.weight": (c.head_dim,),
-                           layer + "self_attn.k_norm.weight": (c.head_dim,)})
         if c.attention_bias:
             shapes.update({layer + "self_attn.q_proj.bias": (q_out,), layer + "self_attn.k_proj.bias": (kv_out,),
                            layer + "self_attn.v_proj.bias": (kv_out,)})
@@ -332,9 +340,8 @@ def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
     native_embedding = isinstance(model.embed, NativeEmbedding)
     tensors: dict[str, torch.Tensor] = {"norm": model.norm} | ({} if native_embedding else {"embed": model.embed})
     for i, layer in enumerate(model.layers):
-        for field, _ in LAYER_NORMS:
-            if getattr(layer, field) is not None:
-                tensors[f"layers.{i}.{field}"] = getattr(layer, field)
+        for field, _, _ in layer_norms(model.config):
+            tensors[f"layers.{i}.{field}"] = getattr(layer, field)
     linears = {}
     items = model.linear_items() + ([("embed", model.embed.table)] if native_embedding else [])
     for key, lin in items:
@@ -457,9 +464,8 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
         if "embed" in tensors:
             state["model.embed_tokens.weight"] = tensors.pop("embed")
         for i in range(config.num_hidden_layers):
-            for field, name in LAYER_NORMS:
-                if f"layers.{i}.{field}" in tensors:
-                    state[f"model.layers.{i}.{name}.weight"] = tensors.pop(f"layers.{i}.{field}")
+            for field, name, _ in layer_norms(config):
+                state[f"model.layers.{i}.{name}.weight"] = tensors.pop(f"layers.{i}.{field}")
         grouped: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             key, part = name.rsplit(".", 1)
