@@ -64,7 +64,8 @@ def test_stored_tokenizer_matches_transformers(tmp_path, fixture_path):
                 reference(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"]
             for skip in (True, False):
                 assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
-    for chat in CHATS:
+    assert bool(ours.chat_template) == bool(reference.chat_template)  # Gemma 3 270M is a base model: none
+    for chat in CHATS if reference.chat_template else ():
         for generation_prompt in (True, False):
             text = ours.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=False)
             assert text == reference.apply_chat_template(chat, add_generation_prompt=generation_prompt,

