@@ -227,3 +227,17 @@ def test_real_gemma3_270m_greedy_text_equals_transformers():
                                    prefill_chunk=512))
         assert got == expected.tolist(), prompt[-40:]
     assert len(ids) > 2 * loaded.config.sliding_window and cache.sliding_arena.evicted_tokens > 0
+
+
+def test_simulator_reads_a_sliding_layer_s_window_only():
+    """At 8k entries the edge simulator's KV traffic is the global layer's 8k plus each sliding layer's window."""
+    from sparsespec.edge.profile import load_profile
+    from sparsespec.edge.roofline import forward_pass, kv_bytes_per_token
+
+    device = load_profile("jetson-orin-nano-8gb")
+    cost = forward_pass(CONFIG, device, tokens=1, kv_entries=8192, kv_in_sram=False)
+    per_layer = kv_bytes_per_token(CONFIG) / CONFIG.num_hidden_layers
+    assert cost.dram_bytes["kv"] == pytest.approx(((8192 + 5 * WINDOW) + 6) * per_layer)
+    every_layer_global = forward_pass(replace(CONFIG, layer_types=()), device, tokens=1, kv_entries=8192,
+                                      kv_in_sram=False)
+    assert every_layer_global.dram_bytes["kv"] == pytest.approx(8193 * 6 * per_layer)

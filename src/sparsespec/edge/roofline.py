@@ -7,7 +7,8 @@ One forward pass of ``T`` new tokens over a KV cache of ``N`` entries moves, per
 - SRAM: the KV cache when its ``(N + T)`` slots fit ``sram_bytes × sram_kv_fraction``, plus the activations.
 
 KV traffic is ``N`` entries read and ``T`` entries written, at ``kv_bytes_per_token`` for the cache dtype (``N`` is
-what the arena keeps visible: the whole context for the full cache, the budget for a budgeted one). The streamed
+what the arena keeps visible: the whole context for the full cache, the budget for a budgeted one, averaged over
+the layers where sliding-window layers read at most their window, :func:`layer_mean_entries`). The streamed
 weights are every projection and the output head (a tied head streams the embedding table), which is what
 ``Transformer.bytes_read_per_token`` reports plus the norm vectors. The pass does ``2·P·T`` FLOPs in the matrix
 products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
@@ -151,23 +152,34 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16") -> float:
     return model.kv_bytes_per_token(_check_choice(kv_dtype, KV_BYTES_PER_ELEMENT, "KV cache dtype"))
 
 
+def layer_mean_entries(model: ModelConfig, entries: float) -> float:
+    """Cache entries a row reads, averaged over the layers, where the global layers read ``entries``: a
+    sliding-window layer (Gemma 3) holds and reads at most its window."""
+    sliding = len(model.sliding_layers)
+    if not sliding:
+        return entries
+    return ((model.num_hidden_layers - sliding) * entries + sliding * min(entries, model.sliding_window)) / \
+        model.num_hidden_layers
+
+
 def activation_bytes(model: ModelConfig, tokens: int) -> float:
     """Rough activation traffic of a ``tokens``-token forward (bf16), kept on chip."""
     per_layer = 4 * model.hidden_size + 3 * model.intermediate_size
     return ACTIVATION_BYTES * tokens * model.num_hidden_layers * per_layer
 
 
-def attention_flops(model: ModelConfig, tokens: int, kv_entries: int) -> float:
-    """``4·L·H·d·N·T``: QKᵀ and PV of ``tokens`` rows over ``kv_entries`` cached entries, all layers."""
+def attention_flops(model: ModelConfig, tokens: int, kv_entries: float) -> float:
+    """``4·L·H·d·N·T``: QKᵀ and PV of ``tokens`` rows over ``kv_entries`` cached entries (a layer's mean), all
+    layers."""
     return 4.0 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * kv_entries * tokens
 
 
-def forward_flops(model: ModelConfig, tokens: int, kv_entries: int) -> float:
+def forward_flops(model: ModelConfig, tokens: int, kv_entries: float) -> float:
     """``2·P·T`` matrix-product FLOPs plus ``4·L·H·d·N·T`` attention FLOPs."""
     return 2.0 * streamed_parameters(model) * tokens + attention_flops(model, tokens, kv_entries)
 
 
-def kv_fits_sram(model: ModelConfig, device: DeviceProfile, slots: int, kv_dtype: str = "bf16") -> bool:
+def kv_fits_sram(model: ModelConfig, device: DeviceProfile, slots: float, kv_dtype: str = "bf16") -> bool:
     """Whether ``slots`` cached tokens (all layers) fit the device's SRAM budget for the KV cache."""
     return slots * kv_bytes_per_token(model, kv_dtype) <= device.sram_kv_budget
 
@@ -248,23 +260,24 @@ def forward_pass(
     if tokens < 1 or kv_entries < 0:
         raise UserError("A forward pass needs at least one token and a non-negative cache size.")
     kvb = kv_bytes_per_token(model, kv_dtype)
+    read = layer_mean_entries(model, kv_entries)  # sliding-window layers read their window
     if kv_in_sram is None:
-        kv_in_sram = kv_fits_sram(model, device, kv_entries + tokens, kv_dtype)
-    kv_traffic = (kv_entries + tokens) * kvb  # N entries read, T entries written
+        kv_in_sram = kv_fits_sram(model, device, read + tokens, kv_dtype)
+    kv_traffic = (read + tokens) * kvb  # N entries read, T entries written
     dram = {"weights": weight_bytes(model, weights), "kv": 0.0 if kv_in_sram else kv_traffic}
     sram = {"kv": kv_traffic if kv_in_sram else 0.0, "activations": activation_bytes(model, tokens)}
     path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
     rate = device.attention_rate(path, kv_dtype)
     if rate:  # the op's measured time holds its reads of the cache
         balance = head_balance(model, device, kv_entries + tokens)
-        attention_s = attention_flops(model, tokens, kv_entries) / rate * balance
+        attention_s = attention_flops(model, tokens, read) / rate * balance
         kv_s = 0.0
     else:
         attention_s = 0.0
         kv_s = kv_traffic / (device.sram_bandwidth if kv_in_sram else device.effective_dram_bandwidth)
     streaming_weights_s = weights_seconds(device, weights, dram["weights"])
     memory_s = streaming_weights_s + kv_s + sram["activations"] / device.sram_bandwidth
-    flops = forward_flops(model, tokens, kv_entries)
+    flops = forward_flops(model, tokens, read)
     compute_s = flops / device.peak(compute_dtype)
     layers = model.num_hidden_layers
     extra = tokens - 1
@@ -443,7 +456,7 @@ def predict_autoregressive(
         seconds_per_token=cost.time_s,
         tokens_per_pass=1.0,
         kv_entries=entries,
-        kv_bytes=(entries + 1) * kv_bytes_per_token(model, kv_dtype),
+        kv_bytes=(layer_mean_entries(model, entries) + 1) * kv_bytes_per_token(model, kv_dtype),
         kv_in_sram=cost.kv_in_sram,
         bytes_per_token=_bytes_per_token([(1.0, cost)], 1.0),
         passes={"target": cost},
@@ -503,8 +516,8 @@ def predict_speculative(
     # Target and draft caches share the SRAM budget: the target (γ+1 staged slots) is read once per round,
     # the draft (1 staged slot) γ times.
     sizes = [
-        (entries + gamma + 1) * kv_bytes_per_token(target, kv_dtype),
-        (draft_entries + 1) * kv_bytes_per_token(draft_model, kv_dtype),
+        (layer_mean_entries(target, entries) + gamma + 1) * kv_bytes_per_token(target, kv_dtype),
+        (layer_mean_entries(draft_model, draft_entries) + 1) * kv_bytes_per_token(draft_model, kv_dtype),
     ]
     target_in_sram, draft_in_sram = place_kv(sizes, [1.0, float(gamma)], device.sram_kv_budget)
 
