@@ -21,6 +21,7 @@ from common import RESULTS_DIR, emit, load_transformers, machine, transformers_d
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
+from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.loading.fetch import corpus_text_path
 from sparsespec.loading.load import load_model
@@ -50,7 +51,9 @@ def main() -> None:
     parser.add_argument("--draft-weights", default="dense", help="dense, int8, int4 or auto")
     parser.add_argument("--draft-policy", default="full")
     parser.add_argument("--draft-budget", type=int, default=None)
-    parser.add_argument("--gammas", default="2,4,6,auto", help="γ values: N (every round) or auto")
+    parser.add_argument("--gammas", default="2,4,6,auto",
+                        help="γ values: N (every round), auto, or default (generate's: 3 while drafting pays)")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N ids")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each configuration per prompt, alternated (target alone, then each γ)")
     parser.add_argument("--temperatures", default="0,0.7")
@@ -75,6 +78,8 @@ def main() -> None:
         draft_model = target
     else:
         draft_model = load_model(args.draft, torch.bfloat16, args.draft_weights, role="draft")
+        if args.draft_vocab is not None:
+            draft_model.model.limit_vocabulary(args.draft_vocab)
     draft_cache = CacheOptions(make_policy(args.draft_policy, args.draft_budget), "in-cache" if args.long_context else "original")
     context = ""
     if args.long_context:
@@ -101,7 +106,9 @@ def main() -> None:
                     if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
                         continue
                     for gamma in args.gammas.split(","):
-                        draft = DraftOptions(draft_model, draft_cache, parse_gamma(gamma), is_self=args.draft == "self")
+                        paying = gamma == "default"  # generate's default: γ = 3 while drafting is measured to pay
+                        draft = DraftOptions(draft_model, draft_cache, DEFAULT_GAMMA if paying else parse_gamma(gamma),
+                                             is_self=args.draft == "self", while_paying=paying)
                         stats = run(target, ids, args.new_tokens, sampling, cache, draft)
                         emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
                               **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,

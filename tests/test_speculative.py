@@ -17,6 +17,7 @@ from sparsespec.model import Transformer
 from sparsespec.sampling import SamplingParams, sample, warp
 from sparsespec.speculative import (
     AdaptiveGamma,
+    DraftWhilePaying,
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
@@ -76,7 +77,7 @@ def ar_tokens(model, pol, positions, ids, n, sampling=SamplingParams(), generato
 
 def spec_tokens(target, draft, pol, draft_pol, positions, ids, n, gamma, sampling=SamplingParams(),
                 generator=None, stats=None, kv_dtype="auto", draft_kv_dtype="auto"):
-    cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
+    cap = gamma if isinstance(gamma, int) else gamma.gamma_max
     t_cache = arena(target, pol, positions, target_inflight_rows(cap), kv_dtype=kv_dtype)
     d_cache = arena(draft, draft_pol, positions, draft_inflight_rows(cap), kv_dtype=draft_kv_dtype)
     out = list(speculative_tokens(target, t_cache, draft, d_cache, ids, max_new_tokens=n, sampling=sampling,
@@ -439,3 +440,84 @@ def test_adaptive_gamma_follows_acceptance():
         drafted = max(gamma.gamma, 1)
         gamma.update(drafted, 0, 0.05, 0.1)  # nothing accepted
     assert gamma.gamma in (0, 1)
+
+
+class SimulatedClock:
+    """The seconds a :class:`DraftWhilePaying` reads: advanced by the simulated rounds."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def paying_decode(controller: DraftWhilePaying, clock: SimulatedClock, n_tokens: int, round_s: float,
+                  round_tokens: int, plain_s: float = 1.0) -> tuple[float, int]:
+    """Drive ``controller`` through ``n_tokens``: a speculative round takes ``round_s`` seconds for
+    ``round_tokens`` tokens, a plain step ``plain_s`` for one. Returns the seconds and the tokens drafted rounds gave."""
+    started, produced, drafted_tokens = clock.now, 0, 0
+    while produced < n_tokens:
+        g = controller.gamma
+        tokens = round_tokens if g else 1
+        clock.now += round_s if g else plain_s
+        controller.update(g, tokens - 1 if g else 0, 0.0, 0.0)
+        produced += tokens
+        drafted_tokens += tokens if g else 0
+    return clock.now - started, drafted_tokens
+
+
+def test_draft_while_paying_stops_drafting_that_is_slower():
+    """Rounds of 3 tokens in 4 s against plain steps of 1 s (drafting at 0.75x): over 2,000 tokens the controller
+    drafts only in its probes, and the run takes at most 2% longer than the target alone."""
+    clock = SimulatedClock()
+    seconds, drafted = paying_decode(DraftWhilePaying(3, clock=clock), clock, 2000, round_s=4.0, round_tokens=3)
+    assert drafted < 0.05 * 2000
+    assert seconds <= 1.02 * 2000
+
+
+def test_draft_while_paying_keeps_drafting_that_pays():
+    """Rounds of 3 tokens in 2 s (1.5x the target alone): nearly every token comes from drafting rounds, at most 2%
+    slower than drafting throughout."""
+    clock = SimulatedClock()
+    seconds, drafted = paying_decode(DraftWhilePaying(3, clock=clock), clock, 2000, round_s=2.0, round_tokens=3)
+    assert drafted > 0.95 * 2000
+    assert seconds <= 1.02 * 2000 * 2.0 / 3
+
+
+def test_draft_while_paying_resumes_when_drafting_starts_to_pay():
+    """After 500 tokens where drafting clearly did not pay (a plain stint grown to 1,024 tokens), drafting that pays
+    is found at the next probe and kept."""
+    clock = SimulatedClock()
+    controller = DraftWhilePaying(3, clock=clock)
+    paying_decode(controller, clock, 500, round_s=4.0, round_tokens=3)
+    assert controller.gamma == 0
+    _, drafted = paying_decode(controller, clock, 2000, round_s=1.5, round_tokens=3)
+    assert drafted > 0.5 * 2000 and controller.gamma == 3
+
+
+def test_draft_while_paying_changes_speed_not_tokens():
+    """Greedy output with the controller switching between drafting and plain steps (a clock under which drafting
+    looks slow, then fast) equals autoregressive decoding, over evicting caches; after its long plain stints the
+    draft empties its cache and reads only the last tokens it missed."""
+    pol = policy("hybrid")
+    ids = prompt(20, TARGET.config.vocab_size)
+    expected = ar_tokens(TARGET, pol, "original", ids, 300)
+    clock = SimulatedClock()
+    controller = DraftWhilePaying(3, probe_rounds=2, plain_steps=3, first_stint=8, clock=clock)
+    original_update = controller.update
+
+    def update(drafted, accepted, draft_s, target_s):  # drafting costs 5 s a round for its first 60 rounds, then 1 s
+        clock.now += (5.0 if len(stats.gammas) < 60 else 1.0) if drafted else 1.0
+        original_update(drafted, accepted, draft_s, target_s)
+
+    controller.update = update
+    stats = SpeculativeStats()
+    t_cache = arena(TARGET, pol, "original", target_inflight_rows(3))
+    d_cache = arena(DRAFT, make_policy("streaming", 10, sinks=2), "original", draft_inflight_rows(3))
+    got = list(speculative_tokens(TARGET, t_cache, DRAFT, d_cache, ids, max_new_tokens=300,
+                                  sampling=SamplingParams(), gamma=controller, prefill_chunk=8, stats=stats))
+    assert got == expected
+    assert 0 in stats.gammas and 3 in stats.gammas
+    switches = sum(a != b for a, b in zip(stats.gammas, stats.gammas[1:]))
+    assert switches >= 3 and t_cache.evicted_tokens > 0 and stats.draft_restarts > 0

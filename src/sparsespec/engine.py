@@ -26,6 +26,7 @@ from .passes import Pass, Program, run_alone
 from .sampling import SamplingParams
 from .speculative import (
     AdaptiveGamma,
+    DraftWhilePaying,
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
@@ -230,6 +231,9 @@ class DraftOptions:
     cache: CacheOptions
     gamma: int | str  # an integer ≥ 1 or "auto"
     is_self: bool = False
+    # An integer γ drafts only while that is measured faster than the target alone (greedy decoding; sampled text
+    # must not depend on timings): speculative.DraftWhilePaying.
+    while_paying: bool = False
 
 
 def parse_gamma(text: str) -> int | str:
@@ -431,6 +435,8 @@ class Session:
         finally:
             if tokens is not None:
                 tokens.close()
+            if stats.speculative is not None and stats.speculative.draft_restarts:
+                self.arenas[1].reset()  # it holds the end of the text, not its start: the next run reads it anew
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before
@@ -452,6 +458,8 @@ class Session:
             # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
             fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, self.draft.model.model)
             gamma = AdaptiveGamma(cost_ratio=fixed)
+        elif self.draft.while_paying and sampling.greedy:
+            gamma = DraftWhilePaying(gamma)
         stats.speculative = SpeculativeStats()
         try:
             yield from speculative_steps(
@@ -460,7 +468,7 @@ class Session:
                 eos_ids=eos_ids, prefill_chunk=chunk, stats=stats.speculative, on_prefilled=on_prefilled,
             )
         finally:
-            stats.final_gamma = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
+            stats.final_gamma = gamma if isinstance(gamma, int) else gamma.gamma
 
 
 def run_generation(

@@ -20,7 +20,8 @@ SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 DEFAULT_DRAFT_BUDGET = 256
 # Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair
 # (benchmarks/RESULTS.md, "Two serial costs off every native call"): as fast or faster on 6 of 7 short prompts
-# (code, prose, chat; alternated round by round), and on 8k prose a median 2.68x llama.cpp against 2.46x.
+# (code, prose, chat; alternated round by round), and on 8k prose a median 2.68x llama.cpp against 2.46x. Without
+# --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhilePaying).
 DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
@@ -141,7 +142,8 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
     parser.add_argument("--gamma", default=None,
-                        help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}; needs --draft)")
+                        help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}, greedy decoding drafting "
+                        "only while measured faster than the target alone; needs --draft)")
     add_cache_arguments(parser, prefix="draft-")
 
 
@@ -156,12 +158,13 @@ def check_draft_flags(args: argparse.Namespace) -> None:
 
 
 def draft_settings(args: argparse.Namespace):
-    """``(draft CacheOptions, γ)`` from the flags, or None without ``--draft``: checked before anything loads."""
+    """``(draft CacheOptions, γ, while paying)`` from the flags, or None without ``--draft``: checked before anything
+    loads. Without ``--gamma``: γ = :data:`DEFAULT_GAMMA` while drafting pays (``DraftOptions.while_paying``)."""
     from .engine import parse_gamma
 
     if not args.draft:
         return None
-    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA))
+    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None
 
 
 def load_draft(args: argparse.Namespace, target, dtype, settings):
@@ -172,13 +175,13 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
 
     if settings is None:
         return None
-    cache, gamma = settings
+    cache, gamma, while_paying = settings
     if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True)
+        return DraftOptions(target, cache, gamma, is_self=True, while_paying=while_paying)
     model = load_model(args.draft, dtype, args.draft_weights, role="draft", share_tokenizer=target.tokenizer)
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma)
+    return DraftOptions(model, cache, gamma, while_paying=while_paying)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:

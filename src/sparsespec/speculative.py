@@ -35,6 +35,9 @@ from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
+# Of the accepted tokens a draft missed while the target decoded alone, the most it reads before drafting again
+# (more, and it starts its cache afresh from the last of them).
+CATCH_UP_TOKENS = 32
 
 
 def draft_inflight_rows(gamma_max: int = GAMMA_MAX) -> int:
@@ -175,6 +178,94 @@ class AdaptiveGamma:
         return 0
 
 
+class DraftWhilePaying:
+    """Drafts ``gamma`` proposals a round while that decodes faster than the target alone, as measured: the time
+    between the rounds (everything a round does: the draft's passes and catch-up, the verification, the commits)
+    against the tokens they yield.
+
+    It alternates a *probe* of each mode (``probe_rounds`` speculative rounds; ``plain_steps`` steps with γ = 0)
+    and then runs the faster one for a *stint* of tokens, which grows while the same mode keeps winning (doubling,
+    or ×4 when it won by more than ``clear_margin``; from ``first_stint`` up to ``max_stint``) and starts over when
+    the other wins; the stint's last stretch is the winner's measurement at the next comparison. So where drafting
+    does not pay it drafts only in its short probes (after a stint the draft reads only the last
+    :data:`CATCH_UP_TOKENS` of the text it missed, into an emptied cache), and where it pays the target decodes alone
+    only in the plain probes. The first round of a run is not measured (it warms the caches). Decisions depend on
+    timings, so the engine uses this only for greedy decoding, where the output does not depend on them.
+
+    ``clock``: seconds, monotonic (``time.perf_counter``; tests pass a simulated one).
+    """
+
+    def __init__(self, gamma: int, probe_rounds: int = 2, plain_steps: int = 6, first_stint: int = 256,
+                 max_stint: int = 2048, clear_margin: float = 1.15, clock: Callable[[], float] = time.perf_counter):
+        if gamma < 1:
+            raise UserError(f"--gamma must be at least 1 (got {gamma}).")
+        self.drafting_gamma = gamma
+        self.gamma_max = gamma
+        self.gamma = gamma
+        self.probe_rounds, self.plain_steps = probe_rounds, plain_steps
+        self.first_stint, self.max_stint, self.clear_margin = first_stint, max_stint, clear_margin
+        self._clock = clock
+        self._last: float | None = None  # when the previous round ended
+        self._window: list[tuple[int, float]] = []  # (tokens, seconds) of the current mode's recent rounds
+        self._rates: dict[bool, float] = {}  # drafting? -> tokens per second, last measured
+        self._probing = True  # measuring the current mode for a comparison (else: a stint)
+        self._stint_left = 0
+        self._stint = first_stint
+        self._winner: bool | None = None
+
+    @property
+    def drafting(self) -> bool:
+        return self.gamma > 0
+
+    def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
+        """Record one round (``drafted`` proposals, ``accepted`` of them; the seconds are not used: the clock
+        times whole rounds) and choose the next round's γ."""
+        now = self._clock()
+        last, self._last = self._last, now
+        if last is None:
+            return  # the run's first round: caches warming, not measured
+        tokens = accepted + 1 if drafted else 1
+        self._window.append((tokens, now - last))
+        probe = self.probe_rounds if self.drafting else self.plain_steps
+        del self._window[:-probe]  # the mode's latest rounds
+        if self._probing:
+            if len(self._window) >= probe:
+                self._rates[self.drafting] = self._rate()
+                self._probing = False
+                if len(self._rates) == 2:
+                    self._decide()
+                else:
+                    self._switch()  # the other mode's first probe
+            return
+        self._stint_left -= tokens
+        if self._stint_left <= 0:  # the stint ends: its last rounds measure the winner; probe the other
+            self._rates[self.drafting] = self._rate()
+            self._switch()
+
+    def _rate(self) -> float:
+        tokens = sum(t for t, _ in self._window)
+        seconds = sum(s for _, s in self._window)
+        return tokens / seconds if seconds > 0 else float("inf")
+
+    def _switch(self) -> None:
+        """Probe the other mode next."""
+        self.gamma = 0 if self.drafting else self.drafting_gamma
+        self._window.clear()
+        self._probing = True
+
+    def _decide(self) -> None:
+        """Both modes measured: run the faster for a stint (longer while the same mode keeps winning)."""
+        winner = self._rates[True] > self._rates[False]
+        margin = max(self._rates.values()) / max(min(self._rates.values()), 1e-12)
+        growth = 4 if margin > self.clear_margin else 2
+        self._stint = min(growth * self._stint, self.max_stint) if winner == self._winner else self.first_stint
+        self._winner = winner
+        self._stint_left = self._stint
+        if self.drafting != winner:
+            self.gamma = self.drafting_gamma if winner else 0
+            self._window.clear()
+
+
 def weight_cost_ratio(target: Transformer, draft: Transformer) -> float:
     """c from weight bytes: a draft pass over a target pass, for decoding bound by streaming the weights."""
     return draft.bytes_read_per_token() / target.bytes_read_per_token()
@@ -192,6 +283,7 @@ class SpeculativeStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     gammas: list[int] = field(default_factory=list)
+    draft_restarts: int = 0  # times the draft emptied its cache to read only the end of what it missed
 
     @property
     def acceptance_rate(self) -> float:
@@ -260,7 +352,7 @@ def speculative_steps(
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
-    gamma: int | AdaptiveGamma,
+    gamma: int | AdaptiveGamma | DraftWhilePaying,
     generator: torch.Generator | None = None,
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
@@ -269,14 +361,16 @@ def speculative_steps(
 ) -> Program:
     """The program of speculative decoding: up to ``max_new_tokens`` new tokens (stops after an EOS id).
 
-    ``gamma`` is a fixed number of proposals per round (≥ 1) or an :class:`AdaptiveGamma`. The arenas must allow
+    ``gamma`` is a fixed number of proposals per round (≥ 1) or a controller that chooses each round's
+    (:class:`AdaptiveGamma`, :class:`DraftWhilePaying`: ``.gamma``, ``.gamma_max``, ``update``). The arenas must allow
     :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target
     itself (self-speculation) with its own arena. ``on_prefilled`` is called once the prompt is read (so callers
     can time decoding over the span that produces every new token).
     """
     if isinstance(gamma, int) and gamma < 1:
         raise UserError(f"--gamma must be at least 1 (got {gamma}).")
-    gamma_cap = gamma.gamma_max if isinstance(gamma, AdaptiveGamma) else gamma
+    controlled = not isinstance(gamma, int)
+    gamma_cap = gamma.gamma_max if controlled else gamma
     if target_cache.max_inflight < target_inflight_rows(gamma_cap):
         raise ValueError("the target arena cannot hold a verification block of this γ")
     if draft_cache.max_inflight < draft_inflight_rows(gamma_cap):
@@ -292,18 +386,24 @@ def speculative_steps(
     draft_pending = [last]  # the same for the draft (two after a fully accepted round, more after γ = 0 rounds)
     generated = 0
     while generated < max_new_tokens:
-        g = gamma.gamma if isinstance(gamma, AdaptiveGamma) else gamma
+        g = gamma.gamma if controlled else gamma
         g = min(g, max_new_tokens - generated - 1)
 
-        # 1. Draft γ proposals; they stay in flight in the draft's arena. A draft that sat out rounds (adaptive
-        #    γ = 0) first reads the backlog of accepted tokens; that is its time too.
+        # 1. Draft γ proposals; they stay in flight in the draft's arena. A draft that sat out rounds (γ = 0)
+        #    first reads the accepted tokens it missed, as prompt chunks; after more than CATCH_UP_TOKENS it empties
+        #    its cache and reads only the last of them, as a text of its own (its cache need not match an
+        #    autoregressive run's: the draft's choices change speed, never the output). That is its time too.
         started = time.perf_counter()
         catch_up_passes = 0
         if g and len(draft_pending) + g - 1 > draft_cache.max_inflight:
             backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
-            for start in range(0, len(backlog), draft_cache.max_inflight):
-                chunk = backlog[start : start + draft_cache.max_inflight]
-                yield forward_pass(draft, chunk, draft_cache, draft=True)
+            if len(backlog) > CATCH_UP_TOKENS:
+                draft_cache.reset()
+                backlog = backlog[-CATCH_UP_TOKENS:]
+                stats.draft_restarts += 1
+            for start in range(0, len(backlog), draft_cache.max_block):
+                chunk = backlog[start : start + draft_cache.max_block]
+                yield forward_pass(draft, chunk, draft_cache, per_block=True, last_only=True, draft=True)
                 draft_cache.commit(len(chunk))
                 catch_up_passes += 1
         drafts: list[int] = []
@@ -337,7 +437,8 @@ def speculative_steps(
         target_pending = emitted[-1:]
         stream = draft_pending + emitted
         kept = min(draft_fed, len(draft_pending) + len(emitted) - 1)
-        draft_cache.commit(kept)
+        if draft_fed:  # else the draft sat the round out: nothing in flight
+            draft_cache.commit(kept)
         draft_pending = stream[kept:]
 
         stats.target_passes += 1
@@ -347,7 +448,7 @@ def speculative_steps(
         stats.draft_seconds += draft_seconds
         stats.target_seconds += target_seconds
         stats.gammas.append(g)
-        if isinstance(gamma, AdaptiveGamma):
+        if controlled:
             gamma.update(g, accepted, draft_seconds, target_seconds)
 
         for token in emitted:
