@@ -521,3 +521,17 @@ def test_draft_while_paying_changes_speed_not_tokens():
     assert 0 in stats.gammas and 3 in stats.gammas
     switches = sum(a != b for a, b in zip(stats.gammas, stats.gammas[1:]))
     assert switches >= 3 and t_cache.evicted_tokens > 0 and stats.draft_restarts > 0
+
+
+def test_draft_while_paying_can_start_plain():
+    """A draft as dear as the target (a self-draft) starts with plain steps; drafting is probed only after the first
+    stint, and kept when it pays."""
+    clock = SimulatedClock()
+    controller = DraftWhilePaying(3, start_drafting=False, clock=clock)
+    gammas = []
+    for _ in range(300):
+        gammas.append(controller.gamma)
+        clock.now += 1.0 if controller.gamma else 1.0  # drafting: 3 tokens a second against 1
+        controller.update(controller.gamma, 2 if controller.gamma else 0, 0.0, 0.0)
+    first_draft = gammas.index(3)
+    assert first_draft > controller.first_stint and gammas[-1] == 3

@@ -26,6 +26,7 @@ from .passes import Pass, Program, run_alone
 from .sampling import SamplingParams
 from .speculative import (
     AdaptiveGamma,
+    STARTS_PLAIN_AT_COST,
     DraftWhilePaying,
     SpeculativeStats,
     check_same_vocabulary,
@@ -459,7 +460,8 @@ class Session:
             fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, self.draft.model.model)
             gamma = AdaptiveGamma(cost_ratio=fixed)
         elif self.draft.while_paying and sampling.greedy:
-            gamma = DraftWhilePaying(gamma)
+            cost = weight_cost_ratio(self.target.model, self.draft.model.model)
+            gamma = DraftWhilePaying(gamma, start_drafting=cost < STARTS_PLAIN_AT_COST)
         stats.speculative = SpeculativeStats()
         try:
             yield from speculative_steps(

@@ -35,6 +35,10 @@ from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
+# DraftWhilePaying starts with plain steps for a draft whose pass reads at least this fraction of the target's
+# weight bytes (a self-draft reads all of them): at γ = 3 that pays only above 0.75 acceptance with free verification
+# rows, so its first drafting probe waits for the first stint's end.
+STARTS_PLAIN_AT_COST = 0.5
 # Of the accepted tokens a draft missed while the target decoded alone, the most it reads before drafting again
 # (more, and it starts its cache afresh from the last of them).
 CATCH_UP_TOKENS = 32
@@ -192,16 +196,19 @@ class DraftWhilePaying:
     only in the plain probes. The first round of a run is not measured (it warms the caches). Decisions depend on
     timings, so the engine uses this only for greedy decoding, where the output does not depend on them.
 
-    ``clock``: seconds, monotonic (``time.perf_counter``; tests pass a simulated one).
+    ``start_drafting``: whether the run begins with the probes (else with a stint of plain steps, drafting probed
+    after it: for a draft that reads as many weight bytes a pass as the target, :data:`STARTS_PLAIN_AT_COST`). ``clock``: seconds, monotonic
+    (``time.perf_counter``; tests pass a simulated one).
     """
 
     def __init__(self, gamma: int, probe_rounds: int = 2, plain_steps: int = 6, first_stint: int = 256,
-                 max_stint: int = 2048, clear_margin: float = 1.15, clock: Callable[[], float] = time.perf_counter):
+                 max_stint: int = 2048, clear_margin: float = 1.15, start_drafting: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         if gamma < 1:
             raise UserError(f"--gamma must be at least 1 (got {gamma}).")
         self.drafting_gamma = gamma
         self.gamma_max = gamma
-        self.gamma = gamma
+        self.gamma = gamma if start_drafting else 0
         self.probe_rounds, self.plain_steps = probe_rounds, plain_steps
         self.first_stint, self.max_stint, self.clear_margin = first_stint, max_stint, clear_margin
         self._clock = clock
@@ -212,6 +219,8 @@ class DraftWhilePaying:
         self._stint_left = 0
         self._stint = first_stint
         self._winner: bool | None = None
+        if not start_drafting:  # a first stint of plain steps, as if they had won; drafting is probed after it
+            self._probing, self._winner, self._stint_left = False, False, first_stint
 
     @property
     def drafting(self) -> bool:
