@@ -95,21 +95,28 @@ def main() -> None:
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             sampling = SamplingParams(temperature=temperature)
             for cache_name, cache in target_caches.items():
+                speculate = args.speculate_on == "all" or (cache_name == "full") == (args.speculate_on == "full")
+                modes = [None] + (args.gammas.split(",") if speculate else [])
                 for round_ in range(1, args.rounds + 1):
-                    base = run(target, ids, args.new_tokens, sampling, cache)
+                    # Modes take turns, their order reversed every other round (what runs first is not favoured).
+                    results = {}
+                    for gamma in modes if round_ % 2 else modes[::-1]:
+                        draft = None
+                        if gamma is not None:
+                            paying = gamma == "default"  # generate's default: γ = 3 while drafting pays, measured
+                            draft = DraftOptions(draft_model, draft_cache,
+                                                 DEFAULT_GAMMA if paying else parse_gamma(gamma),
+                                                 is_self=args.draft == "self", while_paying=paying)
+                        results[gamma] = run(target, ids, args.new_tokens, sampling, cache, draft)
+                    base = results[None]
                     common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,
                               "target": args.target, "target_weights": args.target_weights,
                               "draft_weights": args.draft_weights, "target_cache": cache_name, "context": len(ids),
                               "round": round_}
                     emit({"bench": "speculative", "mode": "autoregressive", **common, **base.to_dict(),
                           **machine()}, args.out)
-                    if args.speculate_on != "all" and (cache_name == "full") != (args.speculate_on == "full"):
-                        continue
-                    for gamma in args.gammas.split(","):
-                        paying = gamma == "default"  # generate's default: γ = 3 while drafting is measured to pay
-                        draft = DraftOptions(draft_model, draft_cache, DEFAULT_GAMMA if paying else parse_gamma(gamma),
-                                             is_self=args.draft == "self", while_paying=paying)
-                        stats = run(target, ids, args.new_tokens, sampling, cache, draft)
+                    for gamma in modes[1:]:
+                        stats = results[gamma]
                         emit({"bench": "speculative", "mode": f"gamma={gamma}", "draft": args.draft, **common,
                               **stats.to_dict(), "speedup_vs_autoregressive": stats.tokens_per_s / base.tokens_per_s,
                               **machine()}, args.out)
