@@ -56,7 +56,6 @@ class LayeredArena:
         layers' sets their policy, true positions, no retention and no recall. ``key_offset``: ``[n_layers,
         n_kv_heads, head_dim]`` of the whole model, or None."""
         sliding = set(config.sliding_layers)
-        self._route = []  # model layer -> (arena, its index there)
         global_layers = [i for i in range(config.num_hidden_layers) if i not in sliding]
         local_layers = sorted(sliding)
 
@@ -69,7 +68,7 @@ class LayeredArena:
                                   recall=None)
         index = {layer: (self.global_arena, n) for n, layer in enumerate(global_layers)}
         index |= {layer: (self.sliding_arena, n) for n, layer in enumerate(local_layers)}
-        self._route = [index[i] for i in range(config.num_hidden_layers)]
+        self._route = [index[i] for i in range(config.num_hidden_layers)]  # model layer -> (arena, its index)
         self._arenas = (self.global_arena, self.sliding_arena)
 
     # -------------------------------------------------------------------------------------------- the blocks
