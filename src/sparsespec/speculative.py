@@ -36,8 +36,9 @@ from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
 # DraftWhilePaying starts with plain steps for a draft whose pass reads at least this fraction of the target's
-# weight bytes (a self-draft reads all of them): at γ = 3 that pays only above 0.75 acceptance with free verification
-# rows, so its first drafting probe waits for the first stint's end.
+# weight bytes (a self-draft reads all of them): at γ = 3, even with free verification rows, that pays only above
+# about 0.7 acceptance (a self-draft: never, where weights dominate), so its first drafting probe waits for the first
+# stint's end.
 STARTS_PLAIN_AT_COST = 0.5
 # Of the accepted tokens a draft missed while the target decoded alone, the most it reads before drafting again
 # (more, and it starts its cache afresh from the last of them).
