@@ -185,3 +185,46 @@ def test_each_turn_that_outgrows_the_budget_is_held_and_selected_and_reports_its
     steady = peaks[0][1]
     assert all(cache == steady for _, cache in peaks)
     assert peaks[0][0] > peaks[1][0] > steady and peaks[2][0] == steady
+
+
+class ScriptedGamma:
+    """A controller whose rounds draft 3, 3, then sit out 40 plain steps, then draft again: the draft misses more
+    than ``CATCH_UP_TOKENS`` and restarts from the end of what it missed."""
+
+    gamma_max = 3
+
+    def __init__(self):
+        self.script = [3, 3] + [0] * 40 + [3] * 200
+        self.gamma = self.script.pop(0)
+
+    def update(self, drafted, accepted, draft_s, target_s):
+        self.gamma = self.script.pop(0)
+
+
+def test_a_restarted_draft_resumes_the_next_turn_from_the_text_it_holds(monkeypatch):
+    """After a turn whose draft restarted, the next turn feeds the draft only the text after what it holds (not the
+    whole prompt again), and both turns decode the target's own tokens."""
+    import sparsespec.engine as engine
+
+    loaded = tiny_loaded()
+    monkeypatch.setattr(engine, "DraftWhilePaying", lambda gamma, start_drafting: ScriptedGamma())
+    draft = DraftOptions(loaded, CacheOptions(make_policy("streaming", 16), prefill_chunk=8), gamma=3, is_self=True,
+                         while_paying=True)
+    session = Session(loaded, CacheOptions(prefill_chunk=8), draft, capacity=512)
+    first = prompt(20)
+    stats = RunStats()
+    answer = list(session.run(first, max_new_tokens=80, sampling=GREEDY, stats=stats))
+    assert answer == list(run_generation(loaded, first, max_new_tokens=80, sampling=GREEDY,
+                                         cache=CacheOptions(prefill_chunk=8)))
+    assert stats.speculative.draft_restarts == 1 and stats.speculative.draft_origin_shift > 0
+    fed = []
+    prefill_steps = engine.prefill_steps
+    monkeypatch.setattr(engine, "prefill_steps",
+                        lambda model, arena, ids, chunk, draft=False: fed.append((draft, len(ids)))
+                        or prefill_steps(model, arena, ids, chunk, draft=draft))
+    follow = first + answer + prompt(5, seed=7)
+    resumed = list(session.run(follow, max_new_tokens=12, sampling=GREEDY))
+    assert resumed == list(run_generation(loaded, follow, max_new_tokens=12, sampling=GREEDY,
+                                          cache=CacheOptions(prefill_chunk=8)))
+    draft_fed = [n for is_draft, n in fed if is_draft]
+    assert draft_fed and draft_fed[0] < 10  # the new tokens of the turn, not the ~100-token history

@@ -290,7 +290,8 @@ class Session:
         self.draft = draft
         self.capacity = capacity
         self.arenas: list[KVArena] = []  # the target's, then the draft's
-        self._text: list[int] = []  # the text whose first ``arena.next_position`` tokens each arena holds
+        self._text: list[int] = []  # the text; each arena holds its tokens [origin, origin + arena.next_position)
+        self._origins: list[int] = []  # per arena: 0, except a draft that restarted from the end of what it missed
 
     @property
     def _gamma_cap(self) -> int:
@@ -302,7 +303,7 @@ class Session:
         """Tokens of text the arenas hold and a later prompt can skip (0 when there is nothing to resume from)."""
         if not self.arenas:
             return 0
-        held = max(arena.next_position for arena in self.arenas)
+        held = max(origin + arena.next_position for origin, arena in zip(self._origins, self.arenas))
         return held if held <= len(self._text) else 0
 
     @property
@@ -325,6 +326,7 @@ class Session:
         """Forget the text: the next run starts from empty arenas."""
         for arena in self.arenas:
             arena.reset()
+        self._origins = [0] * len(self.arenas)
         self._text = []
 
     def _models(self) -> list[LoadedModel]:
@@ -351,6 +353,7 @@ class Session:
             make_arena(loaded, cache, size, rows, initial_tokens=start)
             for loaded, cache, rows in zip(self._models(), caches, inflight)
         ]
+        self._origins = [0] * len(self.arenas)
         self._text = []
 
     def run(self, prompt_ids: list[int], **options) -> Iterator[int]:
@@ -407,7 +410,8 @@ class Session:
         tokens = None
         try:
             for index, (arena, loaded) in enumerate(zip(self.arenas, self._models())):  # a draft's may lag
-                yield from prefill_steps(loaded.model, arena, text[arena.next_position : reuse],
+                held = self._origins[index] + arena.next_position
+                yield from prefill_steps(loaded.model, arena, text[held : reuse],
                                          self.cache.prefill_chunk, draft=index > 0)
             tokens = self._tokens(text[reuse:], max_new_tokens, sampling, generator, eos_ids, stats, on_prefilled)
             reply = None
@@ -436,8 +440,8 @@ class Session:
         finally:
             if tokens is not None:
                 tokens.close()
-            if stats.speculative is not None and stats.speculative.draft_restarts:
-                self.arenas[1].reset()  # it holds the end of the text, not its start: the next run reads it anew
+            if stats.speculative is not None:  # a draft that restarted holds the text from a later token on
+                self._origins[1] += stats.speculative.draft_origin_shift
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before

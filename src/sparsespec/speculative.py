@@ -294,6 +294,8 @@ class SpeculativeStats:
     target_seconds: float = 0.0
     gammas: list[int] = field(default_factory=list)
     draft_restarts: int = 0  # times the draft emptied its cache to read only the end of what it missed
+    # Text tokens those restarts dropped from the start of the draft's cache: it holds the text from this far on.
+    draft_origin_shift: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -408,6 +410,7 @@ def speculative_steps(
         if g and len(draft_pending) + g - 1 > draft_cache.max_inflight:
             backlog, draft_pending = draft_pending[:-1], draft_pending[-1:]
             if len(backlog) > CATCH_UP_TOKENS:
+                stats.draft_origin_shift += draft_cache.next_position + len(backlog) - CATCH_UP_TOKENS
                 draft_cache.reset()
                 backlog = backlog[-CATCH_UP_TOKENS:]
                 stats.draft_restarts += 1
