@@ -4,6 +4,8 @@ alternated, and perplexity by ``llama-perplexity``'s protocol.
 * decode: ``llama-bench -p 0 -n N -t T -r 1`` (N tokens from an empty context) against sparsespec's default
   configuration (native weights, bfloat16, full cache) decoding N tokens greedily after a 1-token prompt (the BOS),
   EOS ignored; ``--rounds`` rounds, the two engines alternated within each; the per-round ratio's median and spread.
+* prefill: ``llama-bench -p N -n 0`` against one sparsespec forward pass over the first N tokens of the text
+  (logits for the last row), ``--rounds`` alternated rounds.
 * perplexity: the text cut into chunks of ``--ctx`` tokens, each chunk's first token replaced by BOS where the
   model adds one, the second half of each chunk scored (what ``llama-perplexity -c CTX`` computes); llama.cpp
   tokenizes the text itself, sparsespec with its own tokenizer (transformers' reading of the file's vocabulary).
@@ -30,7 +32,7 @@ import torch
 
 from common import RESULTS_DIR, emit, fixture_path, machine, median
 
-from sparsespec.engine import CacheOptions, RunStats, run_generation
+from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
 from sparsespec.eval.perplexity import streaming_nll
 from sparsespec.eval.texts import read_text
 from sparsespec.loading.load import load_model
@@ -50,6 +52,19 @@ def ours_tok_s(loaded, tokens: int) -> float:
                             cache=CacheOptions(), stats=stats):
         pass
     return stats.tokens_per_s
+
+
+def llama_prefill_tok_s(binary: Path, model: Path, tokens: int, threads: int) -> float:
+    out = subprocess.run([str(binary), "-m", str(model), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def ours_prefill_tok_s(loaded, ids: list[int]) -> float:
+    arena = make_arena(loaded, CacheOptions(prefill_chunk=len(ids)), max_tokens=len(ids), max_inflight=1)
+    started = time.perf_counter()
+    loaded.model.forward(torch.tensor(ids), arena, per_block=True, last_only=True)
+    return len(ids) / (time.perf_counter() - started)
 
 
 def llama_perplexity(binary: Path, model: Path, text: Path, ctx: int, chunks: int, threads: int) -> dict:
@@ -79,8 +94,6 @@ def ours_perplexity(loaded, ids: list[int], ctx: int, chunks: int) -> dict:
 
 
 def _arena(loaded, ctx: int):
-    from sparsespec.engine import make_arena
-
     return make_arena(loaded, CacheOptions(prefill_chunk=ctx), max_tokens=ctx, max_inflight=1)
 
 
@@ -95,6 +108,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--chunks", type=int, default=8, help="0 skips perplexity")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips prefill")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llamacpp_bin.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the native kernels' threads too
@@ -121,8 +135,24 @@ def main() -> None:
               "ratio_median": round(median(ratios), 3), "ratio_min": round(min(ratios), 3),
               "ratio_max": round(max(ratios), 3), **base}, args.out)
 
+    text = read_text(args.text)
+    if args.prefill_tokens:
+        ids = loaded.tokenizer.encode(text)[:args.prefill_tokens]
+        ours_prefill_tok_s(loaded, ids)  # warm-up
+        ratios = []
+        for round_index in range(args.rounds):
+            order = ("ours", "llama") if round_index % 2 == 0 else ("llama", "ours")
+            speeds = {engine: ours_prefill_tok_s(loaded, ids) if engine == "ours" else
+                      llama_prefill_tok_s(args.llama_bin / "llama-bench", path, len(ids), args.threads)
+                      for engine in order}
+            ratios.append(speeds["ours"] / speeds["llama"])
+            emit({"bench": "prefill_round", "round": round_index, "tokens": len(ids),
+                  "ours_tok_s": round(speeds["ours"], 1), "llama_bench_tok_s": round(speeds["llama"], 1), **base},
+                 args.out)
+        emit({"bench": "prefill", "tokens": len(ids), "rounds": args.rounds, "ratio_median": round(median(ratios), 3),
+              "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3), **base}, args.out)
+
     if args.chunks:
-        text = read_text(args.text)
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as file:
             file.write(text)
         started = time.perf_counter()

@@ -98,9 +98,9 @@ GGUF_LAYER_NAMES = {
 def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], q8: bool = False,
                      rope_dims: int | None = None, sliding_window: int | None = None, tensors=None,
                      keys: dict | None = None):
-    """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3, phi3 or gemma3), laid out as llama.cpp's converter
-    writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): float32 tensors, or with
-    ``q8`` every matrix in Q8_0 blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``;
+    """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3, phi3 or gemma3), laid out as llama.cpp's
+    converter writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): float32 tensors,
+    or with ``q8`` every matrix in Q8_0 blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``;
     ``sliding_window``: an ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name;
     ``keys``: extra ``<arch>.<key>`` metadata (str, int or float)."""
     import gguf

@@ -455,7 +455,8 @@ class SimulatedClock:
 def paying_decode(controller: DraftWhilePaying, clock: SimulatedClock, n_tokens: int, round_s: float,
                   round_tokens: int, plain_s: float = 1.0) -> tuple[float, int]:
     """Drive ``controller`` through ``n_tokens``: a speculative round takes ``round_s`` seconds for
-    ``round_tokens`` tokens, a plain step ``plain_s`` for one. Returns the seconds and the tokens drafted rounds gave."""
+    ``round_tokens`` tokens, a plain step ``plain_s`` for one. Returns the seconds and the tokens drafted rounds
+    gave."""
     started, produced, drafted_tokens = clock.now, 0, 0
     while produced < n_tokens:
         g = controller.gamma

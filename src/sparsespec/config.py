@@ -208,9 +208,7 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         if heads < 1:
             raise UserError(f"The model config gives num_attention_heads = {heads}; it must be at least 1.")
-        if arch == "gemma3":
-            return _gemma3_from_hf(cls, cfg, heads, hidden)
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -229,6 +227,9 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             rope_scaling=_hf_rope_scaling(cfg),
         )
+        if arch == "gemma3":
+            fields.update(_gemma3_hf_fields(cfg, fields["num_hidden_layers"]))
+        return cls(**fields)
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> "ModelConfig":
@@ -310,10 +311,10 @@ def _within_window(context: int, sliding_window: Any) -> int:
     return min(context, int(sliding_window)) if sliding_window else context
 
 
-def _gemma3_from_hf(cls, cfg: Mapping[str, Any], heads: int, hidden: int) -> ModelConfig:
-    """A Gemma 3 text config (``model_type`` ``gemma3_text``): RoPE per layer kind in ``rope_parameters``
-    (transformers 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (transformers 4)."""
-    layers = int(cfg["num_hidden_layers"])
+def _gemma3_hf_fields(cfg: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The fields a Gemma 3 text config (``model_type`` ``gemma3_text``) sets otherwise than a Llama one: its layer
+    kinds, and RoPE per layer kind in ``rope_parameters`` (transformers 5) or ``rope_theta`` /
+    ``rope_local_base_freq`` / ``rope_scaling`` (transformers 4); its window is its sliding layers', not the run's."""
     kinds = cfg.get("layer_types")
     if not kinds:
         every = int(cfg.get("sliding_window_pattern") or GEMMA3_GLOBAL_EVERY)
@@ -334,22 +335,12 @@ def _gemma3_from_hf(cls, cfg: Mapping[str, Any], heads: int, hidden: int) -> Mod
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key):
             raise UserError(f"The model config sets {key}, which sparsespec does not implement.")
-    return cls(
-        architecture="gemma3",
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+    context = int(cfg.get("max_position_embeddings", 32768))
+    return dict(
         rope_theta=float(global_rope.get("rope_theta", 1000000.0)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        rope_scaling=_hf_rope_scaling({"rope_scaling": global_rope,
-                                       "max_position_embeddings": cfg.get("max_position_embeddings", 32768)}),
+        rope_scaling=_hf_rope_scaling({"rope_scaling": global_rope, "max_position_embeddings": context}),
         layer_types=tuple(kinds),
         sliding_window=int(cfg.get("sliding_window") or 4096),  # transformers' default
         local_rope_theta=float(local_rope.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)),

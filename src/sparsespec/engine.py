@@ -162,16 +162,18 @@ def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_in
     # Held prompt tokens are ranked like staged ones: the ranks reach the budget plus the larger of the two.
     check_in_cache_ranks(loaded, replace(cache, policy=policy), max(staging, retention.max_held if retention else 0))
 
+    key_offset = loaded.model.key_biases()
+    options = dict(policy=policy, dtype=loaded.model.dtype, max_tokens=max_tokens, max_block=max_block,
+                   max_inflight=max_inflight, positions=cache.positions, kv_dtype=cache.kv_dtype, key_offset=key_offset,
+                   recent_window=cache.recent_window, retention=retention,
+                   recall=recall_for(cache.recall_pages, policy), initial_tokens=initial_tokens)
+
     def arena(config: ModelConfig, **overrides) -> KVArena:
-        options = dict(policy=policy, dtype=loaded.model.dtype, max_tokens=max_tokens, max_block=max_block,
-                       max_inflight=max_inflight, positions=cache.positions, kv_dtype=cache.kv_dtype,
-                       key_offset=loaded.model.key_biases(), recent_window=cache.recent_window, retention=retention,
-                       recall=recall_for(cache.recall_pages, policy), initial_tokens=initial_tokens)
-        options.update(overrides)
-        return KVArena(config, options.pop("policy"), **options)
+        chosen = options | overrides
+        return KVArena(config, chosen.pop("policy"), **chosen)
 
     if loaded.config.sliding_layers:
-        return LayeredArena(loaded.config, arena, key_offset=loaded.model.key_biases())
+        return LayeredArena(loaded.config, arena, key_offset=key_offset)
     return arena(loaded.config)
 
 

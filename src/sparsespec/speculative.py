@@ -198,8 +198,8 @@ class DraftWhilePaying:
     timings, so the engine uses this only for greedy decoding, where the output does not depend on them.
 
     ``start_drafting``: whether the run begins with the probes (else with a stint of plain steps, drafting probed
-    after it: for a draft that reads as many weight bytes a pass as the target, :data:`STARTS_PLAIN_AT_COST`). ``clock``: seconds, monotonic
-    (``time.perf_counter``; tests pass a simulated one).
+    after it: for a draft that reads as many weight bytes a pass as the target, :data:`STARTS_PLAIN_AT_COST`).
+    ``clock``: seconds, monotonic (``time.perf_counter``; tests pass a simulated one).
     """
 
     def __init__(self, gamma: int, probe_rounds: int = 2, plain_steps: int = 6, first_stint: int = 256,
@@ -207,8 +207,7 @@ class DraftWhilePaying:
                  clock: Callable[[], float] = time.perf_counter):
         if gamma < 1:
             raise UserError(f"--gamma must be at least 1 (got {gamma}).")
-        self.drafting_gamma = gamma
-        self.gamma_max = gamma
+        self.gamma_max = gamma  # the γ of drafting rounds
         self.gamma = gamma if start_drafting else 0
         self.probe_rounds, self.plain_steps = probe_rounds, plain_steps
         self.first_stint, self.max_stint, self.clear_margin = first_stint, max_stint, clear_margin
@@ -259,7 +258,7 @@ class DraftWhilePaying:
 
     def _switch(self) -> None:
         """Probe the other mode next."""
-        self.gamma = 0 if self.drafting else self.drafting_gamma
+        self.gamma = 0 if self.drafting else self.gamma_max
         self._window.clear()
         self._probing = True
 
@@ -272,7 +271,7 @@ class DraftWhilePaying:
         self._winner = winner
         self._stint_left = self._stint
         if self.drafting != winner:
-            self.gamma = self.drafting_gamma if winner else 0
+            self.gamma = self.gamma_max if winner else 0
             self._window.clear()
 
 

@@ -43,10 +43,6 @@ _GGUF_FUSED = {
     "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
 }
-# Every layer tensor name any architecture's files use (gguf_weight_table checks their dimensions before the config).
-_GGUF_LAYER_NAMES = {key.split(".", 2)[2] for key in _GGUF_TO_HF | _GGUF_FUSED if key.startswith("blk.")} | {
-    "attn_norm.weight", "ffn_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight",
-    "attn_q_norm.weight", "attn_k_norm.weight"}
 
 
 def gguf_to_hf(config: ModelConfig) -> dict[str, str]:
@@ -68,8 +64,9 @@ def _hf_name(gguf_name: str, table: Mapping[str, str]) -> str | None:
 
 def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
     """:func:`read_gguf_tensor_table` for the loaders, which read every tensor's GGML type and take the model's
-    tensors as vectors or matrices: a type the ``gguf`` package does not know, or a model tensor of other than one
-    or two dimensions, is a :class:`UserError` naming it (not a ValueError deep inside the loading)."""
+    tensors as vectors or matrices: a type the ``gguf`` package does not know, or a layer or model tensor of other
+    than one or two dimensions (e.g. a mixture of experts' 3-D tensors), is a :class:`UserError` naming it (not a
+    ValueError deep inside the loading)."""
     from gguf import GGMLQuantizationType
 
     metadata, tensors = read_gguf_tensor_table(path)
@@ -78,9 +75,7 @@ def gguf_weight_table(path: Path) -> tuple[dict, dict[str, GGUFTensorInfo]]:
         if t.ggml_type not in known:
             raise UserError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which the installed gguf "
                             "package does not know.")
-        model_tensor = t.name.split(".", 2)[-1] in _GGUF_LAYER_NAMES if t.name.startswith("blk.") else (
-            t.name in _GGUF_TO_HF)
-        if model_tensor and len(t.dims) not in (1, 2):
+        if (t.name.startswith("blk.") or t.name in _GGUF_TO_HF) and len(t.dims) not in (1, 2):
             raise UserError(f"{path}: tensor {t.name} has {len(t.dims)} dimensions, but a Llama or Qwen2 model's "
                             "weights have one or two.")
     return metadata, tensors
