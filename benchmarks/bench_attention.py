@@ -1,4 +1,4 @@
-"""The arena's decode attention (one row, or a verification block): the native op against the torch path, and its
+"""The arena's decode attention (one row, or a verification block): the native op against the torch fallback, and its
 effective bandwidth.
 
 Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
@@ -6,10 +6,9 @@ qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding
 each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in every layer, ``end``,
 ``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one
 JSON line per (entries, KV dtype, rows, path): milliseconds per step for all layers; microseconds per layer in the
-attention itself (``_attend_native``, or the torch path's ``_attend_block`` / ``_attend_row_by_row``: everything
-after the new rows are written; the native op writes the rows itself, so its time includes that store); and the
-effective GB/s of the KV bytes a step must read (keys and values of every visible entry, once) over the attention's
-own time.
+attention itself (``_attend_native``, or ``cache/fallback.py``'s ``attend``; both store the new rows, so their time
+includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
+entry, once) over the attention's own time. The torch fallback stores no int8 / int4 entries: those run native only.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
@@ -37,9 +36,10 @@ import torch
 from common import RESULTS_DIR, emit, machine
 
 from sparsespec import kernels
+from sparsespec.cache import fallback
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
-from sparsespec.cache.quant import BITS, bytes_per_vector
+from sparsespec.cache.quant import BITS, KVStore, bytes_per_vector, quantize
 from sparsespec.cache.recall import Recall
 from sparsespec.config import ModelConfig
 
@@ -79,11 +79,13 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     kept = entries if policy.is_full else min(policy.budget, entries)
     shape = (config.num_key_value_heads, kept, config.head_dim)
     newest = min(arena.recent_slots, kept - min(4, kept))  # rows of the window, the last slots
+    ring = (torch.arange(newest) + entries - newest) % max(arena.recent_slots, 1)
     for layer in range(config.num_hidden_layers):
         k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
-        arena._write_rows(layer, 0, kept, k, v)
-        if newest:
-            arena._remember_recent(layer, entries - newest, k[:, kept - newest :], v[:, kept - newest :])
+        store(arena._keys, layer, k)
+        store(arena._values, layer, v)
+        arena.recent_keys[layer][:, ring] = k[:, kept - newest :]
+        arena.recent_values[layer][:, ring] = v[:, kept - newest :]
     recent = torch.arange(entries - (kept - min(4, kept)), entries)
     arena.positions[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
     if policy.needs_scores:
@@ -99,21 +101,42 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     return arena
 
 
+def store(entries: KVStore, layer: int, x: torch.Tensor) -> None:
+    """``x: [n_kv, n, head_dim]`` into slots ``[0, n)`` of ``layer``, as the attention op stores rows (quantized
+    formats: the codes of ``x`` minus the store's offset)."""
+    n = x.shape[1]
+    if entries.bits is None:
+        entries.data[layer, :, :n] = x
+        return
+    if entries.offset is not None:
+        x = x.float() - entries.offset[layer][:, None]
+    entries.data[layer, :, :n], entries.params[layer, :, :n] = quantize(x, entries.bits)
+
+
 def time_steps(arena: KVArena, native: bool, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """Seconds of each decode step (every layer's ``attend`` for ``rows`` rows), and of the attention inside it."""
-    config = arena.config
     arena.native_attention = native
     inside = [0.0]
-    for name in ("_attend_native", "_attend_block", "_attend_row_by_row"):
-        method = getattr(arena, name)
 
-        def timed(*args, method=method):
+    def timed(method):
+        def call(*args, **kwargs):
             t0 = time.perf_counter()
-            out = method(*args)
+            out = method(*args, **kwargs)
             inside[0] += time.perf_counter() - t0
             return out
+        return call
 
-        setattr(arena, name, timed)
+    arena._attend_native = timed(arena._attend_native)
+    fallback_attend = fallback.attend
+    fallback.attend = timed(fallback_attend)
+    try:
+        return _time_steps(arena, rows, steps, warmup, inside)
+    finally:
+        fallback.attend = fallback_attend
+
+
+def _time_steps(arena: KVArena, rows: int, steps: int, warmup: int, inside: list[float]):
+    config = arena.config
     gen = torch.Generator().manual_seed(1)
     n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q = torch.randn(n_heads, rows, hd, generator=gen).bfloat16()
@@ -144,7 +167,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
     parser.add_argument("--kv-recent", type=int, default=None,
                         help="int8 / int4: positions kept in full precision (default: the dtype's, 32 for int4)")
-    parser.add_argument("--paths", default="native,torch", help="comma-separated: native, torch")
+    parser.add_argument("--paths", default="native,torch",
+                        help="comma-separated: native, torch (the fallback; bf16 entries only)")
     parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
     parser.add_argument("--recall-pages", default="0",
                         help="comma-separated pages each row recalls from a cold tier of the evicted tokens (0: none)")
@@ -163,6 +187,8 @@ def main() -> None:
                                                               args.kv_dtypes.split(","),
                                                               (int(r) for r in args.rows.split(",")), paths,
                                                               (int(p) for p in args.recall_pages.split(","))):
+        if path == "torch" and kv_dtype in BITS:
+            continue  # the fallback stores no int8 / int4 entries
         steps = args.steps + args.warmup
         recent = args.kv_recent if kv_dtype in BITS else None
         arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent, pages)

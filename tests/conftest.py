@@ -251,24 +251,35 @@ def smollm2_default(smollm2_path, native_kernels):
 @pytest.fixture
 def row_by_row(monkeypatch):
     """Counts, by arena, the layer calls that evicted between the rows of a multi-row block (a verification block
-    that fills the budget): the torch path ``KVArena._attend_row_by_row``, or the native op run per row."""
+    that fills the budget), on the native op or the torch fallback (``cache/fallback.py``)."""
     calls: dict[int, int] = {}
+    from sparsespec.cache import fallback
     from sparsespec.cache.arena import KVArena
 
-    torch_path, native_path = KVArena._attend_row_by_row, KVArena._attend_native
+    fallback_attend, native_path = fallback.attend, KVArena._attend_native
 
-    def count(self):
-        calls[id(self)] = calls.get(id(self), 0) + 1
+    def count(arena):
+        calls[id(arena)] = calls.get(id(arena), 0) + 1
 
-    def spy_torch(self, *args, **kwargs):
-        count(self)
-        return torch_path(self, *args, **kwargs)
+    def spy_fallback(arena, *args, per_row, **kwargs):
+        if per_row:
+            count(arena)
+        return fallback_attend(arena, *args, per_row=per_row, **kwargs)
 
     def spy_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
         if per_row:
             count(self)
         return native_path(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse)
 
-    monkeypatch.setattr(KVArena, "_attend_row_by_row", spy_torch)
+    monkeypatch.setattr(fallback, "attend", spy_fallback)
     monkeypatch.setattr(KVArena, "_attend_native", spy_native)
     return calls
+
+
+@pytest.fixture(params=["native-op", "fallback"])
+def attention_path(request):
+    """Each arena attention path in turn: the native op (skipped or failed as :func:`native_kernels` says) and the
+    torch fallback (``cache/fallback.py``); set it with ``arena.native_attention = attention_path == "native-op"``."""
+    if request.param == "native-op":
+        request.getfixturevalue("native_kernels")
+    return request.param

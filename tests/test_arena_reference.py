@@ -6,6 +6,10 @@ every step, and applies the eviction rule written out plainly (a Python sort of 
 ``(score, position)``). It shares no code with the library: not the arena, not ``choose_evictions``, not the model,
 not the RoPE helper. Both sides read the same Hugging Face-named state dict (``random_state``).
 
+It is the one reference of the arena's attention: the tests run the native op (where the kernels are built) and,
+for entries in the compute dtype, the torch fallback as well (``cache/fallback.py``; the ``attention_path``
+fixture); int8 / int4 entries are the native op's alone, on every instruction set the CPU runs.
+
 Semantics implemented by the reference:
 
 * a decode row (one token) attends to the kept tokens plus itself, adds the softmax probability it gave each token
@@ -28,6 +32,7 @@ row at position p reads the entries of positions above p - W as its own float32 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -288,11 +293,11 @@ def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
 
 
 def _setup(architecture, policy_name, mode, *, max_inflight=1, n_layers=2, total=PROMPT_LEN + DECODE_STEPS + 8,
-           kv_dtype="auto", key_bias_outliers=0.0, recent_window=None):
+           kv_dtype="auto", key_bias_outliers=0.0, recent_window=None, **config_overrides):
     """``key_bias_outliers``: if set, channels 0 and 5 of every KV head's key bias get this value (Qwen2's layer-0
     keys carry biases of ±354 in a few channels), so keys quantized with the bias in would miss their bound.
     ``recent_window``: the arena's full-precision window (None: its default for ``kv_dtype``)."""
-    config = tiny_config(architecture, num_hidden_layers=n_layers)
+    config = tiny_config(architecture, num_hidden_layers=n_layers, **config_overrides)
     state = random_state(config, seed=1)
     if key_bias_outliers:
         for layer in range(n_layers):
@@ -325,10 +330,12 @@ def _prefill_both(model, arena, ref, prompt):
 # -------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy_name", POLICY_NAMES)
-def test_decode_matches_naive_reference(policy_name, mode):
-    _check_decode(policy_name, mode, "auto")
+def test_decode_matches_naive_reference(policy_name, mode, attention_path):
+    _check_decode(policy_name, mode, "auto", native=attention_path == "native-op")
 
 
+# int8 / int4 entries are the native op's alone (the fallback refuses them).
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
     ("full", "original", "int8"), ("window", "in-cache", "int4"), ("streaming", "in-cache", "int8"),
     ("h2o", "original", "int4"), ("hybrid", "original", "int8"), ("hybrid", "in-cache", "int4"),
@@ -337,14 +344,30 @@ def test_quantized_decode_matches_naive_reference(policy_name, mode, kv_dtype):
     _check_decode(policy_name, mode, kv_dtype)
 
 
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype", "recent_window"), [
     ("hybrid", "in-cache", "int4", 5), ("hybrid-decay", "original", "int4", 0), ("h2o", "in-cache", "int8", 7),
     ("full", "original", "int4", 3),
 ])
-@pytest.mark.parametrize("native", [True, False], ids=["native-op", "torch-path"])
-def test_full_precision_window_decode_matches_naive_reference(policy_name, mode, kv_dtype, recent_window, native):
+def test_full_precision_window_decode_matches_naive_reference(policy_name, mode, kv_dtype, recent_window):
     """The row at position p reads positions above p - W in full precision, every other entry from its codes."""
-    _check_decode(policy_name, mode, kv_dtype, recent_window, native)
+    _check_decode(policy_name, mode, kv_dtype, recent_window)
+
+
+@pytest.mark.parametrize(("kv_dtype", "recent_window"), [("int8", 0), ("int4", 0), ("int4", 3)])
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_every_instruction_set_reads_quantized_entries_as_the_naive_reference(monkeypatch, native_kernels, kv_dtype,
+                                                                              recent_window, head_dim):
+    """Every instruction set this CPU runs, through prefill chunks and decode steps that evict: head_dim 64 takes
+    the vector dequantization (whole groups of 16 or 32 channels); 8, groups smaller than a vector, dequantized by
+    the scalar loop inside every instruction set's path; with a full-precision window of 3 positions."""
+    isas = [isa for isa in (native_kernels.ISA_SCALAR, native_kernels.ISA_AVX2, native_kernels.ISA_AVX512)
+            if native_kernels.isa_available(isa)]
+    real = native_kernels.arena_attention
+    for isa in isas:
+        monkeypatch.setattr(native_kernels, "arena_attention", functools.partial(real, isa=isa))
+        _check_decode("hybrid", "in-cache", kv_dtype, recent_window, decode_steps=60, head_dim=head_dim,
+                      num_attention_heads=4, num_key_value_heads=2)
 
 
 def _decode_both(model, arena, ref, tokens, what, check_every=None):
@@ -360,32 +383,37 @@ def _decode_both(model, arena, ref, tokens, what, check_every=None):
     _assert_same_cache(arena, ref, f"{what} at the end")
 
 
-def _check_decode(policy_name, mode, kv_dtype, recent_window=None, native=True):
-    config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype, recent_window=recent_window)
+def _check_decode(policy_name, mode, kv_dtype, recent_window=None, native=True, decode_steps=DECODE_STEPS,
+                  **config_overrides):
+    """``native``: the native op where the kernels are built (False: the torch fallback)."""
+    config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype, recent_window=recent_window,
+                                       **config_overrides)
     arena.native_attention &= native
-    stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=7)
+    stream = _token_stream(PROMPT_LEN + decode_steps, config.vocab_size, seed=7)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"{policy_name}/{mode}/{kv_dtype}", check_every=25)
     budget = arena.policy.budget
     if budget is not None:
         assert arena.n_committed == budget
         assert int(ref.kept.sum(dim=-1).max()) == budget
-        assert arena.evicted_tokens == PROMPT_LEN + DECODE_STEPS - budget
+        assert arena.evicted_tokens == PROMPT_LEN + decode_steps - budget
     else:
-        assert arena.n_committed == PROMPT_LEN + DECODE_STEPS
+        assert arena.n_committed == PROMPT_LEN + decode_steps
 
 
 @pytest.mark.parametrize(
     ("policy_name", "mode"), [("hybrid", "original"), ("h2o", "in-cache"), ("streaming", "in-cache")]
 )
-def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode):
+def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode, attention_path):
     config, model, arena, ref = _setup("qwen2", policy_name, mode, n_layers=1)
+    arena.native_attention = attention_path == "native-op"
     assert config.attention_bias and not config.tie_word_embeddings
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=11)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"qwen2 {policy_name}/{mode}")
 
 
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "kv_dtype"), [
     ("hybrid", "int4"), ("h2o", "int8"), ("hybrid-decay", "int4"), ("full", "int4"),
 ])
@@ -404,15 +432,16 @@ def test_qwen2_quantized_keys_without_the_key_bias_match_naive_reference(policy_
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy_name", POLICY_NAMES)
-def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode):
+def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode, attention_path):
     """Verification-style blocks: row i of a block must equal autoregressive step i; commit(m) keeps m rows.
 
     The reference runs every row of a block one by one, snapshotting after each, and restores the snapshot of
     the last accepted row (teacher forcing: the next block starts at the first rejected token).
     """
-    _check_blocks(policy_name, mode, "auto")
+    _check_blocks(policy_name, mode, "auto", native=attention_path == "native-op")
 
 
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
     ("h2o", "in-cache", "int8"), ("hybrid", "original", "int4"), ("streaming", "original", "int4"),
 ])
@@ -420,11 +449,11 @@ def test_quantized_multi_row_blocks_with_partial_commits_match_naive_reference(p
     _check_blocks(policy_name, mode, kv_dtype)
 
 
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode"), [("hybrid", "in-cache"), ("h2o", "original")])
-@pytest.mark.parametrize("native", [True, False], ids=["native-op", "torch-path"])
-def test_full_precision_window_survives_partial_commits(policy_name, mode, native):
+def test_full_precision_window_survives_partial_commits(policy_name, mode):
     """Rolled-back rows wrote the ring too: the rows kept still read their window as autoregressive steps do."""
-    _check_blocks(policy_name, mode, "int4", recent_window=4, native=native)
+    _check_blocks(policy_name, mode, "int4", recent_window=4)
 
 
 def _check_blocks(policy_name, mode, kv_dtype, recent_window=None, native=True):

@@ -100,23 +100,25 @@ def test_unknown_kv_dtype_is_a_user_error():
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("mode", ["original", "in-cache"])
-def test_stored_entries_are_the_written_rows_quantized_and_move_with_their_slot(kv_dtype, mode):
-    """After evictions and compaction, every committed slot holds the round trip of the row written for its
-    position (the key rotated by its position in the original mode, unrotated in the in-cache mode)."""
+def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_slot(native_kernels, kv_dtype, mode):
+    """The native op writes every row as the codes and group parameters ``quantize`` gives for it (the key rotated
+    by its position in the original mode, unrotated in the in-cache mode), and after evictions, partial commits and
+    compaction every committed slot still holds the codes of its own position's row."""
     model = tiny_model(num_hidden_layers=1)
     arena = KVArena(model.config, make_policy("h2o", 12), dtype=torch.float32, max_block=4, max_inflight=4,
                     positions=mode, kv_dtype=kv_dtype)
-    arena.native_attention = False  # the torch path's writes (the op's equal codes: test_attention_native.py)
+    assert arena.native_attention
     written = {}
-    original_write = arena._write_rows
+    attend = arena.attend
 
-    def spy(layer, start, stop, k, v):
-        original_write(layer, start, stop, k, v)
+    def spy(layer, q, k, v):
         first = arena.next_position + arena._block[0]
-        for i in range(stop - start):  # a rejected row's position is written again by the next block
-            written[first + i] = (k[:, i].clone(), v[:, i].clone())
+        stored = arena.rope.rotate_range(k, first) if mode == "original" else k
+        for i in range(k.shape[1]):  # a rejected row's position is written again by the next block
+            written[first + i] = (stored[:, i].clone(), v[:, i].clone())
+        return attend(layer, q, k, v)
 
-    arena._write_rows = spy
+    arena.attend = spy
     ids = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
     at = 0
     while at < 60:
@@ -127,41 +129,61 @@ def test_stored_entries_are_the_written_rows_quantized_and_move_with_their_slot(
         at += accept
     assert arena.evicted_tokens > 0
     bits = 8 if kv_dtype == "int8" else 4
-    n = arena.n_committed
-    keys = arena._layer_keys(0, n)
-    values = arena._layer_values(0, n)
     for head in range(model.config.num_key_value_heads):
-        for slot in range(n):
+        for slot in range(arena.n_committed):
             k, v = written[int(arena.positions[0, head, slot])]
-            want_k = dequantize(*quantize(k[head], bits), bits, torch.float32)
-            want_v = dequantize(*quantize(v[head], bits), bits, torch.float32)
-            assert torch.equal(keys[head, slot], want_k) and torch.equal(values[head, slot], want_v)
+            for store, row in ((arena._keys, k), (arena._values, v)):
+                codes, params = quantize(row[head], bits)
+                assert torch.equal(store.data[0, head, slot], codes) and torch.equal(store.params[0, head, slot],
+                                                                                     params)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_store_with_an_offset_quantizes_what_is_left_and_adds_it_back(bits):
-    """Keys with a large per-channel offset (as Qwen2's key bias): the store keeps the codes of ``x - offset`` and
-    reads them back plus the offset, so the error is bounded by the range of ``x - offset``, not of ``x``."""
-    from sparsespec.cache.quant import KVStore
-
+def test_keys_with_an_offset_are_stored_without_it_and_read_back_with_it(native_kernels, bits):
+    """Keys with a large per-channel offset (as Qwen2's key bias) in the in-cache mode: the op keeps the codes of
+    ``key - offset``, the store reads them back plus the offset, so the error is bounded by the range of ``key -
+    offset``, not of the key."""
+    config = tiny_config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     g = torch.Generator().manual_seed(bits)
     offset = torch.randn(2, 2, 64, generator=g)
     offset[:, :, 7] = 350.0
     x = torch.randn(2, 5, 64, generator=g) + offset[1][:, None]  # layer 1's rows: [n_kv, tokens, hd]
     kv_dtype = f"int{bits}"
-    shifted, plain = (KVStore((2, 2, 8, 64), kv_dtype, torch.float32, offset=o) for o in (offset, None))
-    for store in (shifted, plain):
-        store.write(1, 2, 7, x)
+    shifted, plain = (KVArena(config, make_policy("hybrid", 12, sinks=1), dtype=torch.float32, max_block=5,
+                              positions="in-cache", kv_dtype=kv_dtype, key_offset=o, recent_window=0)
+                      for o in (offset, None))
+    for arena in (shifted, plain):
+        arena.begin(5, per_block=True)
+        for layer in range(2):
+            arena.attend(layer, torch.randn(4, 5, 64, generator=g), x, x)
+        arena.end()
+        arena.commit(5)
     codes, params = quantize(x - offset[1][:, None], bits)
-    assert torch.equal(shifted.data[1, :, 2:7], codes) and torch.equal(shifted.params[1, :, 2:7], params)
-    back = shifted.read(1, 7)[:, 2:7]
+    assert torch.equal(shifted.keys[1, :, :5], codes) and torch.equal(shifted._keys.params[1, :, :5], params)
+    back = shifted._keys.read(1, 5)
     torch.testing.assert_close(back, dequantize(codes, params, bits, torch.float32) + offset[1][:, None])
     group = {8: 32, 4: 16}[bits]
     assert bool(((back - x).abs() <= _bound(x - offset[1][:, None], bits, group) * 1.001 + 1e-4).all())
-    plain_error = float((plain.read(1, 7)[:, 2:7] - x).abs().max())
+    plain_error = float((plain._keys.read(1, 5) - x).abs().max())
     assert float((back - x).abs().max()) < plain_error / 10  # the offset is what made the difference
     with pytest.raises(ValueError, match="offset"):
-        KVStore((2, 2, 8, 64), kv_dtype, torch.float32, offset=offset[:1])
+        KVArena(config, make_policy("hybrid", 12, sinks=1), dtype=torch.float32, positions="in-cache",
+                kv_dtype=kv_dtype, key_offset=offset[:1])
+
+
+def test_without_the_native_kernels_quantized_entries_are_refused_in_one_sentence(monkeypatch):
+    """The torch fallback stores entries in the compute dtype or bfloat16 only."""
+    from sparsespec import kernels
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no C++ compiler found")
+    for kv_dtype in ("int8", "int4"):
+        with pytest.raises(UserError, match=rf"--kv-dtype {kv_dtype} entries are written and read by the native "
+                                            r"kernels, which are not available here \(no C\+\+ compiler found\)"):
+            KVArena(tiny_config(), make_policy("hybrid", 16), dtype=torch.float32, kv_dtype=kv_dtype)
+    for kv_dtype in ("auto", "bf16"):
+        arena = KVArena(tiny_config(), make_policy("hybrid", 16), dtype=torch.float32, kv_dtype=kv_dtype)
+        assert not arena.native_attention
 
 
 def test_the_key_offset_is_the_models_key_bias_and_only_where_keys_are_stored_before_rope():

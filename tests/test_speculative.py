@@ -91,7 +91,9 @@ DRAFT = noisy_copy(noise=0.01)
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
 @pytest.mark.parametrize("name", list(POLICY_SPECS))
-def test_greedy_speculative_equals_autoregressive(name, positions, row_by_row):
+def test_greedy_speculative_equals_autoregressive(monkeypatch, name, positions, row_by_row, attention_path):
+    if attention_path == "fallback":
+        monkeypatch.setattr(kernels, "available", lambda: False)
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 256)
@@ -113,16 +115,11 @@ def test_greedy_speculative_equals_autoregressive(name, positions, row_by_row):
 @pytest.mark.parametrize(("name", "kv_dtype", "draft_kv_dtype"),
                          [("full", "int8", "int4"), ("hybrid", "int4", "int8"), ("hybrid", "bf16", "int4")])
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
-@pytest.mark.parametrize("attention", ["native", "torch"])
-def test_greedy_speculative_equals_autoregressive_with_quantized_kv(monkeypatch, attention, name, positions,
-                                                                      kv_dtype, draft_kv_dtype):
+def test_greedy_speculative_equals_autoregressive_with_quantized_kv(native_kernels, name, positions, kv_dtype,
+                                                                      draft_kv_dtype):
     """A row is quantized once, when it is written; the verification pass and autoregressive decoding read the
-    same stored entries, so the quantized cache is one more cache definition that speculation reproduces, on the
-    native attention op and on the torch path alike."""
-    if attention == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    elif not kernels.available():
-        pytest.skip("native kernels unavailable")
+    same stored entries, so the quantized cache is one more cache definition that speculation reproduces (on the
+    native op, which alone stores int8 / int4 entries)."""
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 160, kv_dtype=kv_dtype)
@@ -134,7 +131,7 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_kv(monkeypatch,
     assert 10 < stats.accepted < stats.drafted - 10
     stored = {"bf16": torch.bfloat16, "int8": torch.uint8, "int4": torch.uint8}
     assert t_cache.keys.dtype == stored[kv_dtype] and d_cache.keys.dtype == stored[draft_kv_dtype]
-    assert t_cache.native_attention == d_cache.native_attention == (attention == "native")
+    assert t_cache.native_attention and d_cache.native_attention
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
@@ -157,14 +154,9 @@ def test_qwen2_target_with_random_draft():
     assert got == expected
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
-def test_qwen2_quantized_keys_stored_without_their_bias_speculate_exactly(monkeypatch, attention):
+def test_qwen2_quantized_keys_stored_without_their_bias_speculate_exactly(native_kernels):
     """In-cache positions with int4 / int8 keys on a model with key biases: keys are stored minus the bias (one
     more part of the cache's definition), and speculation reproduces autoregressive decoding."""
-    if attention == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    elif not kernels.available():
-        pytest.skip("native kernels unavailable")
     target = tiny_model("qwen2", seed=2)
     pol = policy("hybrid")
     ids = prompt(16, target.config.vocab_size, seed=6)

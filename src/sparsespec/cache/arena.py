@@ -64,12 +64,10 @@ leaves the window of the next row intact (dropping more rows is refused). The ri
 so compaction leaves it alone; its bytes are part of :attr:`nbytes`.
 
 Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
-also stores the block's rows and rotates queries and keys, bit for bit as the steps below do) when the native
-kernels are available; else through the torch path below (the row writes,
-``_attend_block`` and ``_attend_row_by_row``, reading through ``_layer_keys`` / ``_layer_values``), which is its
-reference: the same stored rows (quantized entries: the same codes and scales), visibility, scores, snapshots and
-evictions. Quantized entries are read by the op as ``fma(code, scale, zero)`` in float32, by the torch path as
-``quant.dequantize`` rounded to the compute dtype: the two paths' outputs agree to that rounding, not bit for bit.
+also stores the block's rows, quantizing them, and rotates queries and keys) when the native kernels are available;
+else through the torch fallback, ``fallback.py``, which stores entries in the compute dtype or bfloat16 only (int8 /
+int4 arenas are refused without the kernels). Both follow the rules above; both are tested against the naive decoder
+of ``tests/test_arena_reference.py``, the one reference.
 """
 
 from __future__ import annotations
@@ -78,13 +76,13 @@ import math
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .. import kernels
 from ..errors import UserError
 from ..rope import Rope
-from .policy import CachePolicy, choose_evictions
+from . import fallback
+from .policy import CachePolicy
 from .quant import KVStore, bytes_per_vector, recent_window_for
 from .recall import ColdTier, Entries, Recall, merge_attention
 from .retention import Retention, choose_unretained, observation_scores, pool_by_position
@@ -206,8 +204,11 @@ class KVArena:
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
         self._window_rows = 0  # rows of the open hold's observation window
         self._block_mode = "evict"  # the open block's: evict (as the policy says), hold (nothing), select (retention)
-        # The native op serves every KV dtype and policy; the torch path is its fallback and reference.
+        # The native op serves every KV dtype and policy; fallback.py runs where the kernels are not built.
         self.native_attention = kernels.available()
+        if self._keys.bits is not None and not self.native_attention:
+            raise UserError(f"--kv-dtype {kv_dtype} entries are written and read by the native kernels, which are "
+                            f"not available here ({kernels.unavailable_reason()}); use --kv-dtype auto or bf16.")
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -602,42 +603,19 @@ class KVArena:
         if self.native_attention:
             out = self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows,
                                       budget, lse)
-            if self._block_mode == "select":
-                self._select_retained(layer, q, first, start, stop, visible_before)
-            if lse is not None:
-                out = self._recall(layer, q, out, lse, first, start, visible_before, evicts_between_rows)
-            return out
-
-        new_positions = torch.arange(n_rows) + (self.next_position + first)
-        positions, evicted_at = self.positions[layer], self.evicted_at[layer]
-        if self.positions_mode == "original":
-            k = self.rope.rotate_range(k, self.next_position + first)
-        self._write_rows(layer, start, stop, k, v)
-        positions[:, start:stop] = new_positions
-        evicted_at[:, start:stop] = NEVER
-        if self.policy.needs_scores:
-            self.scores[layer][:, start:stop] = 0.0
-        recent = self._recent_entries(layer, start, k, v) if self.recent_window else None
-        if evicts_between_rows:
-            out = self._attend_row_by_row(layer, q, first, start, stop, new_positions, visible_before, recent, lse)
         else:
-            out = self._attend_block(layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
-                                     recent, lse)
+            out = fallback.attend(self, layer, q, k, v, first=first, start=start, visible_before=visible_before,
+                                  per_block=per_block, per_row=evicts_between_rows, budget=budget, lse=lse)
         if self._block_mode == "select":
             self._select_retained(layer, q, first, start, stop, visible_before)
-        if self.recent_window:
-            self._remember_recent(layer, int(new_positions[0]), k, v)
-        n_heads, hd = q.shape[0], q.shape[2]
-        out = out.transpose(0, 1).reshape(n_rows, n_heads * hd)
         if lse is not None:
             out = self._recall(layer, q, out, lse, first, start, visible_before, evicts_between_rows)
         return out
 
     def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
-        """The block's rows through the native op, which also stores them (the steps of the torch path above, in
-        one call): ``[T, n_heads * head_dim]`` in the dtype of ``q``, scores and evictions as the torch path's
-        (``per_row``: evictions between rows as in ``_attend_row_by_row``, else after the block, down to
-        ``budget``; None: none); each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
+        """The block's rows through the native op, which also stores them: ``[T, n_heads * head_dim]`` in the dtype
+        of ``q``, scores and evictions as ``fallback.attend``'s (``per_row``: evictions between rows, else after the
+        block, down to ``budget``; None: none); each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
         n_rows = q.shape[1]
         first_position = self.next_position + first
         in_cache = self.positions_mode == "in-cache"
@@ -664,55 +642,6 @@ class KVArena:
             row_lse=lse,
         )
 
-    def _write_rows(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [n_kv, stop - start, head_dim]`` (keys as stored: rotated in the original mode)."""
-        self._keys.write(layer, start, stop, k)
-        self._values.write(layer, start, stop, v)
-
-    def _layer_keys(self, layer: int, stop: int) -> torch.Tensor:
-        """``[n_kv, stop, head_dim]`` stored keys of slots ``[0, stop)`` in the compute dtype (dequantized)."""
-        return self._keys.read(layer, stop)
-
-    def _layer_values(self, layer: int, stop: int) -> torch.Tensor:
-        """``[n_kv, stop, head_dim]`` stored values of slots ``[0, stop)`` in the compute dtype (dequantized)."""
-        return self._values.read(layer, stop)
-
-    def _recent_entries(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Full-precision keys and values ``[n_kv, start + T, head_dim]`` of slots ``[0, start + T)`` as the window
-        holds them: the ring's row of each slot's position below ``start``, the block's rows ``k, v`` (keys as
-        stored) from ``start``. Only the entries of positions in a row's window are meaningful."""
-        rows = (self.positions[layer][:, :start] % self.recent_slots)[..., None].expand(-1, -1, k.shape[-1])
-        keys = torch.cat((self.recent_keys[layer].gather(1, rows), k.to(self.dtype)), dim=1)
-        values = torch.cat((self.recent_values[layer].gather(1, rows), v.to(self.dtype)), dim=1)
-        return keys, values
-
-    def _remember_recent(self, layer: int, first_position: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The block's rows ``k, v: [n_kv, T, head_dim]`` (keys as stored) into the ring; only its last
-        ``recent_slots`` rows stay there."""
-        n_rows = k.shape[1]
-        keep = min(n_rows, self.recent_slots)
-        rows = (torch.arange(n_rows - keep, n_rows) + first_position) % self.recent_slots
-        self.recent_keys[layer][:, rows] = k[:, n_rows - keep :].to(self.dtype)
-        self.recent_values[layer][:, rows] = v[:, n_rows - keep :].to(self.dtype)
-
-    def _in_window(self, layer: int, stop: int, new_positions: torch.Tensor) -> torch.Tensor:
-        """``[n_kv, T, stop]`` bool: row t reads slot s in full precision (its position is among the row's
-        ``recent_window`` most recent)."""
-        return self.positions[layer][:, None, :stop] > (new_positions - self.recent_window)[None, :, None]
-
-    @staticmethod
-    def _value_sum(probs: torch.Tensor, values: torch.Tensor, recent_values=None, in_window=None) -> torch.Tensor:
-        """``[n_kv, group * T, head_dim]``: ``probs [n_kv, group, T, S]`` (float32) times the values
-        ``[n_kv, S, head_dim]``, each (row, slot) taking its value from ``recent_values`` where ``in_window [n_kv,
-        T, S]`` says so."""
-        n_kv, group, n_rows, stop = probs.shape
-        if recent_values is None:
-            return torch.matmul(probs.to(values.dtype).view(n_kv, group * n_rows, stop), values)
-        window = in_window[:, None]
-        coded = probs.masked_fill(window, 0.0).to(values.dtype).view(n_kv, group * n_rows, stop)
-        full = probs.masked_fill(~window, 0.0).to(values.dtype).view(n_kv, group * n_rows, stop)
-        return torch.matmul(coded, values) + torch.matmul(full, recent_values)
-
     def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""
         S = visible.shape[-1]
@@ -724,126 +653,7 @@ class KVArena:
         """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode): the stored
         ones, or ``keys`` (as stored, in the compute dtype) if given."""
         if keys is None:
-            keys = self._layer_keys(layer, visible.shape[-1])
+            keys = self._keys.read(layer, visible.shape[-1])
         if self.positions_mode == "original":
             return keys
         return self.rope.rotate(keys, self._ranks(layer, visible))
-
-    def _attend_block(self, layer, q, first, start, stop, new_positions, visible_before, per_block, budget,
-                      recent=None, lse=None):
-        """All rows at once: no eviction happens between rows (full cache, room to spare, a single row, or a prefill
-        chunk); eviction down to ``budget`` (None: none), if needed, happens after the last row. ``recent``: the
-        full-precision window's ``(keys, values)`` (:meth:`_recent_entries`), or None; ``lse``: ``[T, n_heads]``
-        receives each row's log-sum-exps, or None."""
-        n_heads, n_rows, hd = q.shape
-        n_kv = self.config.num_key_value_heads
-        group = n_heads // n_kv
-        visible = self.evicted_at[layer][:, :stop] == NEVER  # [n_kv, S]
-        causal = self._slot_index[:stop][None, :] <= torch.arange(start, stop)[:, None]  # [T, S]
-        mask = visible[:, None, :] & causal[None]  # [n_kv, T, S]
-        q_positions = new_positions if self.positions_mode == "original" else torch.arange(n_rows) + visible_before
-        q = self.rope.rotate(q, q_positions)
-        keys = self._keys_for_attention(layer, visible)
-        values = self._layer_values(layer, stop)
-
-        if not self.policy.needs_scores and recent is None and lse is None:
-            # A single row of the full cache sees every slot: no mask needed (the common decode step).
-            head_mask = None if self.policy.is_full and n_rows == 1 else mask.repeat_interleave(group, dim=0)[None]
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=head_mask, enable_gqa=True)
-            out = out[0]
-        else:
-            q = q.reshape(n_kv, group * n_rows, hd)
-            logits = torch.matmul(q, keys.transpose(1, 2)).float().view(n_kv, group, n_rows, stop)
-            in_window = recent_values = None
-            if recent is not None:
-                in_window = self._in_window(layer, stop, new_positions)
-                full_keys = self._keys_for_attention(layer, visible, recent[0])
-                full = torch.matmul(q, full_keys.transpose(1, 2)).float().view(n_kv, group, n_rows, stop)
-                logits = torch.where(in_window[:, None], full, logits)
-                recent_values = recent[1]
-            logits = logits.mul_(self.scale).masked_fill_(~mask[:, None], -math.inf)
-            if lse is not None:
-                lse.copy_(torch.logsumexp(logits, dim=-1).view(n_heads, n_rows).T)
-            probs = torch.softmax(logits, dim=-1)
-            out = self._value_sum(probs, values, recent_values, in_window).view(n_heads, n_rows, hd)
-        if self.policy.needs_scores:
-            received = probs.sum(dim=1)  # [n_kv, T, S]: attention each slot received from each row
-            scores = self.scores[layer][:, :stop]
-            snapshots = 0 if per_block else min(n_rows, self.max_inflight - 1 - first)
-            decay = self.policy.score_decay
-            if decay == 1.0:
-                cumulative = received.cumsum(dim=1)
-                for i in range(snapshots):
-                    self.row_scores[first + i, layer][:, :stop] = scores + cumulative[:, i]
-                scores += received.sum(dim=1)
-            else:  # row by row: score = decay * score + attention received
-                for i in range(n_rows):
-                    scores.mul_(decay).add_(received[:, i])
-                    if i < snapshots:
-                        self.row_scores[first + i, layer][:, :stop] = scores
-
-        if budget is not None and visible_before + n_rows > budget:
-            scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
-            evict = choose_evictions(
-                scores, self.positions[layer][:, :stop], visible, int(new_positions[-1]), self.policy,
-                n_visible=visible_before + n_rows,
-            )
-            self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
-        return out
-
-    def _attend_row_by_row(self, layer, q, first, start, stop, new_positions, visible_before, recent=None,
-                           lse=None):
-        """Rows one after another, each seeing the evictions made by the rows before it (``recent`` and ``lse`` as
-        in :meth:`_attend_block`)."""
-        n_heads, n_rows, hd = q.shape
-        n_kv = self.config.num_key_value_heads
-        group = n_heads // n_kv
-        budget = self.policy.budget
-        original = self.positions_mode == "original"
-        positions = self.positions[layer][:, :stop]
-        evicted_at = self.evicted_at[layer][:, :stop]
-        values = self._layer_values(layer, stop)
-        scores = self.scores[layer][:, :stop] if self.policy.needs_scores else None
-        visible = evicted_at == NEVER  # committed survivors + every staged row, narrowed row by row below
-        in_window = self._in_window(layer, stop, new_positions) if recent is not None else None
-        if original:
-            q_rot = self.rope.rotate(q, new_positions).reshape(n_kv, group * n_rows, hd)
-            all_logits = torch.matmul(q_rot, self._layer_keys(layer, stop).transpose(1, 2))
-            all_logits = all_logits.view(n_kv, group, n_rows, stop).float()
-            if recent is not None:
-                full = torch.matmul(q_rot, recent[0].transpose(1, 2)).view(n_kv, group, n_rows, stop).float()
-                all_logits = torch.where(in_window[:, None], full, all_logits)
-        probs = torch.empty(n_kv, group, n_rows, stop, dtype=torch.float32)
-        n_visible = visible_before
-        for i in range(n_rows):
-            row_visible = visible & (self._slot_index[:stop] <= start + i)
-            n_visible += 1
-            if original:
-                logits = all_logits[:, :, i]
-            else:
-                q_i = self.rope.rotate(q[:, i : i + 1], torch.tensor([n_visible - 1])).reshape(n_kv, group, hd)
-                keys = self._keys_for_attention(layer, row_visible)
-                logits = torch.matmul(q_i, keys.transpose(1, 2)).float()
-                if recent is not None:
-                    full_keys = self._keys_for_attention(layer, row_visible, recent[0])
-                    full = torch.matmul(q_i, full_keys.transpose(1, 2)).float()
-                    logits = torch.where(in_window[:, None, i], full, logits)
-            logits = logits.mul_(self.scale).masked_fill_(~row_visible[:, None], -math.inf)
-            if lse is not None:
-                lse[i] = torch.logsumexp(logits, dim=-1).view(-1)
-            row_probs = torch.softmax(logits, dim=-1)  # [n_kv, group, S]
-            probs[:, :, i] = row_probs
-            if scores is not None:
-                if self.policy.score_decay != 1.0:
-                    scores.mul_(self.policy.score_decay)
-                scores += row_probs.sum(dim=1)
-            evict = choose_evictions(
-                scores, positions, row_visible, int(new_positions[i]), self.policy, n_visible=n_visible
-            )
-            evicted_at.masked_fill_(evict, first + i)
-            visible &= ~evict
-            n_visible = min(n_visible, budget)
-            if scores is not None and first + i < self.max_inflight - 1:
-                self.row_scores[first + i, layer][:, :stop] = scores
-        out = self._value_sum(probs, values, None if recent is None else recent[1], in_window)
-        return out.view(n_heads, n_rows, hd)

@@ -91,7 +91,8 @@ def bytes_per_vector(kv_dtype: str, head_dim: int, compute_dtype: torch.dtype) -
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and group parameters of ``x: [..., head_dim]`` (any float dtype; computed in float32).
+    """Codes and group parameters of ``x: [..., head_dim]`` (any float dtype; computed in float32): the format's
+    definition, which the native attention op writes bit for bit (tested) and the cold tier encodes its pages with.
 
     Returns:
         ``codes``: uint8 ``[..., head_dim]`` (8 bits) or ``[..., head_dim // 2]`` (4 bits, two codes per byte);
@@ -171,15 +172,11 @@ class KVStore:
         return sum(t.nbytes for t in self.tensors)
 
     def write(self, layer: int, start: int, stop: int, x: torch.Tensor) -> None:
-        """Store ``x: [n_kv_heads, stop - start, head_dim]`` in slots ``[start, stop)`` of ``layer``."""
-        if self.bits is None:
-            self.data[layer, :, start:stop] = x
-        else:
-            if self.offset is not None:
-                x = x.float() - self.offset[layer][:, None]
-            codes, params = quantize(x, self.bits)
-            self.data[layer, :, start:stop] = codes
-            self.params[layer, :, start:stop] = params
+        """Store ``x: [n_kv_heads, stop - start, head_dim]`` in slots ``[start, stop)`` of ``layer`` (float formats:
+        the torch fallback's writes; int8 / int4 codes are written by the native op)."""
+        if self.bits is not None:
+            raise ValueError(f"{self.kv_dtype} entries are written by the native attention op")
+        self.data[layer, :, start:stop] = x
 
     def gather(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """float32 entries of ``slots`` (int64 slot indices), dequantized with the offset added back: ``[n_layers,

@@ -1035,16 +1035,19 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
 
 
 def _attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> dict[str, float]:
-    """FLOP rates of the arena's attention paths, from two cache sizes each, at every KV dtype, the cache read
-    from memory (a buffer of ``flush_bytes`` is read before each call)."""
+    """FLOP rates of the arena's attention paths, from two cache sizes each, at every KV dtype (quantized ones only
+    with the native kernels, which alone store them), the cache read from memory (a buffer of ``flush_bytes`` is
+    read before each call)."""
     import torch
+
+    from .. import kernels
 
     flush = torch.ones(max(s.flush_bytes // 4, 256), dtype=torch.float32)
     entries = s.attention_entries
     rates: dict[str, float] = {}
     raw["attention_seconds"] = {}
     paths = (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True))
-    for kv_dtype in ("auto", *s.kv_dtypes):
+    for kv_dtype in ("auto", *(s.kv_dtypes if kernels.available() else ())):
         for path, rows, evicting in paths:
             steps = [attention_step(n, rows, evicting=evicting, kv_dtype=kv_dtype) for n in entries]
             small, large = cold_pair_seconds(*steps, flush, s.attention_trials)
