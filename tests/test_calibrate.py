@@ -89,8 +89,10 @@ def test_profile_has_every_figure_and_cites_it(calibrated):
         assert "sparsespec calibrate on " + cal.date in profile.sources[figure], figure
     read = ("memory_bytes", "sram_bytes", "threads")
     measured = [f for f in profile.figures() if not f.startswith("caches.") and f not in read]
-    for figure in measured:
-        assert profile.sources[figure].startswith("measured by sparsespec calibrate on "), figure
+    for figure in measured:  # on the torch path the native engine's own figures are read as absent, and say so
+        source = profile.sources[figure]
+        assert source.startswith("measured by sparsespec calibrate on ") or (
+            not kernels.available() and "not measured on the torch path" in source), figure
     assert profile.dram_bandwidth > 0 and profile.sram_bandwidth >= profile.dram_bandwidth
     assert 0 < profile.dram_efficiency <= 1 and 0 < profile.sram_kv_fraction <= 1
     assert set(profile.peak_flops) == {"bf16", "fp32"}

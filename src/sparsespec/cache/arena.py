@@ -90,6 +90,7 @@ from .retention import Retention, choose_unretained, observation_scores, pool_by
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
 MAX_POSITION = torch.iinfo(torch.int64).max
+QUANTIZED_NEEDS_KERNELS = "entries are written and read by the native kernels"  # the refusal without them
 
 
 def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bias: bool) -> None:
@@ -207,8 +208,8 @@ class KVArena:
         # The native op serves every KV dtype and policy; fallback.py runs where the kernels are not built.
         self.native_attention = kernels.available()
         if self._keys.bits is not None and not self.native_attention:
-            raise UserError(f"--kv-dtype {kv_dtype} entries are written and read by the native kernels, which are "
-                            f"not available here ({kernels.unavailable_reason()}); use --kv-dtype auto or bf16.")
+            raise UserError(f"--kv-dtype {kv_dtype} {QUANTIZED_NEEDS_KERNELS}, which are not available here "
+                            f"({kernels.unavailable_reason()}); use --kv-dtype auto or bf16.")
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
