@@ -17,10 +17,13 @@ from sparsespec.cache.policy import make_policy
 from sparsespec import kernels
 from sparsespec.edge import calibrate as calibrate_module
 from sparsespec.edge.calibrate import (
+    ATTENTION_NARROW_SHAPE,
+    ATTENTION_SHAPE,
     KIB,
     MIB,
     QUICK,
     add_calibrate_arguments,
+    attention_rates,
     build_profile,
     cache_sizes,
     calibrate,
@@ -215,3 +218,21 @@ def test_without_native_kernels_the_profile_describes_the_torch_path(monkeypatch
     assert cal.stream_overhead_fraction == 0.0 and cal.per_layer_overhead_s >= 0
     assert "torch path" in profile.description and "torch path" in profile.sources["per_layer_overhead_s"]
     assert profile.missing_sources() == []
+
+
+def test_two_attention_shapes_separate_the_query_heads_flops_from_each_kv_heads_work():
+    """Timings made from known rates give them back; timings the two terms cannot explain (the narrow shape as dear
+    as the wide one, or dearer) fall back to the wide shape's FLOP rate alone."""
+    (heads, kv_heads, hd), narrow_heads = ATTENTION_SHAPE, ATTENTION_NARROW_SHAPE[0]
+    flops, reads, entries, rows = 40e9, 3e9, (256, 2048), 2
+
+    def seconds(h):
+        per_entry = 4 * h * hd / flops + kv_heads * hd / reads
+        return 1e-5, 1e-5 + per_entry * (entries[1] - entries[0]) * rows
+
+    got_flops, got_reads = attention_rates(seconds(heads), seconds(narrow_heads), entries, rows)
+    assert got_flops == pytest.approx(flops) and got_reads == pytest.approx(reads)
+    wide = seconds(heads)
+    assert attention_rates(wide, wide, entries, rows) == (
+        pytest.approx(4 * heads * hd * (entries[1] - entries[0]) * rows / (wide[1] - wide[0])), None)
+    assert attention_rates((1e-5, 1e-5), wide, entries, rows) == (None, None)

@@ -309,6 +309,26 @@ def test_measured_attention_stands_for_its_kv_reads():
     assert forward_pass(m, timed_dev, tokens=1, kv_entries=10, kv_dtype="int4").attention_s == pytest.approx(6.4)
 
 
+def test_each_kv_head_costs_its_own_work_besides_the_query_heads_flops():
+    """With ``attention_head_reads`` the op costs 4·L·H·d·N·T FLOPs at ``attention_flops`` plus L·n_kv·d·N·T KV-head
+    channels at that rate: a model with fewer query heads per KV head costs more per FLOP. int8 keys take their own
+    figure where the profile has one; a path without one prices FLOPs alone."""
+    base = dict(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0,
+                attention_flops={"single": 100.0, "evicting": 50.0})
+    dev = toy_device(**base, attention_head_reads={"single": 10.0, "single:int8": 5.0})
+    m = toy_model()  # L=2, H=2, n_kv=1, d=4: per entry and row 64 FLOPs and 8 KV-head channels
+    assert forward_pass(m, dev, tokens=1, kv_entries=10).attention_s == pytest.approx(640 / 100 + 80 / 10)
+    int8 = forward_pass(m, dev, tokens=1, kv_entries=10, kv_dtype="int8").attention_s
+    assert int8 == pytest.approx(640 / 100 + 80 / 5)
+    assert forward_pass(m, dev, tokens=1, kv_entries=10, evicting=True).attention_s == pytest.approx(640 / 50)
+    narrow = toy_model(num_attention_heads=2, num_key_value_heads=2)  # twice the KV heads for the same FLOPs
+    assert forward_pass(narrow, dev, tokens=1, kv_entries=10).attention_s == pytest.approx(640 / 100 + 160 / 10)
+    with pytest.raises(UserError, match="attention_head_reads.paged"):
+        toy_device(attention_head_reads={"paged": 1e9})
+    with pytest.raises(UserError, match="attention_head_reads.single must be a positive"):
+        toy_device(attention_head_reads={"single": 0.0})
+
+
 def test_attention_waits_for_the_busiest_thread():
     """The op gives each thread whole KV heads while a head holds fewer than 4,096 slots: 3 heads on 2 threads take
     as long as 2 heads on one, 4/3 of an even share; heads that divide, more threads than heads, long caches and

@@ -21,8 +21,9 @@ blocks, bfloat16 compute), at ``--threads`` threads:
   ``sram_kv_fraction``;
 - **the attention op** — one layer of the KV arena's attention at two cache sizes, for one row and R rows, over the
   full cache and over a full budgeted (hybrid) cache, and at each KV dtype, with a large buffer read before each
-  call (in a decode step the whole model streams between two visits of a layer's cache): the slopes give
-  ``attention_flops`` per path (and ``path:int8`` / ``path:int4``);
+  call (in a decode step the whole model streams between two visits of a layer's cache), with 6 query heads per KV
+  head and with 1: the two slopes give ``attention_flops`` (the query heads' FLOPs) and ``attention_head_reads`` (the
+  KV heads' own work) per path (and ``path:int8`` / ``path:int4``);
 - **the engine's own costs** — a tiny random model whose weights stay in the caches, run through the engine's
   decode loop (:func:`sparsespec.generate.generate_tokens`) with few and many layers, gives the pass's fixed cost
   ``overhead_s`` (its intercept, less its sampling); two random models with native weights streaming from memory,
@@ -79,8 +80,10 @@ STREAM_LAYER_SHAPES = ((1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096))
 # The GGUF block types the native kernels read (kernels/repack.py), by name.
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
-# The attention shape the arena is timed with: query heads, KV heads, head width.
+# The attention shapes the arena is timed with (query heads, KV heads, head width): many query heads per KV head,
+# and one, so that the query heads' FLOPs and each KV head's own work separate.
 ATTENTION_SHAPE = (12, 2, 64)
+ATTENTION_NARROW_SHAPE = (2, 2, 64)
 
 # KV dtypes whose attention is timed besides the compute dtype's (cache/quant.py).
 QUANTIZED_KV = ("int8", "int4")
@@ -181,6 +184,7 @@ class Calibration:
     evict_row_layer_overhead_s: float
     per_vocab_overhead_s: float
     attention_flops: dict[str, float]
+    attention_head_reads: dict[str, float]
     raw: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
@@ -709,14 +713,25 @@ def cold_pair_seconds(small: Callable[[], Any], large: Callable[[], Any], flush,
     return base, base + statistics.median(differences)
 
 
-def attention_rate(seconds_small: float, seconds_large: float, entries: tuple[int, int], rows: int,
-                   shape: tuple[int, int, int] = ATTENTION_SHAPE) -> float | None:
-    """FLOP/s per cached entry (``4·H·d`` per entry and row) from two timings; None when the slope is not positive."""
-    heads, _, hd = shape
-    extra = seconds_large - seconds_small
-    if extra <= 0:
-        return None
-    return 4.0 * heads * hd * (entries[1] - entries[0]) * rows / extra
+def attention_rates(wide: tuple[float, float], narrow: tuple[float, float], entries: tuple[int, int],
+                    rows: int) -> tuple[float | None, float | None]:
+    """``(attention_flops, attention_head_reads)`` from the seconds at the two cache sizes ``entries`` of the
+    :data:`ATTENTION_SHAPE` op (``wide``) and the :data:`ATTENTION_NARROW_SHAPE` one (``narrow``): per cached entry
+    and row the first costs ``4·H·d / flops + n_kv·d / reads``, the second the same with its own H. Where the two
+    slopes do not separate the terms (noise), the FLOP rate from the wide shape alone and no head figure; None
+    for both when its slope is not positive."""
+    (heads, kv_heads, hd), narrow_heads = ATTENTION_SHAPE, ATTENTION_NARROW_SHAPE[0]
+    assert ATTENTION_NARROW_SHAPE[1:] == (kv_heads, hd)
+    n = (entries[1] - entries[0]) * rows
+    slope, narrow_slope = (wide[1] - wide[0]) / n, (narrow[1] - narrow[0]) / n
+    if slope <= 0:
+        return None, None
+    if slope > narrow_slope > 0:
+        flops = 4.0 * hd * (heads - narrow_heads) / (slope - narrow_slope)
+        head_s = narrow_slope - 4.0 * hd * narrow_heads / flops
+        if head_s > 0:
+            return flops, kv_heads * hd / head_s
+    return 4.0 * heads * hd / slope, None
 
 
 # ------------------------------------------------------------------------------------------------ calibrate
@@ -779,8 +794,8 @@ def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress)
     per_vocab = _sampling_cost(settings, raw, progress)
     pass_s, cached_layer_s = _tiny_probe_overhead(settings, stream["bytes_per_s"], native, per_vocab, raw)
     probes = _probe_engine(settings, raw, progress)
-    attention = _attention_rates(settings, raw, progress)
-    overheads = _fit_overheads(settings, probes, pass_s, cached_layer_s, attention, progress)
+    attention, head_reads = _attention_rates(settings, raw, progress)
+    overheads = _fit_overheads(settings, probes, pass_s, cached_layer_s, attention, head_reads, progress)
     return Calibration(
         date=machine.date, threads=threads, loadavg_before=machine.load_before, loadavg_after=loadavg(),
         seconds=time.perf_counter() - started, cpu=machine.cpu, cores=machine.cores, hypervisor=machine.hypervisor,
@@ -792,7 +807,7 @@ def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress)
         per_layer_overhead_s=overheads.per_layer_s, stream_overhead_fraction=overheads.stream_fraction,
         per_row_layer_overhead_s=overheads.per_row_layer_s, evict_layer_overhead_s=overheads.evict_layer_s,
         evict_row_layer_overhead_s=overheads.evict_row_layer_s, per_vocab_overhead_s=per_vocab,
-        attention_flops=attention, raw=raw,
+        attention_flops=attention, attention_head_reads=head_reads, raw=raw,
     )
 
 
@@ -1034,10 +1049,11 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
     return probes
 
 
-def _attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> dict[str, float]:
-    """FLOP rates of the arena's attention paths, from two cache sizes each, at every KV dtype (quantized ones only
-    with the native kernels, which alone store them), the cache read from memory (a buffer of ``flush_bytes`` is
-    read before each call)."""
+def _attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> tuple[dict[str, float],
+                                                                                     dict[str, float]]:
+    """FLOP rates and KV-head rates (:func:`attention_rates`) of the arena's attention paths, from two cache sizes
+    and two shapes each, at every KV dtype (quantized ones only with the native kernels, which alone store them),
+    the cache read from memory (a buffer of ``flush_bytes`` is read before each call)."""
     import torch
 
     from .. import kernels
@@ -1045,20 +1061,28 @@ def _attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> 
     flush = torch.ones(max(s.flush_bytes // 4, 256), dtype=torch.float32)
     entries = s.attention_entries
     rates: dict[str, float] = {}
+    head_rates: dict[str, float] = {}
     raw["attention_seconds"] = {}
     paths = (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True))
     for kv_dtype in ("auto", *(s.kv_dtypes if kernels.available() else ())):
         for path, rows, evicting in paths:
-            steps = [attention_step(n, rows, evicting=evicting, kv_dtype=kv_dtype) for n in entries]
-            small, large = cold_pair_seconds(*steps, flush, s.attention_trials)
             key = path if kv_dtype == "auto" else f"{path}:{kv_dtype}"
-            raw["attention_seconds"][key] = {str(entries[0]): small, str(entries[1]): large, "rows": rows}
-            flops = attention_rate(small, large, entries, rows)
+            seconds = {}
+            for name, shape in (("wide", ATTENTION_SHAPE), ("narrow", ATTENTION_NARROW_SHAPE)):
+                steps = [attention_step(n, rows, evicting=evicting, shape=shape, kv_dtype=kv_dtype) for n in entries]
+                seconds[name] = cold_pair_seconds(*steps, flush, s.attention_trials)
+            raw["attention_seconds"][key] = {name: {str(n): t for n, t in zip(entries, pair)}
+                                             for name, pair in seconds.items()} | {"rows": rows}
+            flops, head_reads = attention_rates(seconds["wide"], seconds["narrow"], entries, rows)
             if flops is not None:
                 rates[key] = flops
+            if head_reads is not None:
+                head_rates[key] = head_reads
     progress.line("attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
+    progress.line("attention per KV head: " + ", ".join(f"{k} {v / 1e9:.2f} G channels/s"
+                                                         for k, v in head_rates.items()))
     progress.done("attention")
-    return rates
+    return rates, head_rates
 
 
 @dataclass(frozen=True)
@@ -1072,9 +1096,10 @@ class _Overheads:
 
 
 def _fit_overheads(s: CalibrationSettings, probes: list[_Probe], pass_s: float, cached_layer_s: float,
-                   attention: dict[str, float], progress: _Progress) -> _Overheads:
+                   attention: dict[str, float], head_reads: dict[str, float], progress: _Progress) -> _Overheads:
     """The engine's own costs from the streaming probes: each step less its projections alone, the pass's fixed
-    cost ``pass_s`` and the attention op's time over its entries at the measured ``attention`` rates, per layer:
+    cost ``pass_s`` and the attention op's time over its entries at the measured ``attention`` and ``head_reads``
+    rates, per layer:
     a fixed part and a part in proportion to the layer's streaming time (the layer's other work runs in caches its
     weights just went through), fitted through the narrow and the wide probe; the extra rows' and the eviction's
     costs beside the same passes alone, less the attention op's own difference. Without probes (the torch path),
@@ -1087,9 +1112,12 @@ def _fit_overheads(s: CalibrationSettings, probes: list[_Probe], pass_s: float, 
     decoding = ctx + s.probe_steps * s.probe_rounds / 2  # mean entries of a decode step over the full cache
 
     def attend(p: _Probe, path: str, entries: float, n_rows: int = 1) -> float:
-        """Seconds of one layer's attention op beyond its fixed cost, at the measured rate."""
-        rate = attention.get(path)
-        return 4.0 * p.shape[2] * p.shape[4] * entries * n_rows / rate if rate else 0.0
+        """Seconds of one layer's attention op beyond its fixed cost, at the measured rates."""
+        rate, reads = attention.get(path), head_reads.get(path)
+        if not rate:
+            return 0.0
+        per_entry = 4.0 * p.shape[2] * p.shape[4] / rate + (p.shape[3] * p.shape[4] / reads if reads else 0.0)
+        return per_entry * entries * n_rows
 
     def around(p: _Probe) -> tuple[float, float]:  # (streaming, other work) per layer
         t = p.times
@@ -1209,12 +1237,16 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
              "evicting": "1 row over a full hybrid cache"}
     for key in cal.attention_flops:
         path, _, kv_dtype = key.partition(":")
-        sources[f"attention_flops.{key}"] = (
-            f"{stamp}: one layer of KVArena.attend ({heads} query heads, {kv_heads} KV heads of {hd}; "
-            f"{kv_dtype or 'bfloat16'} keys and values), {paths[path]}, at {settings.attention_entries[0]} and "
-            f"{settings.attention_entries[1]} entries, {settings.flush_bytes // MIB} MiB read before each call: "
-            "4·H·d per entry and row over the extra time."
-        )
+        timed = (f"{stamp}: one layer of KVArena.attend ({heads} and {ATTENTION_NARROW_SHAPE[0]} query heads, "
+                 f"{kv_heads} KV heads of {hd}; {kv_dtype or 'bfloat16'} keys and values), {paths[path]}, at "
+                 f"{settings.attention_entries[0]} and {settings.attention_entries[1]} entries, "
+                 f"{settings.flush_bytes // MIB} MiB read before each call: per entry and row the extra time is "
+                 "4·H·d / attention_flops + n_kv·d / attention_head_reads, solved from the two shapes")
+        sources[f"attention_flops.{key}"] = timed + "."
+        if key in cal.attention_head_reads:
+            sources[f"attention_head_reads.{key}"] = timed + "."
+        else:
+            sources[f"attention_flops.{key}"] = timed + " (they did not separate: the first shape's 4·H·d alone)."
     for kind, curve in cal.native_stream.items():
         sources[f"native_stream.{kind}"] = (
             f"{stamp}: the native kernels' one-row matmul over random {kind} blocks of layers shaped "
@@ -1251,6 +1283,7 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         evict_row_layer_overhead_s=cal.evict_row_layer_overhead_s,
         per_vocab_overhead_s=cal.per_vocab_overhead_s,
         attention_flops=dict(cal.attention_flops),
+        attention_head_reads=dict(cal.attention_head_reads),
         native_stream={kind: {k: entry[k] for k in ("bytes_per_s", "extra_row_bytes_per_s")}
                        for kind, entry in cal.native_stream.items()},
         caches=caches,
@@ -1312,6 +1345,8 @@ def format_summary(cal: Calibration, profile: DeviceProfile, path: Path) -> str:
         "evicting pass + extra row, "
         f"{cal.per_vocab_overhead_s * 1e9:.2f} ns per vocabulary entry",
         "  attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in cal.attention_flops.items()),
+        "  attention per KV head: " + ", ".join(f"{k} {v / 1e9:.2f} G channels/s"
+                                                 for k, v in cal.attention_head_reads.items()),
         "  read bandwidth curve: " + ", ".join(
             f"{p['bytes'] / MIB:g} MiB {p['bytes_per_s'] / 1e9:.0f}" for p in cal.bandwidth_curve) + " (GB/s)",
     ]

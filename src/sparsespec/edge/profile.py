@@ -69,8 +69,12 @@ class DeviceProfile:
       (one row over the full cache), ``multi`` (several rows over the full cache, masked), ``evicting`` (rows of a
       full budgeted cache, one after another), each also for int8 / int4 keys and values (``single:int8``; a path
       without its KV dtype's rate uses the bfloat16 one). Empty: attention costs only its bytes and its FLOPs at
-      peak. A path with a rate is timed by it alone: the rate was measured on the op, its reads of the cache
-      included.
+      peak. A path with a rate is timed by it (and ``attention_head_reads``) alone: the rates were measured on the
+      op, its reads of the cache included.
+    - ``attention_head_reads``: the attention op's work per KV head, besides its FLOPs, by the same paths: KV-head
+      channels per second (``n_kv · d`` per cached entry and row: the keys and values a KV head reads, its scores
+      and evictions, whatever its number of query heads). A KV head with few query heads costs more per FLOP
+      (SmolLM2's 3 query heads per KV head against Qwen's 6–7); a path without a figure prices FLOPs alone.
     - ``native_stream``: how fast the native kernels stream weights kept in each GGUF block type from DRAM, by
       type name (``Q4_K``): ``bytes_per_s`` in the file's bytes, and ``extra_row_bytes_per_s`` the rate at which
       each further row of a multi-row pass goes through them. Types not listed, and profiles without it, stream at
@@ -98,6 +102,7 @@ class DeviceProfile:
     stream_overhead_fraction: float | None = None
     threads: int | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
+    attention_head_reads: Mapping[str, float] = field(default_factory=dict)
     native_stream: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     caches: Mapping[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -131,15 +136,16 @@ class DeviceProfile:
         for dtype, value in self.peak_flops.items():
             if not _is_number(value) or value <= 0:
                 raise UserError(f"Device profile {self.name!r}: peak_flops.{dtype} must be a positive number.")
-        for path, value in self.attention_flops.items():
-            base, colon, kv_dtype = path.partition(":")
-            if base not in ATTENTION_PATHS or (colon and kv_dtype not in ATTENTION_KV_DTYPES):
-                raise UserError(
-                    f"Device profile {self.name!r}: attention_flops.{path} is not one of {', '.join(ATTENTION_PATHS)}"
-                    f", alone or with :{' / :'.join(ATTENTION_KV_DTYPES)}."
-                )
-            if not _is_number(value) or value <= 0:
-                raise UserError(f"Device profile {self.name!r}: attention_flops.{path} must be a positive number.")
+        for figure in ("attention_flops", "attention_head_reads"):
+            for path, value in getattr(self, figure).items():
+                base, colon, kv_dtype = path.partition(":")
+                if base not in ATTENTION_PATHS or (colon and kv_dtype not in ATTENTION_KV_DTYPES):
+                    raise UserError(
+                        f"Device profile {self.name!r}: {figure}.{path} is not one of {', '.join(ATTENTION_PATHS)}"
+                        f", alone or with :{' / :'.join(ATTENTION_KV_DTYPES)}."
+                    )
+                if not _is_number(value) or value <= 0:
+                    raise UserError(f"Device profile {self.name!r}: {figure}.{path} must be a positive number.")
         for kind, entry in self.native_stream.items():
             _check_native_stream(self.name, kind, entry)
 
@@ -175,11 +181,15 @@ class DeviceProfile:
         value = self.native_stream.get(kind, {}).get(key)
         return None if value is None else float(value)
 
-    def attention_rate(self, path: str, kv_dtype: str) -> float | None:
-        """The attention op's FLOP/s on ``path`` for ``kv_dtype`` keys and values (the path's own rate where the
-        dtype has none); None when the profile has neither."""
+    def attention_seconds(self, path: str, kv_dtype: str, flops: float, head_reads: float) -> float | None:
+        """Seconds of the attention op on ``path`` for ``kv_dtype`` keys and values: ``flops`` at ``attention_flops``
+        plus ``head_reads`` (KV-head channels, ``n_kv · d`` per entry and row) at ``attention_head_reads`` (each the
+        path's own figure where the dtype has none; no head figure: FLOPs alone); None without a FLOP rate."""
         rate = self.attention_flops.get(f"{path}:{kv_dtype}") or self.attention_flops.get(path)
-        return None if rate is None else float(rate)
+        if rate is None:
+            return None
+        reads = self.attention_head_reads.get(f"{path}:{kv_dtype}") or self.attention_head_reads.get(path)
+        return flops / float(rate) + (head_reads / float(reads) if reads else 0.0)
 
     def figures(self) -> list[str]:
         """Names of every numeric figure in the profile (``peak_flops.bf16`` style for mapping entries)."""
@@ -200,6 +210,7 @@ class DeviceProfile:
         data = asdict(self)
         data["peak_flops"] = dict(self.peak_flops)
         data["attention_flops"] = dict(self.attention_flops)
+        data["attention_head_reads"] = dict(self.attention_head_reads)
         data["native_stream"] = {kind: dict(entry) for kind, entry in self.native_stream.items()}
         data["caches"] = dict(self.caches)
         data["sources"] = dict(self.sources)

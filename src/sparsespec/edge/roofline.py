@@ -17,7 +17,8 @@ products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
     memory     = weights + Σ_level (other bytes)_level / bandwidth_level
     weights    = weight bytes / effective DRAM bandwidth, or for the native format Σ_type bytes_type / rate_type
     extra_rows = (T − 1) · 2·P / extra_row_flops, or for the native format (T − 1) · Σ_type bytes_type / extra_type
-    attention  = 4·L·H·d·N·T / attention_flops[path] · balance   (path: single, multi or evicting; per KV dtype)
+    attention  = (4·L·H·d·N·T / attention_flops[path] + L·n_kv·d·N·T / attention_head_reads[path]) · balance
+                 (path: single, multi or evicting; per KV dtype)
     balance    = ⌈KV heads / threads⌉ · threads / KV heads where the op gives threads whole heads (else 1)
     overhead   = overhead_s + L · per_layer_overhead_s + V · per_vocab_overhead_s + weights · stream_overhead_fraction
                  + (T − 1) · L · per_row_layer_overhead_s
@@ -174,6 +175,12 @@ def attention_flops(model: ModelConfig, tokens: int, kv_entries: float) -> float
     return 4.0 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * kv_entries * tokens
 
 
+def attention_head_reads(model: ModelConfig, tokens: int, kv_entries: float) -> float:
+    """``L·n_kv·d·N·T``: the KV-head channels the attention op goes through for ``tokens`` rows over ``kv_entries``
+    cached entries (a layer's mean), all layers (each KV head's keys and values, scores and evictions)."""
+    return 1.0 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * kv_entries * tokens
+
+
 def forward_flops(model: ModelConfig, tokens: int, kv_entries: float) -> float:
     """``2·P·T`` matrix-product FLOPs plus ``4·L·H·d·N·T`` attention FLOPs."""
     return 2.0 * streamed_parameters(model) * tokens + attention_flops(model, tokens, kv_entries)
@@ -267,10 +274,10 @@ def forward_pass(
     dram = {"weights": weight_bytes(model, weights), "kv": 0.0 if kv_in_sram else kv_traffic}
     sram = {"kv": kv_traffic if kv_in_sram else 0.0, "activations": activation_bytes(model, tokens)}
     path = "evicting" if evicting else ("multi" if tokens > 1 else "single")
-    rate = device.attention_rate(path, kv_dtype)
-    if rate:  # the op's measured time holds its reads of the cache
-        balance = head_balance(model, device, kv_entries + tokens)
-        attention_s = attention_flops(model, tokens, read) / rate * balance
+    op_s = device.attention_seconds(path, kv_dtype, attention_flops(model, tokens, read),
+                                    attention_head_reads(model, tokens, read))
+    if op_s is not None:  # the op's measured time holds its reads of the cache
+        attention_s = op_s * head_balance(model, device, kv_entries + tokens)
         kv_s = 0.0
     else:
         attention_s = 0.0
