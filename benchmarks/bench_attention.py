@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 from pathlib import Path
 
@@ -188,7 +189,8 @@ def main() -> None:
                                                               (int(r) for r in args.rows.split(",")), paths,
                                                               (int(p) for p in args.recall_pages.split(","))):
         if path == "torch" and kv_dtype in BITS:
-            continue  # the fallback stores no int8 / int4 entries
+            print(f"skipped: the torch fallback stores no {kv_dtype} entries", file=sys.stderr)
+            continue
         steps = args.steps + args.warmup
         recent = args.kv_recent if kv_dtype in BITS else None
         arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent, pages)
