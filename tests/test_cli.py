@@ -202,6 +202,11 @@ def test_gguf_with_a_tensor_the_loaders_cannot_take(capsys, tmp_path, damage, sa
                       str(path), *says)
 
 
+def test_float_activations_with_torch_weights_are_refused(capsys, smollm2_path):
+    assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, "--weights", "int8", "--activations", "float"),
+                      "--activations float applies to native weights", "int8")
+
+
 def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path, smollm2_path):
     """The header-only reader (the simulator's and ``ppl``'s source of shapes) against ``gguf``'s full reader."""
     from sparsespec.loading.source import SkippedArray, open_gguf, read_gguf_header

@@ -12,6 +12,9 @@ output ``n``::
     |y_kernel - y_ref| <= sum_i |w[n, i]| * dx(i) / 2  +  float32 rounding (1e-5 of sum_i |w[n, i] x_i|)
 
 which the tests check output by output. A wrongly packed block breaks the bound by orders of magnitude (tested).
+
+With float activations (``csrc/fmatmul.h``: row layouts) nothing is quantized: the kernel's product differs from
+the float64 one by float32 rounding alone.
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ def packed(raw: np.ndarray, ggml_type: int, k: int, tiles: bool = False) -> tupl
     return torch.from_numpy(blob.reshape(-1)), k_padded, kernel_type
 
 
-def run(blob, kernel_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None):
+def run(blob, kernel_type, rows, k, k_padded, x, isa=kernels.ISA_AUTO, bias=None, float_activations=False):
     if k_padded != k:
         x = torch.nn.functional.pad(x, (0, k_padded - k))
-    return kernels.gguf_linear(x, [blob], [kernel_type], [rows], k_padded, bias, isa)
+    return kernels.gguf_linear(x, [blob], [kernel_type], [rows], k_padded, bias, isa, float_activations)
 
 
 def activation_bound(x: torch.Tensor, w: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -165,6 +168,51 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(ggml_type, tiles):
         assert torch.equal(run(blob, kind, rows, k, k_padded, x[:m]), together[:m])
     alone = torch.cat([run(blob, kind, rows, k, k_padded, x[i: i + 1]) for i in range(16)])
     assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_float_activations_within_float32_rounding_of_the_float64_product(ggml_type):
+    g = torch.Generator().manual_seed(ggml_type)
+    for rows, k in shapes_for(ggml_type):
+        raw = random_blocks(ggml_type, rows, k, seed=k)
+        w = reference(raw, ggml_type, k)
+        blob, k_padded, kind = packed(raw, ggml_type, k)
+        bias = torch.randn(rows, generator=g)
+        for m in ROW_COUNTS:
+            x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+            x[:, :: max(1, k // 7)] *= 20  # outlier channels, which cost the 8-bit activations the most
+            y = run(blob, kind, rows, k, k_padded, x, bias=bias, float_activations=True).double().numpy()
+            y_ref = x.double().numpy() @ w.T + bias.double().numpy()
+            scale = np.abs(x.double().numpy()) @ np.abs(w).T + np.abs(bias.double().numpy())
+            err = np.abs(y - y_ref)
+            # Each lane sums k / 16 products, then four additions and the bias: float32 rounding, with the
+            # dequantized weight's own rounding, stays below (k / 16 + 8) units of 2^-23 of the sum of |terms|.
+            bound = (k / 16 + 8) * 2.0**-23 * scale
+            assert (err <= bound).all(), f"M={m} k={k}: worst error / bound {(err / bound).max():.3g}"
+            quantized = run(blob, kind, rows, k, k_padded, x, bias=bias).double().numpy()
+            assert err.mean() < np.abs(quantized - y_ref).mean() / 20  # far inside the 8-bit activations' error
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_float_activations_every_instruction_set_equals_scalar_and_rows_are_independent(ggml_type):
+    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_AMX) if kernels.isa_available(i)]
+    rows, k = shapes_for(ggml_type)[0]
+    blob, k_padded, kind = packed(random_blocks(ggml_type, rows, k, seed=5), ggml_type, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+    for isa in (kernels.ISA_AUTO, *isas):
+        together = run(blob, kind, rows, k, k_padded, x, isa, float_activations=True)
+        assert torch.equal(together, run(blob, kind, rows, k, k_padded, x, kernels.ISA_SCALAR, float_activations=True))
+        for m in ROW_COUNTS:
+            assert torch.equal(run(blob, kind, rows, k, k_padded, x[:m], isa, float_activations=True), together[:m])
+        alone = torch.cat([run(blob, kind, rows, k, k_padded, x[i: i + 1], isa, float_activations=True)
+                           for i in range(16)])
+        assert torch.equal(alone, together)
+
+
+def test_float_activations_refuse_column_tiles():
+    tiles, k, kind = packed(random_blocks(12, 16, 256, seed=0), 12, 256, tiles=True)
+    with pytest.raises(RuntimeError, match="float activations read the row layout"):
+        kernels.gguf_linear(torch.randn(1, 256), [tiles], [kind], [16], 256, None, kernels.ISA_AUTO, True)
 
 
 @pytest.mark.parametrize("ggml_type", sorted(TILED_TYPES), ids=lambda t: BLOCK_TYPES[t][0])

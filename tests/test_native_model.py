@@ -1,9 +1,10 @@
 """Models on native weights: SmolLM2-135M from its GGUF blocks against the dense float32 model, and exact
 speculative decoding with native target and draft.
 
-Native weights multiply 8-bit quantized activations, so logits differ from the dense float32 model by the
-activations' rounding (the same rounding llama.cpp applies); the tests bound that difference on real text and check
-that greedy text on the prompts below changes only at near-ties. Speculative decoding on native weights equals
+Native weights multiply 8-bit quantized activations (``--activations int8``), so logits differ from the dense
+float32 model by the activations' rounding (the same rounding llama.cpp applies); the tests bound that difference on
+real text and check that greedy text on the prompts below changes only at near-ties. With float activations (the
+default for SmolLM2) only the float32 summation order differs. Speculative decoding on native weights equals
 plain decoding, evicting caches included: each row's result is independent of the rows sharing the pass
 (``kernels/csrc/qmatmul.h``), the attention op reads a verification row's slots in the order its autoregressive
 step would find them (``kernels/csrc/attention.h``), and a commit lays the accepted rows out as one-row commits
@@ -35,11 +36,13 @@ PROMPTS = (
 )
 
 
-@pytest.fixture(scope="module")
-def smollm2_native(smollm2_path):
+@pytest.fixture(scope="module", params=["int8", "float"])
+def smollm2_native(smollm2_path, request):
     from sparsespec.loading.load import load_model
 
-    return load_model("smollm2-135m", torch.float32, "native")
+    loaded = load_model("smollm2-135m", torch.float32, "native", activations=request.param)
+    assert all(linear.float_activations == (request.param == "float") for _, linear in loaded.model.linear_items())
+    return loaded
 
 
 def full_arena(model, max_tokens=512, max_inflight=1, chunk=128, pol=None, positions="original"):
@@ -72,9 +75,11 @@ def test_smollm2_native_logits_close_to_dense_float32(smollm2_native, smollm2_f3
     with capsys.disabled():
         print(f"\nSmolLM2-135M native vs dense float32 over {len(ids)} tokens: KL {kl:.4f}, max |logit diff| "
               f"{max_abs:.3f} (logit scale {dense.abs().max().item():.1f})")
-    # Measured: KL 0.004, max |diff| 0.9 on logits of magnitude ~30.
-    assert kl < 0.01
-    assert max_abs < 0.1 * dense.abs().max().item()
+    # Measured: 8-bit activations KL 0.004, max |diff| 0.9 on logits of magnitude ~30; float activations 1e-9
+    # and 2e-4 (float32 summation order alone).
+    float_activations = smollm2_native.model.lm_head.float_activations
+    assert kl < (1e-6 if float_activations else 0.01)
+    assert max_abs < (1e-4 if float_activations else 0.1) * dense.abs().max().item()
 
 
 @pytest.mark.parametrize("text", PROMPTS)
@@ -127,14 +132,17 @@ def with_random_tiles(model, ggml_type=12):
     return model
 
 
+@pytest.mark.parametrize("float_activations", [False, True], ids=["int8", "float"])
 @pytest.mark.parametrize("name,spec,dtype", [
     ("full", {}, torch.bfloat16), ("full", {}, torch.float32),
     ("hybrid", dict(budget=12, sinks=2, heavy=4), torch.float32), ("window", dict(budget=10), torch.float32),
 ])
-def test_native_speculative_equals_autoregressive(name, spec, dtype):
+def test_native_speculative_equals_autoregressive(name, spec, dtype, float_activations):
     target = native_tiny()
     draft = native_tiny(seed=5, noise=0.05, ggml_type=2)  # Q4_0 draft
     for model in (target, draft):
+        for _, linear in model.linear_items():
+            linear.float_activations = float_activations
         model.dtype = dtype
         model.embed = model.embed.to(dtype)
         model.norm = model.norm.to(dtype)
@@ -175,6 +183,24 @@ def test_tiled_target_verifies_every_row_as_its_autoregressive_step(ggml_type):
                                   stats=stats))
     assert out == ar
     assert stats.accepted == stats.drafted > 0
+
+
+def test_default_smollm2_multiplies_float_activations_and_larger_models_quantize_them(smollm2_default):
+    from sparsespec.activations import FLOAT_ACTIVATIONS_MAX_PARAMETERS, float_activations_chosen
+
+    assert smollm2_default.model.projection_parameters() <= FLOAT_ACTIVATIONS_MAX_PARAMETERS
+    assert all(linear.float_activations for _, linear in smollm2_default.model.linear_items())
+    assert not float_activations_chosen("auto", FLOAT_ACTIVATIONS_MAX_PARAMETERS + 1)
+    assert float_activations_chosen("float", FLOAT_ACTIVATIONS_MAX_PARAMETERS + 1)
+    assert not float_activations_chosen("int8", 1)
+
+
+def test_a_draft_cut_to_fewer_ids_keeps_its_float_activations():
+    draft = native_tiny()
+    for _, linear in draft.linear_items():
+        linear.float_activations = True
+    draft.limit_vocabulary(40)
+    assert draft.lm_head.out_features == 40 and draft.lm_head.float_activations
 
 
 def test_draft_with_a_limited_vocabulary_keeps_speculation_exact():
@@ -248,3 +274,38 @@ def test_default_configuration_speculative_equals_autoregressive(smollm2_default
         assert 0 < stats.accepted < stats.drafted
         assert target_cache.evicted_tokens > 0 or target_policy.is_full
     assert bool(laid_out) != target_policy.is_full
+
+
+@pytest.mark.skipif(not kernels.tiles_preferred(), reason="no column tiles on this CPU (the row layout loads anyway)")
+def test_float_activations_read_a_tiled_file_in_the_row_layout(monkeypatch, tmp_path):
+    """Gemma 3 270M's Q4_K / Q6_K / Q5_0 weights load as column tiles here, which float activations do not read:
+    an explicit ``float`` loads the row layout at once, and ``auto`` choosing float for a model it found tiled
+    loads it again in rows; each layout is stored under its own name."""
+    import os
+
+    import sparsespec.activations
+    from sparsespec.loading.fixtures import MODEL_FIXTURES
+    from sparsespec.loading.load import load_model
+
+    if not MODEL_FIXTURES["gemma3-270m"].path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("Gemma 3 270M is not fetched; .ci/run must run `sparsespec fetch gemma3-270m`.")
+        pytest.skip("gemma3-270m not fetched (run `sparsespec fetch gemma3-270m`)")
+
+    def kinds(loaded):
+        return {kind for _, linear in loaded.model.linear_items() for kind in linear.types}
+
+    tiled = {112, 114, 106}  # kernels/repack.py TILED_TYPES
+    by_default = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, cache=tmp_path)
+    assert kinds(by_default) & tiled and not by_default.model.lm_head.float_activations  # 268M parameters: int8
+    monkeypatch.setattr(sparsespec.activations, "FLOAT_ACTIVATIONS_MAX_PARAMETERS", 10**9)
+    chosen = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, cache=tmp_path)
+    assert not kinds(chosen) & tiled and all(linear.float_activations for _, linear in chosen.model.linear_items())
+    assert sorted(p.name.split("-")[-1] for p in tmp_path.rglob("*.safetensors")) == ["rows.safetensors",
+                                                                                    "tiles.safetensors"]
+    explicit = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, cache=tmp_path,
+                          activations="float")
+    assert explicit.from_cache and not kinds(explicit) & tiled and explicit.model.lm_head.float_activations
+    ids = torch.arange(3, 40)
+    logits = [m.model.forward(ids, full_arena(m.model)) for m in (by_default, chosen)]
+    assert torch.allclose(logits[0].float(), logits[1].float(), atol=0.1 * logits[0].abs().max().item())

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.generate import generate_tokens
 from sparsespec.linear import MODEL_INT4_GROUP_SIZE, Int4Linear, auto_format, resolve_format
@@ -334,7 +335,7 @@ def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied
     second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=cache)
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     [stored] = cache.rglob("*.safetensors")
-    assert stored.name == f"bfloat16-native-{native_layout_tag()}.safetensors"
+    assert stored.name == f"bfloat16-native-{native_layout_tag(kernels.tiles_preferred())}.safetensors"
     assert isinstance(second.model.layers[0].qkv, NativeLinear) and second.config == uncached.config
     expected, got = _native_tensors(uncached.model), _native_tensors(second.model)
     assert expected.keys() == got.keys()

@@ -106,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
-    target = load_model(args.model, dtype, args.weights, role="target")
+    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     draft = load_draft(args, target, dtype, draft_setup)
     load_seconds = time.perf_counter() - started
 

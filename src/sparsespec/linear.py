@@ -381,10 +381,10 @@ class NativeLinear:
 
     A linear may stack several GGUF tensors of different block types along the output dimension (q, k and v of one
     layer): ``segments`` lists them as ``(kernel type, repacked bytes, rows)`` (the kernel type is the GGML type,
-    or its column-tile layout: ``kernels/repack.py``). Activations are quantized to 8 bits
-    per block of 32 inside the kernel; the result is computed in float32 and returned in the dtype of ``x`` (float32
-    or bfloat16). Each
-    row's result is independent of how many rows share the call (``kernels/csrc/qmatmul.h``).
+    or its column-tile layout: ``kernels/repack.py``). Activations are quantized to 8 bits per block inside the
+    kernel (``kernels/csrc/qmatmul.h``), or, with ``float_activations`` set (row layouts only), multiply the
+    dequantized blocks as they are (``kernels/csrc/fmatmul.h``); the result is computed in float32 and returned in
+    the dtype of ``x`` (float32 or bfloat16). Each row's result is independent of how many rows share the call.
     """
 
     FORMAT = "native"
@@ -398,6 +398,7 @@ class NativeLinear:
         self.padded_in = padded_in
         self.out_features = sum(self.rows)
         self.bias = None if bias is None else bias.float().contiguous()
+        self.float_activations = False
 
     @property
     def nbytes(self) -> int:
@@ -408,7 +409,8 @@ class NativeLinear:
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's [T, in]: no reshape op
         if self.padded_in != self.in_features:
             x2d = F.pad(x2d, (0, self.padded_in - self.in_features))
-        y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa)
+        y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa,
+                                self.float_activations)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def first_rows(self, n: int) -> "NativeLinear":
@@ -422,7 +424,9 @@ class NativeLinear:
                 segments.append((kind, blob[: kernels.weight_bytes(kind, self.padded_in, keep)], keep))
             left -= keep
         bias = None if self.bias is None else self.bias[:n]
-        return NativeLinear(segments, self.in_features, self.padded_in, bias)
+        cut = NativeLinear(segments, self.in_features, self.padded_in, bias)
+        cut.float_activations = self.float_activations
+        return cut
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int = NATIVE_FLOAT_TYPE):
@@ -608,12 +612,13 @@ def int4_layout_tag() -> str:
     return f"torch{torch.__version__.split('+')[0]}-{capability}".lower()
 
 
-def native_layout_tag() -> str:
+def native_layout_tag(tiles: bool) -> str:
     """A short tag that changes whenever the repacked native layout might: the repacking's version and whether
     Q4_K / Q6_K / Q5_0 weights load as column tiles (an x86 vector path) or rows (``kernels/repack.py``)."""
     from .kernels.repack import LAYOUT_VERSION
 
-    return f"layout{LAYOUT_VERSION}-{'tiles' if kernels.tiles_preferred() else 'rows'}"
+    return f"layout{LAYOUT_VERSION}-{'tiles' if tiles else 'rows'}"
+
 
 
 def linear_from_tensors(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> Linear:

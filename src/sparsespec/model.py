@@ -178,6 +178,10 @@ class Transformer:
         items.append(("lm_head", self.lm_head))
         return items
 
+    def projection_parameters(self) -> int:
+        """Weights of every projection and the output head: the model's size but for an untied embedding table."""
+        return sum(linear.out_features * linear.in_features for _, linear in self.linear_items())
+
     def key_biases(self) -> torch.Tensor | None:
         """``[n_layers, n_kv_heads, head_dim]`` float32: each layer's key bias (Qwen2), or None (no biases).
 

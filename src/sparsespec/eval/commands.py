@@ -114,7 +114,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
-    loaded = load_model(args.model, dtype, args.weights, role="target")
+    loaded = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     load_seconds = time.perf_counter() - started
     ids = text_token_ids(loaded.tokenizer, args.text, args.max_tokens)
     check_fits_context(loaded, cache, len(ids), "The text")
@@ -353,7 +353,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if any(p.draft for p in points):
         _draft_cache(args, "original", None)
     dtype = setup_torch(args)
-    target = load_model(args.model, dtype, args.weights, role="target")
+    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
 
     text_ids = None
     context = ""
@@ -558,7 +558,7 @@ def run_needle(args: argparse.Namespace) -> int:
 
     setup, cache, draft_setup, text = _check_needle_args(args)
     dtype = setup_torch(args)
-    target = load_model(args.model, dtype, args.weights, role="target")
+    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     has_template = bool(getattr(target.tokenizer, "chat_template", None))
     if args.chat and not has_template:
         raise UserError(f"{target.name} has no chat template; drop --chat.")

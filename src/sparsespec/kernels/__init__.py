@@ -44,6 +44,7 @@ KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
+    "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
     "recall.cpp",
 )
@@ -227,10 +228,12 @@ def info() -> str:
 
 
 def gguf_linear(x2d: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int], k: int,
-                bias: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
+                bias: torch.Tensor | None = None, isa: int = ISA_AUTO, float_activations: bool = False) -> torch.Tensor:
     """``[m, k] -> [m, sum(rows)]`` (the dtype of ``x``, float32 or bfloat16) through weights in repacked GGUF
-    blocks (see :mod:`.repack`); ``bias`` float32 ``[sum(rows)]``."""
-    return _load().gguf_linear(x2d, weights, types, rows, k, bias, isa)
+    blocks (see :mod:`.repack`); ``bias`` float32 ``[sum(rows)]``. The activations are quantized to 8 bits per
+    block (``csrc/qmatmul.h``), or with ``float_activations`` multiply as they are (``csrc/fmatmul.h``: row
+    layouts only, no column tiles)."""
+    return _load().gguf_linear(x2d, weights, types, rows, k, bias, isa, float_activations)
 
 
 def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..kernels.repack import TILED_TYPES
+from ..activations import float_activations_chosen
 from ..linear import NATIVE, default_linear_options, resolve_format
 from ..model import Transformer
 from .source import ModelSource, resolve_model
@@ -59,6 +61,7 @@ def load_model(
     role: str = "target",
     cache: bool | str | Path = True,
     share_tokenizer: Tokenizer | None = None,
+    activations: str = "auto",
 ) -> LoadedModel:
     """Resolve ``ref`` (fixture name, ``.gguf`` path or Hugging Face folder) and load weights and tokenizer.
 
@@ -76,14 +79,23 @@ def load_model(
             (next to the tensors).
         share_tokenizer: another model's tokenizer, taken as this model's when their stored backends are the
             same (a draft's, whose chat template and special tokens are never used).
+        activations: what native weights multiply: ``int8`` (activations quantized per block, the kernels'
+            fastest path), ``float`` (as they are: the arithmetic of a float model with the file's weights), or
+            ``auto`` (float for models of at most
+            :data:`~sparsespec.linear.FLOAT_ACTIVATIONS_MAX_PARAMETERS` parameters). ``float`` with weights that are
+            not native is a :class:`UserError`.
     """
     from .. import kernels
 
+    float_activations_chosen(activations, 0)  # a choice it does not know is refused before anything loads
     source = resolve_model(ref)
     root = tensor_cache_root(cache)
+    # Float activations read the row layout; the automatic choice learns the model's size once it is loaded.
+    tiles = kernels.tiles_preferred() and activations != "float"
 
     def cached(fmt: str):
-        file = None if root is None else tensor_cache_file(root, source, dtype, fmt, default_linear_options(fmt, dtype))
+        options = default_linear_options(fmt, dtype) | ({"tiles": tiles} if fmt == NATIVE else {})
+        file = None if root is None else tensor_cache_file(root, source, dtype, fmt, options)
         return file, (None if file is None else load_model_tensors(file, dtype, fmt))
 
     fmt, note, file, hit = NATIVE, None, None, None
@@ -96,11 +108,14 @@ def load_model(
         fmt, note = choose_format(source, weights, role, dtype)
         if not (tried_native and fmt == NATIVE):  # a native store found unusable above is not read again
             file, hit = cached(fmt)
+    if activations == "float" and fmt != NATIVE:
+        raise UserError(f"--activations float applies to native weights (a GGUF file's own blocks through the native "
+                        f"kernels); {Path(source.path).name} runs the torch format {fmt} here.")
     if hit is not None:
         config, model = hit
     else:
         if fmt == NATIVE and source.kind == "gguf":  # the file's own blocks, repacked
-            config, state, linears = load_gguf_native(source.path, dtype)
+            config, state, linears = load_gguf_native(source.path, dtype, tiles)
             model = Transformer(config, state, dtype, fmt, linears=linears)
             del linears
         else:
@@ -120,6 +135,12 @@ def load_model(
                 release_freed_memory()
     if file is not None:
         drop_prefetches(file.parent)  # a background read of this model the load did not take
+    if fmt == NATIVE and float_activations_chosen(activations, model.projection_parameters()):
+        if any(kind in TILED_TYPES.values() for _, linear in model.linear_items() for kind in linear.types):
+            return load_model(ref, dtype, weights, tokenizer, role=role, cache=cache, share_tokenizer=share_tokenizer,
+                              activations="float")  # the same file in the row layout, which float activations read
+        for _, linear in model.linear_items():
+            linear.float_activations = True
     tok = None
     if tokenizer:
         tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer", share_tokenizer)

@@ -132,14 +132,16 @@ def gguf_native_types(path: Path) -> set[str]:
             if len(t.dims) == 2 and not supported(t.ggml_type)}
 
 
-def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, object]]:
+def load_gguf_native(path: Path, dtype: torch.dtype,
+                     tiles: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, object]]:
     """Config, the float tensors (norms, biases) and the projections of a GGUF file in its own block formats.
 
     Every projection, the output head and the embedding stay in the file's blocks, repacked for the native kernels
     (``kernels/repack.py``: lossless, the file's bytes per weight); nothing is dequantized. Returns the ``state`` and
-    ``linears`` arguments of :class:`~sparsespec.model.Transformer` for the ``native`` format.
+    ``linears`` arguments of :class:`~sparsespec.model.Transformer` for the ``native`` format. ``tiles``: Q4_K /
+    Q6_K / Q5_0 weights as 16-column tiles (where :func:`~sparsespec.kernels.tiles_preferred`, unless float
+    activations will read them) or rows.
     """
-    from .. import kernels
     from ..kernels.repack import BLOCK_TYPES, pack
     from ..linear import NativeEmbedding, NativeLinear
 
@@ -150,7 +152,6 @@ def load_gguf_native(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     shapes = expected_shapes(config)
     names = gguf_to_hf(config)
     file = np.memmap(path, dtype=np.uint8, mode="r")
-    tiles = kernels.tiles_preferred()
 
     def data(t) -> np.ndarray:
         """The raw bytes of ``t``: ``[rows, row bytes]`` for a block type."""
@@ -306,7 +307,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def tensor_cache_file(
     root: Path, source: ModelSource, dtype: torch.dtype, fmt: str, options: Mapping
 ) -> Path | None:
-    """The cache file for one (source, dtype, format, options), or None when these options cannot be cached."""
+    """The cache file for one (source, dtype, format, options), or None when these options cannot be cached.
+    Native weights take the option ``tiles`` (their layout, :func:`load_gguf_native`)."""
     if dtype not in _DTYPE_NAMES:
         return None
     name = f"{_DTYPE_NAMES[dtype]}-{fmt}"
@@ -321,7 +323,7 @@ def tensor_cache_file(
 
         name += f"-g{int(options.pop('group_size', INT4_DEFAULT_GROUP_SIZE))}-{int4_layout_tag()}"
     if fmt == NATIVE:
-        name += f"-{native_layout_tag()}"
+        name += f"-{native_layout_tag(bool(options.pop('tiles', False)))}"
     if options:  # an option this cache does not know how to name
         return None
     return root / source_cache_key(source) / f"{name}.safetensors"

@@ -35,7 +35,7 @@ def load_engine(args: argparse.Namespace, options):
 
     cache, draft_setup = options
     dtype = setup_torch(args)
-    target = load_model(args.model, dtype, args.weights, role="target")
+    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     return target, cache, load_draft(args, target, dtype, draft_setup)
 
 

@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "fmatmul.h"
 #include "qmatmul.h"
 #include "recall.h"
 
@@ -32,10 +33,11 @@ void check_cpu(const char* op, std::initializer_list<const at::Tensor*> tensors)
 
 // y [m, sum(rows)] = x [m, k] @ W^T for a weight stored as segments (each a repacked GGUF tensor of rows[s] rows
 // and type types[s]; e.g. q, k and v of one layer), plus a float32 bias [sum(rows)] if given. x is float32 or
-// bfloat16 (contiguous); y has x's dtype (computed in float32, rounded once at the end).
+// bfloat16 (contiguous); y has x's dtype (computed in float32, rounded once at the end). The activations are
+// quantized to 8 bits (qmatmul.h), or with float_activations multiply as they are (fmatmul.h; row layouts only).
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
                        const std::vector<int64_t>& rows, int64_t k, const c10::optional<at::Tensor>& bias,
-                       int64_t isa) {
+                       int64_t isa, bool float_activations) {
   check_cpu("gguf_linear", {&x});
   for (const auto& w : weights) check_cpu("gguf_linear", {&w});
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_linear: x must be [m, ", k, "]");
@@ -53,6 +55,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   for (std::size_t s = 0; s < weights.size(); ++s) {
     (is_k_quant((int)types[s]) ? any_k : any_32) = true;
     TORCH_CHECK(supported_type((int)types[s]), "gguf_linear: unsupported block type ", types[s]);
+    TORCH_CHECK(!float_activations || !is_tiled((int)types[s]),
+                "gguf_linear: float activations read the row layout, not the column tiles of type ", types[s]);
     TORCH_CHECK(weights[s].dtype() == at::kByte && weights[s].is_contiguous(), "gguf_linear: weights must be uint8");
     TORCH_CHECK(!is_tiled((int)types[s]) || k % tile_span((int)types[s]) == 0,
                 "gguf_linear: a tiled weight of type ", types[s], " needs k a multiple of ", tile_span((int)types[s]));
@@ -84,6 +88,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   Activations act;
   act.m = m;
   act.k_pad = k_pad;
+  if (float_activations) any_32 = any_k = false;
   if (any_32) {  // per-32 activations for the 32-weight formats
     sc.q.resize((std::size_t)m * k_pad);
     sc.dx.resize((std::size_t)m * k_pad / kActBlock);
@@ -126,9 +131,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     for (std::size_t s = 0; s < weights.size(); ++s) {
       const int64_t lo = std::max(begin, first_row[s]), hi = std::min(end, first_row[s] + rows[s]);
       if (lo >= hi) continue;
-      qmatmul_rows((int)isa, (int)types[s], weight_ptrs[s], (int)k, (int)(lo - first_row[s]),
-                   (int)(hi - first_row[s]), act, bias_ptr ? bias_ptr + first_row[s] : nullptr,
-                   out_ptr + first_row[s], n_total);
+      const float* segment_bias = bias_ptr ? bias_ptr + first_row[s] : nullptr;
+      if (float_activations)
+        fmatmul_rows((int)isa, (int)types[s], weight_ptrs[s], (int)k, (int)(lo - first_row[s]),
+                     (int)(hi - first_row[s]), xf, m, k, segment_bias, out_ptr + first_row[s], n_total);
+      else
+        qmatmul_rows((int)isa, (int)types[s], weight_ptrs[s], (int)k, (int)(lo - first_row[s]),
+                     (int)(hi - first_row[s]), act, segment_bias, out_ptr + first_row[s], n_total);
     }
     if (bf16_out)
       for (int r = 0; r < m; ++r)

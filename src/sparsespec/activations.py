@@ -1,0 +1,26 @@
+"""What native weights multiply: the activations quantized to 8 bits per block, or the activations as they are.
+
+The native kernels read a GGUF file's own blocks either way (``kernels/csrc/qmatmul.h``: activations quantized per
+block, as llama.cpp does, the fastest path; ``kernels/csrc/fmatmul.h``: float activations, the arithmetic of a float
+model with the file's weights). ``--activations`` chooses; torch-free, so that the command line can name the
+choices before torch loads.
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+
+ACTIVATION_CHOICES = ("auto", "int8", "float")
+# Under --activations auto, native models of at most this many parameters (projections and head) multiply their
+# GGUF blocks with float activations, larger ones quantize the activations to 8 bits. Measured (RESULTS.md, "Float
+# activations for small models"): SmolLM2-135M's greedy chat answers equal the float32 reference's 15 / 24 times
+# with float activations against 8 / 24 with 8-bit ones (llama.cpp 12 / 24), for about a tenth of its decode speed;
+# the Qwen2.5 0.5B and 1.5B answer 22 / 24 with 8-bit activations already, and their products are most of a step.
+FLOAT_ACTIVATIONS_MAX_PARAMETERS = 200_000_000
+
+
+def float_activations_chosen(choice: str, parameters: int) -> bool:
+    """Whether native weights take float activations for ``--activations choice`` on a model of ``parameters``."""
+    if choice not in ACTIVATION_CHOICES:
+        raise UserError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}, not {choice!r}.")
+    return choice == "float" or (choice == "auto" and parameters <= FLOAT_ACTIVATIONS_MAX_PARAMETERS)

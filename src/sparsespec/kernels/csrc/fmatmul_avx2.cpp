@@ -1,0 +1,122 @@
+// Float-activation matmul (fmatmul.h), AVX2 + FMA: the 16 canonical lanes as two ymm (lanes 0 .. 7 and 8 .. 15);
+// each weight row's dequantized group serves up to four activation rows.
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "fmatmul.h"
+#include "scales_x86.h"
+
+namespace sparsespec {
+namespace {
+
+// Lanes whose bit of `bits` (one per lane, lane 0 the lowest) is set get `value`, the others 0.
+inline __m256i bit_lanes(uint32_t bits, int value) {
+  const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_and_si256(_mm256_set1_epi32((int)bits), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi32(set, select), _mm256_set1_epi32(value));
+}
+
+// Group t's 16 codes (inputs 16t .. 16t + 15 of the quarter at q) as floats: lanes 0 .. 7 and 8 .. 15.
+template <int TYPE>
+inline void group_codes(const uint8_t* q, int t, __m256& lo, __m256& hi) {
+  constexpr int bits = bits_of<TYPE>();
+  if constexpr (bits == 8) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * t))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * t + 8))));
+  } else {
+    const uint8_t* bytes = q + 16 * (t & 1);
+    __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)bytes));
+    __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + 8)));
+    if (t < 2) {
+      l = _mm256_and_si256(l, _mm256_set1_epi32(0x0F));
+      h = _mm256_and_si256(h, _mm256_set1_epi32(0x0F));
+    } else {
+      l = _mm256_srli_epi32(l, 4);
+      h = _mm256_srli_epi32(h, 4);
+    }
+    for (int plane = 0; plane < bits - 4; ++plane) {
+      uint64_t mask;
+      __builtin_memcpy(&mask, q + 32 + 8 * plane, 8);
+      l = _mm256_or_si256(l, bit_lanes((uint32_t)(mask >> (16 * t)) & 0xFF, 16 << plane));
+      h = _mm256_or_si256(h, bit_lanes((uint32_t)(mask >> (16 * t + 8)) & 0xFF, 16 << plane));
+    }
+    lo = _mm256_cvtepi32_ps(l);
+    hi = _mm256_cvtepi32_ps(h);
+  }
+}
+
+// Canonical 16-lane sum (lanes 0 .. 7 in lo, 8 .. 15 in hi): i + 8, i + 4, i + 2, i + 1.
+inline float hsum16(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// Weight row n against activation rows r0 .. r0 + R - 1.
+template <int TYPE, int R>
+inline void tile(const uint8_t* row, int k, int n, int r0, const float* x, long ldx, const float* bias, float* out,
+                 long ldo) {
+  constexpr int SB = scale_bytes_of<TYPE>();
+  constexpr int QB = quarter_bytes_of<TYPE>();
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  ChunkScales sc;
+  for (int c = 0; c < chunks_of(k); ++c) {
+    const uint8_t* chunk = row + (std::size_t)c * chunk_bytes_of<TYPE>();
+    prefetch_ahead(chunk, chunk_bytes_of<TYPE>());
+    decode_scales_x86<TYPE>(chunk, sc);
+    for (int p = 0; p < quarters_in(k, c); ++p) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const int g = 4 * p + t;
+        __m256 q_lo, q_hi;
+        group_codes<TYPE>(chunk + SB + p * QB, t, q_lo, q_hi);
+        const __m256 a = _mm256_set1_ps(sc.a[g]), off = _mm256_set1_ps(sc.c[g]);
+        const __m256 w_lo = _mm256_fmadd_ps(q_lo, a, off), w_hi = _mm256_fmadd_ps(q_hi, a, off);
+        const long at = (long)c * kChunk + p * kQuarter + 16 * t;
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const float* xr = x + (long)(r0 + i) * ldx + at;
+          lo[i] = _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xr), lo[i]);
+          hi[i] = _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xr + 8), hi[i]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    float y = hsum16(lo[i], hi[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx, const float* bias,
+               float* out, long ldo) {
+  const std::size_t rb = row_bytes_of<TYPE>(k);
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    int r = 0;
+    for (; r + 4 <= m; r += 4) tile<TYPE, 4>(row, k, n, r, x, ldx, bias, out, ldo);
+    switch (m - r) {
+      case 3: tile<TYPE, 3>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      case 2: tile<TYPE, 2>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      case 1: tile<TYPE, 1>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+void fmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                       const float* bias, float* out, long ldo) {
+  dispatch_type(type, [&] <int T>() { rows_avx2<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); });
+}
+
+}  // namespace sparsespec
+#endif
