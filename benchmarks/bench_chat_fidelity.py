@@ -6,7 +6,8 @@ sparsespec's tokenizer; the greedy answer (up to ``--new-tokens`` tokens, ending
 
 * the reference: sparsespec in float32 with dense weights (the GGUF dequantized; the configuration that matches
   transformers to 1e-4 in the tests);
-* the default path: bfloat16, ``--weights auto`` (native blocks, activations quantized to 8 bits per block);
+* the default path: bfloat16, ``--weights auto`` (native blocks) and ``--activations auto`` (float activations for
+  the small models, 8-bit ones per block for the larger; ``--activations`` chooses another);
 * llama.cpp: ``llama-server`` on the same file, ``/completion`` with the same ids, temperature 0.
 
 An answer "equals" the reference when its tokens are the same, end included. Also per model: the mean KL (nats per
@@ -139,12 +140,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8093)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="compute dtype of the path compared with the reference (default: generate's)")
+    parser.add_argument("--activations", choices=("auto", "int8", "float"), default="auto",
+                        help="the compared path's --activations (default: generate's)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "chat_fidelity.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):
         reference = load_model(name, torch.float32, "dense")
-        default = load_model(name, getattr(torch, args.dtype), "auto")
+        default = load_model(name, getattr(torch, args.dtype), "auto", activations=args.activations)
+        float_activations = default.model.lm_head.float_activations
         eos = eos_token_ids(reference.tokenizer)
         prompts = [chat_ids(reference.tokenizer, q) for q in QUESTIONS]
         expected = [answer(reference, ids, args.new_tokens, eos) for ids in prompts]
@@ -159,13 +163,15 @@ def main() -> None:
         ours_text = [[t for t in answer_ if t not in eos] for answer_ in ours]
         theirs_text = [[t for t in answer_ if t not in eos] for answer_ in theirs]
         for question, e, o, t in zip(QUESTIONS, expected_text, ours_text, theirs_text):
-            emit({"bench": "chat_fidelity_answer", "model": name, "dtype": args.dtype, "question": question,
+            emit({"bench": "chat_fidelity_answer", "model": name, "dtype": args.dtype,
+                  "float_activations": float_activations, "question": question,
                   "reference": reference.tokenizer.decode(e), "default": reference.tokenizer.decode(o),
                   "llama_cpp": reference.tokenizer.decode(t), "default_equal": o == e, "llama_cpp_equal": t == e},
                  args.out)
         kl = mean_kl(reference, default, [ids + answer_ for ids, answer_ in zip(prompts, expected)])
         n = len(QUESTIONS)
-        emit({"bench": "chat_fidelity", "model": name, "dtype": args.dtype, "questions": n,
+        emit({"bench": "chat_fidelity", "model": name, "dtype": args.dtype, "float_activations": float_activations,
+              "questions": n,
               "new_tokens": args.new_tokens,
               "default_weights": default.weights,
               "default_equal": sum(o == e for o, e in zip(ours_text, expected_text)),

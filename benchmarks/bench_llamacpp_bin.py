@@ -3,7 +3,9 @@ alternated, and perplexity by ``llama-perplexity``'s protocol.
 
 * decode: ``llama-bench -p 0 -n N -t T -r 1`` (N tokens from an empty context) against sparsespec's default
   configuration (native weights, bfloat16, full cache) decoding N tokens greedily after a 1-token prompt (the BOS),
-  EOS ignored; ``--rounds`` rounds, the two engines alternated within each; the per-round ratio's median and spread.
+  EOS ignored; ``--rounds`` rounds, the engines alternated within each; the per-round ratio's median and spread.
+  ``--activations int8,float`` times sparsespec with each choice of ``--activations`` in the same rounds (prefill
+  and perplexity take the first).
 * prefill: ``llama-bench -p N -n 0`` against one sparsespec forward pass over the first N tokens of the text
   (logits for the last row), ``--rounds`` alternated rounds.
 * perplexity: the text cut into chunks of ``--ctx`` tokens, each chunk's first token replaced by BOS where the
@@ -109,29 +111,35 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8, help="0 skips perplexity")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips prefill")
+    parser.add_argument("--activations", default="auto",
+                        help="sparsespec's --activations, or several separated by commas (default: auto)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llamacpp_bin.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the native kernels' threads too
     path = fixture_path(args.model)
-    loaded = load_model(args.model, torch.bfloat16, "auto")
+    choices = args.activations.split(",")
+    models = {choice: load_model(args.model, torch.bfloat16, "auto", activations=choice) for choice in choices}
+    loaded = models[choices[0]]
     base = {"model": args.model, "weights": loaded.weights, "threads": args.threads, **machine()}
 
-    ours_tok_s(loaded, 16)  # warm-up
-    ratios, ours_all, theirs_all = [], [], []
+    for model in models.values():
+        ours_tok_s(model, 16)  # warm-up
+    engines = [*choices, "llama"]
+    speeds: dict[str, list[float]] = {engine: [] for engine in engines}
     for round_index in range(0 if args.skip_decode else args.rounds):
-        order = ("ours", "llama") if round_index % 2 == 0 else ("llama", "ours")
-        speeds = {}
-        for engine in order:
-            speeds[engine] = (ours_tok_s(loaded, args.tokens) if engine == "ours"
-                              else llama_bench_tok_s(args.llama_bin / "llama-bench", path, args.tokens, args.threads))
-        ours_all.append(speeds["ours"])
-        theirs_all.append(speeds["llama"])
-        ratios.append(speeds["ours"] / speeds["llama"])
-        emit({"bench": "decode_round", "round": round_index, "ours_tok_s": round(speeds["ours"], 2),
-              "llama_bench_tok_s": round(speeds["llama"], 2), **base}, args.out)
-    if ratios:
-        emit({"bench": "decode", "tokens": args.tokens, "rounds": args.rounds,
-              "ours_tok_s": round(median(ours_all), 2), "llama_bench_tok_s": round(median(theirs_all), 2),
+        for engine in (engines if round_index % 2 == 0 else engines[::-1]):
+            speeds[engine].append(ours_tok_s(models[engine], args.tokens) if engine in models
+                                  else llama_bench_tok_s(args.llama_bin / "llama-bench", path, args.tokens, args.threads))
+        for choice in choices:
+            emit({"bench": "decode_round", "round": round_index, "activations": choice,
+                  "ours_tok_s": round(speeds[choice][-1], 2), "llama_bench_tok_s": round(speeds["llama"][-1], 2),
+                  **base}, args.out)
+    for choice in choices if speeds["llama"] else ():
+        ratios = [ours / theirs for ours, theirs in zip(speeds[choice], speeds["llama"])]
+        float_activations = models[choice].model.lm_head.float_activations
+        emit({"bench": "decode", "tokens": args.tokens, "rounds": args.rounds, "activations": choice,
+              "float_activations": float_activations,
+              "ours_tok_s": round(median(speeds[choice]), 2), "llama_bench_tok_s": round(median(speeds["llama"]), 2),
               "ratio_median": round(median(ratios), 3), "ratio_min": round(min(ratios), 3),
               "ratio_max": round(max(ratios), 3), **base}, args.out)
 

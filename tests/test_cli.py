@@ -435,6 +435,8 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     assert result["tokens_per_s"] > 0
     assert result["kv_cache_bytes"] > 0
     assert result["model"] == "smollm2-135m"
+    # SmolLM2's native weights multiply float activations by default (135M parameters); torch formats have none.
+    assert result["activations"] == ("float" if result["weights"] == "native" else None)
     assert result["policy"] == "full" and result["budget"] is None and result["evicted_tokens"] == 0
     # The process's peak resident memory: at least the weights it holds (the file's blocks), at most the machine.
     assert smollm2_path.stat().st_size < result["peak_rss_bytes"] < 24 * 2**30

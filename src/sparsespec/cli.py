@@ -132,7 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
     if args.json:
-        result = {"text": "".join(pieces), "model": target.name, **stats.to_dict()}
+        result = {"text": "".join(pieces), "model": target.name, "weights": target.weights,
+                  "activations": target.activations, **stats.to_dict()}
         result.update(policy=cache.policy.name, budget=stats.budget, positions=cache.positions,
                       kv_dtype=cache.kv_dtype, load_seconds=round(load_seconds, 3), peak_rss_bytes=peak_rss_bytes())
         if draft is not None:

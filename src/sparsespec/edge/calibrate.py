@@ -40,7 +40,8 @@ verification passes, attention, sampling) are medians: the simulator predicts th
 and on a shared machine the typical step is slower than the best one. Run it on an idle machine all the same.
 
 Not measured, so not modelled: the torch weight formats' own per-layer overheads (their passes are priced with the
-native engine's), retention's and recall's costs, and several requests sharing passes (``serve --parallel``).
+native engine's), float activations (``--activations float``, the small models' default: priced as 8-bit ones),
+retention's and recall's costs, and several requests sharing passes (``serve --parallel``).
 
 The profile goes to ``$SPARSESPEC_HOME/devices/host.json`` (default ``~/.cache/sparsespec/devices/host.json``),
 which ``edge.profile.load_profile("host")`` prefers over the packaged placeholder; ``--out`` writes elsewhere.

@@ -51,6 +51,13 @@ class LoadedModel:
     weights: str = "dense"
     from_cache: bool = False
 
+    @property
+    def activations(self) -> str | None:
+        """What native weights multiply, ``float`` or ``int8`` (``--activations``); None for the torch formats."""
+        if self.weights != NATIVE:
+            return None
+        return "float" if self.model.lm_head.float_activations else "int8"
+
 
 def load_model(
     ref: str,
