@@ -46,14 +46,6 @@ inline void group_codes(const uint8_t* q, int t, __m256& lo, __m256& hi) {
   }
 }
 
-// Canonical 16-lane sum (lanes 0 .. 7 in lo, 8 .. 15 in hi): i + 8, i + 4, i + 2, i + 1.
-inline float hsum16(__m256 lo, __m256 hi) {
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 // Weight row n against activation rows r0 .. r0 + R - 1.
 template <int TYPE, int R>
 inline void tile(const uint8_t* row, int k, int n, int r0, const float* x, long ldx, const float* bias, float* out,
@@ -88,7 +80,7 @@ inline void tile(const uint8_t* row, int k, int n, int r0, const float* x, long 
   }
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) {
-    float y = hsum16(lo[i], hi[i]);
+    float y = hsum(lo[i], hi[i]);
     if (bias) y += bias[n];
     out[(long)(r0 + i) * ldo + n] = y;
   }

@@ -45,13 +45,8 @@ inline __m512 group_codes(const uint8_t* q, const QuarterCodes& quarter, int t) 
   }
 }
 
-// Canonical 16-lane sum: i + 8, i + 4, i + 2, i + 1.
-inline float hsum16(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
+// Canonical 16-lane sum (scales_x86.h).
+inline float hsum(__m512 v) { return sparsespec::hsum(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
 // Weight rows n0 .. n0 + NC - 1 against activation rows r0 .. r0 + R - 1.
 template <int TYPE, int NC, int R>
@@ -99,7 +94,7 @@ inline void tile(const uint8_t* w, std::size_t rb, int k, int n0, int r0, const 
   for (int j = 0; j < NC; ++j)
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      float y = hsum16(acc[j][i]);
+      float y = hsum(acc[j][i]);
       if (bias) y += bias[n0 + j];
       out[(long)(r0 + i) * ldo + n0 + j] = y;
     }

@@ -64,13 +64,8 @@ inline void chunk_scales(const uint8_t* s, __m512& a16, __m512& c16) {
   }
 }
 
-// Canonical 16-lane sum: i + 8, i + 4, i + 2, i + 1.
-inline float hsum(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
+// Canonical 16-lane sum (scales_x86.h).
+inline float hsum(__m512 v) { return sparsespec::hsum(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
 // One weight row against MT activation rows starting at r0.
 template <int TYPE, int MT>

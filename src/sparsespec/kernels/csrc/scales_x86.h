@@ -1,5 +1,6 @@
 // Chunk scale decoding with AVX2 + F16C (included by the x86 paths after their target pragmas); the values equal
-// formats.h's decode_scales bit for bit (half -> float is exact; the products are the same float products).
+// formats.h's decode_scales bit for bit (half -> float is exact; the products are the same float products). And the
+// canonical horizontal sum of 16 float lanes, which every x86 path ends with.
 #pragma once
 
 #include <immintrin.h>
@@ -14,6 +15,14 @@ inline void store_pairs(__m256 v, float* out) {
   const __m256 hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
   _mm256_store_ps(out, lo);
   _mm256_store_ps(out + 8, hi);
+}
+
+// formats.h's canonical_hsum of 16 lanes (lanes 0 .. 7 in lo, 8 .. 15 in hi): i + 8, then i + 4, i + 2, i + 1.
+inline float hsum(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 template <int TYPE>
