@@ -36,9 +36,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         "dense (= bf16: in --dtype), int8, int4, or auto (default: native for a GGUF file the "
                         "kernels read; else target int8 / draft int4 with bfloat16, dense with float32)")
     parser.add_argument("--activations", choices=ACTIVATION_CHOICES, default="auto",
-                        help="what native weights multiply: int8 (activations quantized per block: fastest), float (as "
-                        "they are: a float model's arithmetic with the file's weights), or auto (default: float for "
-                        f"models of at most {FLOAT_ACTIVATIONS_MAX_PARAMETERS // 10**6}M parameters, else int8)")
+                        help="what the model's native weights multiply: int8 (activations quantized per block: "
+                        "fastest), float (as they are: a float model's arithmetic with the file's weights), or auto "
+                        f"(default: float for models of at most {FLOAT_ACTIVATIONS_MAX_PARAMETERS // 10**6}M "
+                        "parameters, else int8; a --draft model always takes auto)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
 
