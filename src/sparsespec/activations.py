@@ -19,8 +19,13 @@ ACTIVATION_CHOICES = ("auto", "int8", "float")
 FLOAT_ACTIVATIONS_MAX_PARAMETERS = 200_000_000
 
 
-def float_activations_chosen(choice: str, parameters: int) -> bool:
-    """Whether native weights take float activations for ``--activations choice`` on a model of ``parameters``."""
+def check_activations(choice: str) -> None:
+    """Refuse an ``--activations`` value that is not one of :data:`ACTIVATION_CHOICES`."""
     if choice not in ACTIVATION_CHOICES:
         raise UserError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}, not {choice!r}.")
+
+
+def float_activations_chosen(choice: str, parameters: int) -> bool:
+    """Whether native weights take float activations for ``--activations choice`` on a model of ``parameters``."""
+    check_activations(choice)
     return choice == "float" or (choice == "auto" and parameters <= FLOAT_ACTIVATIONS_MAX_PARAMETERS)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ..activations import check_activations, float_activations_chosen
 from ..config import ModelConfig
 from ..errors import UserError
 from ..kernels.repack import TILED_TYPES
-from ..activations import float_activations_chosen
 from ..linear import NATIVE, default_linear_options, resolve_format
 from ..model import Transformer
 from .source import ModelSource, resolve_model
@@ -89,12 +89,12 @@ def load_model(
         activations: what native weights multiply: ``int8`` (activations quantized per block, the kernels'
             fastest path), ``float`` (as they are: the arithmetic of a float model with the file's weights), or
             ``auto`` (float for models of at most
-            :data:`~sparsespec.linear.FLOAT_ACTIVATIONS_MAX_PARAMETERS` parameters). ``float`` with weights that are
+            :data:`~sparsespec.activations.FLOAT_ACTIVATIONS_MAX_PARAMETERS` parameters). ``float`` with weights that are
             not native is a :class:`UserError`.
     """
     from .. import kernels
 
-    float_activations_chosen(activations, 0)  # a choice it does not know is refused before anything loads
+    check_activations(activations)
     source = resolve_model(ref)
     root = tensor_cache_root(cache)
     # Float activations read the row layout; the automatic choice learns the model's size once it is loaded.
