@@ -620,7 +620,6 @@ def native_layout_tag(tiles: bool) -> str:
     return f"layout{LAYOUT_VERSION}-{'tiles' if tiles else 'rows'}"
 
 
-
 def linear_from_tensors(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> Linear:
     """Rebuild a linear from its ``to_tensors()`` and ``meta()`` (the stored tensors are used as they are)."""
     classes = {"dense": DenseLinear, "int8": Int8Linear, "int4": Int4Linear, NATIVE: NativeLinear}
