@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "sparsespec" / "kernels" / "csrc"
 HARNESS = ROOT / "tests" / "native" / "isa_agreement.cpp"
 KERNEL_SOURCES = ["qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
-                  "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp"]
+                  "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp"]
 
 pytestmark = pytest.mark.arm
 

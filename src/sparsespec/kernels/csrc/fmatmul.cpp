@@ -53,6 +53,9 @@ void fmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_e
 void fmatmul_rows_avx2(int, const uint8_t*, int, int, int, const float*, int, long, const float*, float*, long) {}
 void fmatmul_rows_avx512(int, const uint8_t*, int, int, int, const float*, int, long, const float*, float*, long) {}
 #endif
+#if !defined(__aarch64__)
+void fmatmul_rows_neon(int, const uint8_t*, int, int, int, const float*, int, long, const float*, float*, long) {}
+#endif
 
 void fmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m,
                   long ldx, const float* bias, float* out, long ldo) {
@@ -61,6 +64,7 @@ void fmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n
     case kAmx:
     case kAvx512: fmatmul_rows_avx512(type, w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); break;
     case kAvx2: fmatmul_rows_avx2(type, w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); break;
+    case kNeon: fmatmul_rows_neon(type, w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); break;
     default: fmatmul_rows_scalar(type, w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); break;
   }
 }

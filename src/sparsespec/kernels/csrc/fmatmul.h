@@ -21,12 +21,14 @@ namespace sparsespec {
 void fmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m,
                   long ldx, const float* bias, float* out, long ldo);
 
-// Per instruction set (fmatmul_<isa>.cpp; fmatmul.cpp holds the portable one, which ARM runs too).
+// Per instruction set (fmatmul_<isa>.cpp; fmatmul.cpp holds the portable one).
 void fmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                          const float* bias, float* out, long ldo);
 void fmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                        const float* bias, float* out, long ldo);
 void fmatmul_rows_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                          const float* bias, float* out, long ldo);
+void fmatmul_rows_neon(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                       const float* bias, float* out, long ldo);
 
 }  // namespace sparsespec

@@ -4,44 +4,10 @@
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #include <arm_neon.h>
 
-#include "formats.h"
+#include "codes_neon.h"
 
 namespace sparsespec {
 namespace {
-
-// 16 bits -> 16 bytes, byte j = value where bit j is set, else 0.
-inline int8x16_t expand_bits(uint16_t bits, int8_t value) {
-  const uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
-  const uint8x16_t select = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-  return vandq_s8(vreinterpretq_s8_u8(vtstq_u8(spread, select)), vdupq_n_s8(value));
-}
-
-template <int TYPE>
-inline void load_codes(const uint8_t* q, int8x16_t codes[4]) {
-  constexpr int bits = bits_of<TYPE>();
-  if constexpr (bits == 8) {
-    for (int v = 0; v < 4; ++v) codes[v] = vld1q_s8((const int8_t*)q + 16 * v);
-  } else {
-    const uint8x16_t low = vdupq_n_u8(0x0F);
-    const uint8x16_t n0 = vld1q_u8(q), n1 = vld1q_u8(q + 16);
-    codes[0] = vreinterpretq_s8_u8(vandq_u8(n0, low));
-    codes[1] = vreinterpretq_s8_u8(vandq_u8(n1, low));
-    codes[2] = vreinterpretq_s8_u8(vshrq_n_u8(n0, 4));
-    codes[3] = vreinterpretq_s8_u8(vshrq_n_u8(n1, 4));
-    for (int plane = 0; plane < bits - 4; ++plane) {
-      uint16_t part[4];
-      __builtin_memcpy(part, q + 32 + 8 * plane, 8);
-      for (int v = 0; v < 4; ++v) codes[v] = vorrq_s8(codes[v], expand_bits(part[v], (int8_t)(0x10 << plane)));
-    }
-  }
-}
-
-inline float hsum(const float32x4_t v[4]) {
-  const float32x4_t s8a = vaddq_f32(v[0], v[2]), s8b = vaddq_f32(v[1], v[3]);
-  const float32x4_t s4 = vaddq_f32(s8a, s8b);
-  const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
-  return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
-}
 
 template <int TYPE, int MT>
 inline void row_tile(const uint8_t* row, int k, int r0, const Activations& act, const float* bias, int n, float* out,
