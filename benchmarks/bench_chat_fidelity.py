@@ -14,7 +14,7 @@ An answer "equals" the reference when its tokens are the same, end included. Als
 token) of the default path's next-token distribution from the reference's over each prompt plus the reference's
 answer (teacher-forced), and where each engine's answer departs from the reference's, on average (the first
 differing token; an equal answer counts its length). ``--dtype float32`` compares float32 compute on the native
-weights instead.
+weights instead, ``--kv-dtype bf16`` a cache stored in bfloat16.
 
     python benchmarks/bench_chat_fidelity.py --llama-bin /path/to/llama.cpp/build/bin
 """
@@ -69,10 +69,10 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True))
 
 
-def answer(loaded, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+def answer(loaded, ids: list[int], new_tokens: int, eos: set[int], kv_dtype: str = "auto") -> list[int]:
     tokens = []
     for token in run_generation(loaded, ids, max_new_tokens=new_tokens, sampling=SamplingParams(),
-                                cache=CacheOptions(), eos_ids=eos):
+                                cache=CacheOptions(kv_dtype=kv_dtype), eos_ids=eos):
         tokens.append(token)
     return tokens
 
@@ -142,6 +142,8 @@ def main() -> None:
                         help="compute dtype of the path compared with the reference (default: generate's)")
     parser.add_argument("--activations", choices=("auto", "int8", "float"), default="auto",
                         help="the compared path's --activations (default: generate's)")
+    parser.add_argument("--kv-dtype", choices=("auto", "bf16"), default="auto",
+                        help="the compared path's --kv-dtype (default: generate's, the compute dtype)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "chat_fidelity.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -152,7 +154,7 @@ def main() -> None:
         eos = eos_token_ids(reference.tokenizer)
         prompts = [chat_ids(reference.tokenizer, q) for q in QUESTIONS]
         expected = [answer(reference, ids, args.new_tokens, eos) for ids in prompts]
-        ours = [answer(default, ids, args.new_tokens, eos) for ids in prompts]
+        ours = [answer(default, ids, args.new_tokens, eos, args.kv_dtype) for ids in prompts]
         server = LlamaServer(args.llama_bin / "llama-server", fixture_path(name), args.threads, args.port)
         try:
             theirs = [[t for t in server.answer(ids, args.new_tokens)] for ids in prompts]
@@ -163,14 +165,15 @@ def main() -> None:
         ours_text = [[t for t in answer_ if t not in eos] for answer_ in ours]
         theirs_text = [[t for t in answer_ if t not in eos] for answer_ in theirs]
         for question, e, o, t in zip(QUESTIONS, expected_text, ours_text, theirs_text):
-            emit({"bench": "chat_fidelity_answer", "model": name, "dtype": args.dtype,
+            emit({"bench": "chat_fidelity_answer", "model": name, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
                   "float_activations": float_activations, "question": question,
                   "reference": reference.tokenizer.decode(e), "default": reference.tokenizer.decode(o),
                   "llama_cpp": reference.tokenizer.decode(t), "default_equal": o == e, "llama_cpp_equal": t == e},
                  args.out)
         kl = mean_kl(reference, default, [ids + answer_ for ids, answer_ in zip(prompts, expected)])
         n = len(QUESTIONS)
-        emit({"bench": "chat_fidelity", "model": name, "dtype": args.dtype, "float_activations": float_activations,
+        emit({"bench": "chat_fidelity", "model": name, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+              "float_activations": float_activations,
               "questions": n,
               "new_tokens": args.new_tokens,
               "default_weights": default.weights,

@@ -134,7 +134,7 @@ def main() -> None:
             emit({"bench": "decode_round", "round": round_index, "activations": choice,
                   "ours_tok_s": round(speeds[choice][-1], 2), "llama_bench_tok_s": round(speeds["llama"][-1], 2),
                   **base}, args.out)
-    for choice in choices if speeds["llama"] else ():
+    for choice in choices if speeds["llama"] else ():  # decode rounds ran
         ratios = [ours / theirs for ours, theirs in zip(speeds[choice], speeds["llama"])]
         float_activations = models[choice].model.lm_head.float_activations
         emit({"bench": "decode", "tokens": args.tokens, "rounds": args.rounds, "activations": choice,

@@ -51,9 +51,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   const int k_pad = padded_k((int)k);
   int64_t n_total = 0;
   std::vector<int64_t> first_row;
-  bool any_k = false, any_32 = false;
+  bool any_k = false, any_32 = false;  // which quantized activations the segments read (none: float ones)
   for (std::size_t s = 0; s < weights.size(); ++s) {
-    (is_k_quant((int)types[s]) ? any_k : any_32) = true;
+    if (!float_activations) (is_k_quant((int)types[s]) ? any_k : any_32) = true;
     TORCH_CHECK(supported_type((int)types[s]), "gguf_linear: unsupported block type ", types[s]);
     TORCH_CHECK(!float_activations || !is_tiled((int)types[s]),
                 "gguf_linear: float activations read the row layout, not the column tiles of type ", types[s]);
@@ -88,7 +88,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   Activations act;
   act.m = m;
   act.k_pad = k_pad;
-  if (float_activations) any_32 = any_k = false;
   if (any_32) {  // per-32 activations for the 32-weight formats
     sc.q.resize((std::size_t)m * k_pad);
     sc.dx.resize((std::size_t)m * k_pad / kActBlock);
