@@ -266,6 +266,37 @@ def test_a_wrongly_packed_tile_fails_the_bound(ggml_type, scale_bytes):
     assert (err > activation_bound(x, w, ggml_type)).any()
 
 
+@pytest.mark.parametrize("float_activations", [False, True], ids=["int8", "float"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("ggml_type,tiles", [(8, False), (12, True)], ids=["Q8_0", "Q4_K-tiles"])
+def test_a_residual_is_added_bit_for_bit_as_a_separate_add(ggml_type, tiles, dtype, float_activations):
+    """The fused skip connection equals ``residual + product`` exactly, whatever the rows and the threads' split."""
+    if float_activations and tiles:
+        pytest.skip("float activations read the row layout")
+    rows, k = shapes_for(ggml_type)[0]
+    blob, k_padded, kind = packed(random_blocks(ggml_type, rows, k, seed=9), ggml_type, k, tiles)
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 5):
+        x = torch.nn.functional.pad(torch.randn(m, k, generator=gen), (0, k_padded - k)).to(dtype)
+        residual = (10 * torch.randn(m, rows, generator=gen)).to(dtype)
+        product = kernels.gguf_linear(x, [blob], [kind], [rows], k_padded, None, kernels.ISA_AUTO, float_activations)
+        fused = kernels.gguf_linear(x, [blob], [kind], [rows], k_padded, None, kernels.ISA_AUTO, float_activations,
+                                    residual)
+        assert fused.dtype == dtype and torch.equal(fused, residual + product)
+        assert not torch.equal(fused, product)
+    from sparsespec.linear import NativeLinear
+
+    linear = NativeLinear([(kind, blob, rows)], k, k_padded)
+    linear.float_activations = float_activations
+    batched_x, batched_residual = x[None, :, :k], residual[None]  # the [..., in] a linear takes
+    assert torch.equal(linear(batched_x, residual=batched_residual), batched_residual + linear(batched_x))
+    with pytest.raises(RuntimeError, match="residual must be"):
+        kernels.gguf_linear(x, [blob], [kind], [rows], k_padded, residual=residual[:, :-1])
+    with pytest.raises(RuntimeError, match="residual must be"):
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        kernels.gguf_linear(x, [blob], [kind], [rows], k_padded, residual=residual.to(other))
+
+
 def test_bad_inputs_raise():
     raw = random_blocks(2, 4, 64, seed=0)
     blob, k, _ = packed(raw, 2, 64)

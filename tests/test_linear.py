@@ -190,6 +190,17 @@ def test_misaligned_and_strided_inputs(fmt):
     _check_against_dequantized(lin, xt, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
+def test_a_residual_is_the_add_after_the_linear(fmt, dtype):
+    w, b = _weights(48, 576)
+    lin = make_linear(w, b, dtype, fmt)
+    for lead in LEAD_SHAPES:
+        x = torch.randn(*lead, 576).to(dtype)
+        residual = torch.randn(*lead, 48).to(dtype)
+        assert torch.equal(lin(x, residual=residual), residual + lin(x))
+
+
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
 def test_empty_batch(fmt):
     w, b = _weights(32, 128)

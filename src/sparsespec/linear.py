@@ -1,7 +1,9 @@
 """Weight formats for linear layers: every projection in the model is one of these callables.
 
 A linear maps ``x: [..., in_features]`` to ``[..., out_features]`` in the dtype of ``x`` and reports the
-bytes its weights occupy (``nbytes``).
+bytes its weights occupy (``nbytes``). Given ``residual`` (``[..., out_features]``, the dtype of ``x``) it returns
+``residual + linear(x)``, bit for bit that add: the decoder's skip connections (the native format adds them as it
+writes its output, so a decode step has no pass of their own over the rows).
 
 Formats (``make_linear(..., fmt=...)``):
 
@@ -93,8 +95,9 @@ class DenseLinear:
         size = self.weight.numel() * self.weight.element_size()
         return size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors that define this layer (see :func:`linear_from_tensors`)."""
@@ -178,7 +181,7 @@ class _QuantizedLinear:
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -187,7 +190,8 @@ class _QuantizedLinear:
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)
+        return y if residual is None else residual + y
 
 
 class Int8Linear(_QuantizedLinear):
@@ -404,13 +408,15 @@ class NativeLinear:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.blobs) + (0 if self.bias is None else self.bias.nbytes)
 
-    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
-        """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]`` in the dtype of ``x``."""
+    def __call__(self, x: torch.Tensor, isa: int = -1, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in]`` (float32 or bfloat16) -> ``[..., out]`` in the dtype of ``x`` (plus ``residual [..., out]``,
+        added by the kernel)."""
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's [T, in]: no reshape op
         if self.padded_in != self.in_features:
             x2d = F.pad(x2d, (0, self.padded_in - self.in_features))
+        residual2d = residual if residual is None or residual.dim() == 2 else residual.reshape(-1, self.out_features)
         y = kernels.gguf_linear(x2d, self.blobs, self.types, self.rows, self.padded_in, self.bias, isa,
-                                self.float_activations)
+                                self.float_activations, residual2d)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def first_rows(self, n: int) -> "NativeLinear":

@@ -225,6 +225,13 @@ class Transformer:
             return kernels.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)  # a head's rows may be strided
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
+    def _skip(self, x: torch.Tensor, linear, inputs: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """``x + linear(inputs)`` for ``x [T, hidden]``, the branch's output normed by ``post_norm`` first where the
+        model has one (Gemma); else the add is the linear's own (``residual=``, fused by the native kernels)."""
+        if post_norm is None:
+            return linear(inputs, residual=x)
+        return x + self._rms_norm(linear(inputs), post_norm)
+
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side): SiLU, or GELU with
         the tanh approximation (Gemma)."""
@@ -275,22 +282,19 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
             attended = []
-            for block, rows in zip(blocks, qkv.split(sizes)):
+            for block, rows in zip(blocks, qkv.split(sizes) if len(blocks) > 1 else (qkv,)):
                 n_rows = rows.shape[0]
                 # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
-                q, k, v = rows.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1).split((n_heads, n_kv, n_kv))
+                heads = rows.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1)
+                q, k, v = heads[:n_heads], heads[n_heads : n_heads + n_kv], heads[n_heads + n_kv :]
                 if layer.q_norm is not None:
                     q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
                     k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
                 attended.append(block.cache.attend(index, q, k, v))
-            attention = layer.o_proj(attended[0] if len(blocks) == 1 else torch.cat(attended))
-            if layer.attn_post_norm is not None:
-                attention = self._rms_norm(attention, layer.attn_post_norm)
-            x = x + attention
-            mlp = layer.down(self._gated(layer.gate_up(self._rms_norm(x, layer.mlp_norm))))
-            if layer.mlp_post_norm is not None:
-                mlp = self._rms_norm(mlp, layer.mlp_post_norm)
-            x = x + mlp
+            x = self._skip(x, layer.o_proj, attended[0] if len(blocks) == 1 else torch.cat(attended),
+                           layer.attn_post_norm)
+            x = self._skip(x, layer.down, self._gated(layer.gate_up(self._rms_norm(x, layer.mlp_norm))),
+                           layer.mlp_post_norm)
         for block in blocks:
             block.cache.end()
         scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits

@@ -228,12 +228,14 @@ def info() -> str:
 
 
 def gguf_linear(x2d: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int], k: int,
-                bias: torch.Tensor | None = None, isa: int = ISA_AUTO, float_activations: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, isa: int = ISA_AUTO, float_activations: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``[m, k] -> [m, sum(rows)]`` (the dtype of ``x``, float32 or bfloat16) through weights in repacked GGUF
     blocks (see :mod:`.repack`); ``bias`` float32 ``[sum(rows)]``. The activations are quantized to 8 bits per
     block (``csrc/qmatmul.h``), or with ``float_activations`` multiply as they are (``csrc/fmatmul.h``: row
-    layouts only, no column tiles)."""
-    return _load().gguf_linear(x2d, weights, types, rows, k, bias, isa, float_activations)
+    layouts only, no column tiles). ``residual [m, sum(rows)]`` (the dtype of ``x``) is added to the product as
+    it is written, bit for bit ``residual + product``."""
+    return _load().gguf_linear(x2d, weights, types, rows, k, bias, isa, float_activations, residual)
 
 
 def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,11 @@ void check_cpu(const char* op, std::initializer_list<const at::Tensor*> tensors)
 // and type types[s]; e.g. q, k and v of one layer), plus a float32 bias [sum(rows)] if given. x is float32 or
 // bfloat16 (contiguous); y has x's dtype (computed in float32, rounded once at the end). The activations are
 // quantized to 8 bits (qmatmul.h), or with float_activations multiply as they are (fmatmul.h; row layouts only).
+// With a residual [m, sum(rows)] in x's dtype, y = residual + x @ W^T, bit for bit the add of the two tensors (the
+// decoder's skip connections, without a pass of their own over the rows).
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
                        const std::vector<int64_t>& rows, int64_t k, const c10::optional<at::Tensor>& bias,
-                       int64_t isa, bool float_activations) {
+                       int64_t isa, bool float_activations, const c10::optional<at::Tensor>& residual) {
   check_cpu("gguf_linear", {&x});
   for (const auto& w : weights) check_cpu("gguf_linear", {&w});
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_linear: x must be [m, ", k, "]");
@@ -122,10 +124,21 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     out_ptr = sc.out.data();
     bf16_ptr = out.data_ptr<c10::BFloat16>();
   }
+  at::Tensor residual_c;  // the rows the product is added to, if any
+  if (residual.has_value() && residual->defined()) {
+    check_cpu("gguf_linear", {&*residual});
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n_total &&
+                    residual->scalar_type() == xc.scalar_type(),
+                "gguf_linear: residual must be [", m, ", ", n_total, "] in the dtype of x");
+    residual_c = residual->contiguous();
+  }
+  const float* res_f32 = residual_c.defined() && !bf16_out ? residual_c.data_ptr<float>() : nullptr;
+  const c10::BFloat16* res_bf16 = residual_c.defined() && bf16_out ? residual_c.data_ptr<c10::BFloat16>() : nullptr;
   std::vector<const uint8_t*> weight_ptrs;
   for (const auto& w : weights) weight_ptrs.push_back(w.data_ptr<uint8_t>());
   // Output columns split across threads; each column's value never depends on the split. Each thread rounds its
-  // own columns to bfloat16 (nearest even, as Tensor.to does), so no thread waits on a serial pass over them.
+  // own columns to bfloat16 (nearest even, as Tensor.to does) and adds their residual, so no thread waits on a
+  // serial pass over them.
   at::parallel_for(0, n_total, 16, [&](int64_t begin, int64_t end) {
     for (std::size_t s = 0; s < weights.size(); ++s) {
       const int64_t lo = std::max(begin, first_row[s]), hi = std::min(end, first_row[s] + rows[s]);
@@ -138,9 +151,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
         qmatmul_rows((int)isa, (int)types[s], weight_ptrs[s], (int)k, (int)(lo - first_row[s]),
                      (int)(hi - first_row[s]), act, segment_bias, out_ptr + first_row[s], n_total);
     }
-    if (bf16_out)
+    if (bf16_out || res_f32)
       for (int r = 0; r < m; ++r)
-        for (int64_t c = begin; c < end; ++c) bf16_ptr[r * n_total + c] = c10::BFloat16(out_ptr[r * n_total + c]);
+        for (int64_t c = begin; c < end; ++c) {
+          const int64_t i = r * n_total + c;
+          if (bf16_out)  // the product rounded, then the sum rounded: what a bfloat16 add after the product gives
+            bf16_ptr[i] = res_bf16 ? c10::BFloat16((float)res_bf16[i] + (float)c10::BFloat16(out_ptr[i]))
+                                   : c10::BFloat16(out_ptr[i]);
+          else
+            out_ptr[i] += res_f32[i];
+        }
   });
   return out;
 }
