@@ -9,12 +9,9 @@ blocks, bfloat16 compute), at ``--threads`` threads:
   than a quarter of the largest, as a virtual machine's may be), the SRAM rate the plateau of the sizes that fit the
   L3 but not the L2 caches;
 - **matmul peak** — a square bf16 and fp32 GEMM (compute-bound) gives ``peak_flops``;
-- **a native call** — one-row calls on a small cached weight give ``native_call_s``, what a call costs beyond its
-  bytes (quantizing the activations, starting and joining the threads; a small model's projections stream in tens
-  of microseconds, so it counts there);
 - **native weight streaming** — the native kernels' one-row matmul over layer-shaped weights of each GGUF block type
   (random blocks, the kernels' own layout), more of them than the caches hold, gives ``native_stream``: the rate in
-  the file's bytes (the pass's time less ``native_call_s`` per call) (a real model's weights come from DRAM: within a decode step its attention, cache and activations
+  the file's bytes (a real model's weights come from DRAM: within a decode step its attention, cache and activations
   share the caches, so even a 96 MB model streams at this rate), and the same weights with R rows the rate at which
   each extra row of a verification pass goes through them;
 - **torch weight streaming** — one-row bf16 ``F.linear`` over the same shapes, for the torch weight formats
@@ -183,7 +180,6 @@ class Calibration:
     overhead_s: float
     per_layer_overhead_s: float
     stream_overhead_fraction: float
-    native_call_s: float | None
     per_row_layer_overhead_s: float
     evict_layer_overhead_s: float
     evict_row_layer_overhead_s: float
@@ -403,33 +399,14 @@ def in_engine_memory(blobs: list):
     return copies
 
 
-# The weight of native_call_seconds' calls: 32 outputs (two 16-column tasks, so both threads start and join) of 1,024
-# inputs in Q4_K, 18 KiB that stay in the caches: a call's time is nearly all its fixed work.
-CALL_PROBE_SHAPE = (32, 1024)
-
-
-def native_call_seconds(*, trials: int = 3, min_seconds: float = 0.05) -> float:
-    """Seconds of one native matmul call beyond its weights' bytes: one row through a cached weight of
-    ``CALL_PROBE_SHAPE`` (the activations quantized, the threads started and joined), median trial of 100 calls."""
-    import torch
-
-    from .. import kernels
-
-    kernel_type, blob, padded, _ = random_native_weight("Q4_K", *CALL_PROBE_SHAPE)
-    x = torch.full((1, padded), 0.5, dtype=torch.bfloat16)
-    n = CALL_PROBE_SHAPE[0]
-    return statistics.median(time_calls(lambda: kernels.gguf_linear(x, [blob], [kernel_type], [n], padded),
-                                        calls=100, trials=trials, min_seconds=min_seconds))
-
-
 def native_streaming(kind: str, total_bytes: int, shapes: tuple[tuple[int, int], ...], rows: int, *,
-                     trials: int = 3, min_seconds: float = 0.05, call_s: float = 0.0) -> dict[str, Any]:
+                     trials: int = 3, min_seconds: float = 0.05) -> dict[str, Any]:
     """The native kernels' matmul over as many layers of ``shapes`` as make ``total_bytes`` of weights of GGUF
     type ``kind`` (random blocks): one pass on one row (median trial), and the extra time of ``rows`` rows.
 
-    Returns ``bytes_per_s`` (the file's bytes over the one-row pass's time less ``call_s`` per call: the rate of the
-    bytes alone, a call's fixed work priced apart), ``extra_row_bytes_per_s`` (the same bytes over the extra time
-    per extra row; None when ``rows`` rows took no longer), ``working_set_bytes`` and the timings.
+    Returns ``bytes_per_s`` (the file's bytes of the pass over its one-row time), ``extra_row_bytes_per_s`` (the
+    same bytes over the extra time per extra row; None when ``rows`` rows took no longer), ``working_set_bytes``
+    and the timings.
     """
     import torch
 
@@ -466,13 +443,11 @@ def native_streaming(kind: str, total_bytes: int, shapes: tuple[tuple[int, int],
         differences.append(time.perf_counter() - t1 - (t1 - t0))
     extra = statistics.median(differences) / (rows - 1)
     total = layers * layer_bytes
-    streaming = seconds - len(weights) * call_s
     return {
-        "bytes_per_s": total / (streaming if streaming > seconds / 2 else seconds),  # a noisy call_s: the pass whole
+        "bytes_per_s": total / seconds,
         "extra_row_bytes_per_s": total / extra if extra > 0 else None,
         "working_set_bytes": total,
         "one_row_s": seconds,
-        "calls": len(weights),
         "extra_row_s": extra,
     }
 
@@ -798,7 +773,7 @@ def calibrate(settings: CalibrationSettings = FULL, *, threads: int | None = Non
         if threads < 1:
             raise UserError(f"--threads must be at least 1 (got {threads}).")
         torch.set_num_threads(threads)
-    steps = len(settings.sizes) + len(settings.native_types) + 7
+    steps = len(settings.sizes) + len(settings.native_types) + 6
     progress = _Progress(steps, quiet)
     try:
         return _calibrate(settings, torch.get_num_threads(), progress)
@@ -816,7 +791,7 @@ def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress)
     peaks = _compute_peaks(settings, progress)
     stream, extra_row_flops = _weight_streaming(settings, raw, progress)
     residency, kv_fraction = _kv_residency_fraction(settings, machine, progress)
-    native, native_call_s = _native_streaming(settings, progress)
+    native = _native_streaming(settings, progress)
     per_vocab = _sampling_cost(settings, raw, progress)
     pass_s, cached_layer_s = _tiny_probe_overhead(settings, stream["bytes_per_s"], native, per_vocab, raw)
     probes = _probe_engine(settings, raw, progress)
@@ -831,9 +806,8 @@ def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress)
         stream_bandwidth=stream["bytes_per_s"], stream_bytes=int(stream["bytes"]), extra_row_flops=extra_row_flops,
         native_stream=native, residency=residency, sram_kv_fraction=kv_fraction, overhead_s=overheads.overhead_s,
         per_layer_overhead_s=overheads.per_layer_s, stream_overhead_fraction=overheads.stream_fraction,
-        native_call_s=native_call_s, per_row_layer_overhead_s=overheads.per_row_layer_s,
-        evict_layer_overhead_s=overheads.evict_layer_s, evict_row_layer_overhead_s=overheads.evict_row_layer_s,
-        per_vocab_overhead_s=per_vocab,
+        per_row_layer_overhead_s=overheads.per_row_layer_s, evict_layer_overhead_s=overheads.evict_layer_s,
+        evict_row_layer_overhead_s=overheads.evict_row_layer_s, per_vocab_overhead_s=per_vocab,
         attention_flops=attention, attention_head_reads=head_reads, raw=raw,
     )
 
@@ -927,28 +901,24 @@ def _weight_streaming(s: CalibrationSettings, raw: dict, progress: _Progress) ->
     return stream, extra_row_flops
 
 
-def _native_streaming(s: CalibrationSettings, progress: _Progress) -> tuple[dict[str, dict[str, Any]], float | None]:
-    """The native kernels' fixed cost per call (``native_call_s``), then the streaming rate of the bytes and the
-    extra-row rate of every block type (``native_stream``); none where the kernels are not available (the profile
-    then describes the torch path)."""
+def _native_streaming(s: CalibrationSettings, progress: _Progress) -> dict[str, dict[str, Any]]:
+    """The native kernels' streaming curve and extra-row rate of every block type (``native_stream``); none where
+    the kernels are not available (the profile then describes the torch path)."""
     from .. import kernels
 
     out: dict[str, dict[str, Any]] = {}
     if not kernels.available():
         progress.line(f"native kernels unavailable ({kernels.unavailable_reason()}): measuring the torch path")
-        for _ in range(len(s.native_types) + 1):
+        for _ in s.native_types:
             progress.done("native streaming")
-        return out, None
-    call_s = native_call_seconds(trials=s.trials, min_seconds=s.min_seconds)
-    progress.line(f"native matmul call: {call_s * 1e6:.1f} µs beyond its bytes")
-    progress.done("native call")
+        return out
     # Every type once per round, rounds in turn: a slow moment of the machine spoils one round of one type, and the
     # median over the rounds leaves it out.
     rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in s.native_types}
     for _ in range(s.stream_rounds):
         for kind in s.native_types:
             rounds[kind].append(native_streaming(kind, s.stream_bytes, s.stream_shapes, s.rows, trials=s.trials,
-                                                 min_seconds=s.min_seconds, call_s=call_s))
+                                                 min_seconds=s.min_seconds))
     for kind, measured in rounds.items():
         extras = [m["extra_row_bytes_per_s"] for m in measured]
         out[kind] = {
@@ -963,7 +933,7 @@ def _native_streaming(s: CalibrationSettings, progress: _Progress) -> tuple[dict
                       + ", ".join(f"{m['bytes_per_s'] / 1e9:.1f}" for m in measured) + "); each extra row "
                       + (f"{extra / 1e9:.0f} GB/s" if extra else "free"))
         progress.done(f"native {kind}")
-    return out, call_s
+    return out
 
 
 def _kv_residency_fraction(s: CalibrationSettings, machine: _Machine,
@@ -1278,19 +1248,12 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
             sources[f"attention_head_reads.{key}"] = timed + "."
         else:
             sources[f"attention_flops.{key}"] = timed + " (they did not separate: the first shape's 4·H·d alone)."
-    if cal.native_call_s is not None:
-        sources["native_call_s"] = (
-            f"{stamp}: one native matmul call on one row through a cached random Q4_K weight of "
-            f"{CALL_PROBE_SHAPE[0]} outputs and {CALL_PROBE_SHAPE[1]} inputs (18 KiB; both threads take part), median "
-            "trial of 100 calls."
-        )
     for kind, curve in cal.native_stream.items():
         sources[f"native_stream.{kind}"] = (
             f"{stamp}: the native kernels' one-row matmul over random {kind} blocks of layers shaped "
             f"{list(settings.stream_shapes)} ([out, in]), {curve['working_set_bytes'] / MIB:.0f} MiB in all (median "
-            f"trial; the file's bytes over the time less native_call_s per call); extra_row_bytes_per_s: the same "
-            f"bytes over the extra time per extra row of {settings.rows}-row passes (median of one-row and "
-            f"{settings.rows}-row passes in turn)."
+            f"trial; the file's bytes over the time); extra_row_bytes_per_s: the same bytes over the extra time per "
+            f"extra row of {settings.rows}-row passes (median of one-row and {settings.rows}-row passes in turn)."
         )
     caches = {}
     for key, label in (("cpu_l1d_per_core", "L1d per core"), ("cpu_l2_per_core", "L2 per core"), ("cpu_l3", "L3")):
@@ -1314,7 +1277,6 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         overhead_s=cal.overhead_s,
         per_layer_overhead_s=cal.per_layer_overhead_s,
         stream_overhead_fraction=cal.stream_overhead_fraction,
-        native_call_s=cal.native_call_s,
         threads=cal.threads,
         extra_row_flops=cal.extra_row_flops,
         per_row_layer_overhead_s=cal.per_row_layer_overhead_s,
@@ -1379,8 +1341,7 @@ def format_summary(cal: Calibration, profile: DeviceProfile, path: Path) -> str:
             for kind, curve in cal.native_stream.items()),
         f"  overheads: {cal.overhead_s * 1e3:.3f} ms per pass, {cal.per_layer_overhead_s * 1e6:.1f} µs per layer "
         f"+ {cal.stream_overhead_fraction:.3f} of the weights' streaming time, "
-        + (f"{cal.native_call_s * 1e6:.1f} µs per native matmul call, " if cal.native_call_s is not None else "")
-        + f"{cal.per_row_layer_overhead_s * 1e6:.1f} µs per layer and extra row, "
+        f"{cal.per_row_layer_overhead_s * 1e6:.1f} µs per layer and extra row, "
         f"{cal.evict_layer_overhead_s * 1e6:.1f} + {cal.evict_row_layer_overhead_s * 1e6:.1f} µs per layer and "
         "evicting pass + extra row, "
         f"{cal.per_vocab_overhead_s * 1e9:.2f} ns per vocabulary entry",

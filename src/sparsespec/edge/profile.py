@@ -63,10 +63,6 @@ class DeviceProfile:
     - ``stream_overhead_fraction``: the share of a pass's weight-streaming time that its other work takes on top
       (each layer's norms, attention and glue run in caches the layer's weights just went through; measured as a
       part of the per-layer cost in proportion to the layer's streaming time);
-    - ``native_call_s``: per call of a native matmul (a layer's four projections, native weights only; the head's
-      call is part of ``overhead_s``): the work a call does whatever its weights' bytes (its activations quantized,
-      the threads started and joined), on top of ``native_stream``'s time for the bytes. It weighs on small models'
-      small matrices: a SmolLM2 projection streams in about 20 µs;
     - ``per_vocab_overhead_s``: per vocabulary entry and forward pass (choosing the token from the logits; measured
       greedy, an argmax);
     - ``attention_flops``: FLOP/s that the engine's attention kernels reach per cached entry, by path: ``single``
@@ -104,7 +100,6 @@ class DeviceProfile:
     evict_row_layer_overhead_s: float | None = None
     per_vocab_overhead_s: float | None = None
     stream_overhead_fraction: float | None = None
-    native_call_s: float | None = None
     threads: int | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
     attention_head_reads: Mapping[str, float] = field(default_factory=dict)
@@ -122,7 +117,7 @@ class DeviceProfile:
             if not _is_number(getattr(self, key)) or getattr(self, key) < 0:
                 raise UserError(f"Device profile {self.name!r}: {key} must be a number >= 0.")
         optional = ("per_row_layer_overhead_s", "evict_layer_overhead_s", "evict_row_layer_overhead_s",
-                    "per_vocab_overhead_s", "stream_overhead_fraction", "native_call_s")
+                    "per_vocab_overhead_s", "stream_overhead_fraction")
         for key in optional:
             value = getattr(self, key)
             if value is not None and (not _is_number(value) or value < 0):

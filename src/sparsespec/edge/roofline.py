@@ -21,7 +21,6 @@ products plus ``4·L·H·d·N·T`` in attention (QKᵀ and PV), and takes
                  (path: single, multi or evicting; per KV dtype)
     balance    = ⌈KV heads / threads⌉ · threads / KV heads where the op gives threads whole heads (else 1)
     overhead   = overhead_s + L · per_layer_overhead_s + V · per_vocab_overhead_s + weights · stream_overhead_fraction
-                 + [native format] · 4·L · native_call_s   (the projections' calls; the head's is in overhead_s)
                  + (T − 1) · L · per_row_layer_overhead_s
                  + [cache full and evicting] · L · (evict_layer_overhead_s + (T − 1) · evict_row_layer_overhead_s)
 
@@ -293,8 +292,6 @@ def forward_pass(
     overhead_s = device.overhead_s + layers * device.per_layer_overhead_s
     overhead_s += model.vocab_size * (device.per_vocab_overhead_s or 0.0)
     overhead_s += streaming_weights_s * (device.stream_overhead_fraction or 0.0)
-    if isinstance(weights, Mapping):  # the native format: a matmul call per projection kind and layer (the head's
-        overhead_s += 4 * layers * (device.native_call_s or 0.0)  # is in overhead_s, measured with the pass)
     overhead_s += extra * layers * (device.per_row_layer_overhead_s or 0.0)
     if evicting:
         overhead_s += layers * (device.evict_layer_overhead_s or 0.0)
