@@ -270,7 +270,8 @@ def test_a_wrongly_packed_tile_fails_the_bound(ggml_type, scale_bytes):
 @pytest.mark.parametrize("ggml_type,tiles,float_activations", [(8, False, False), (8, False, True), (12, True, False)],
                          ids=["Q8_0", "Q8_0-float", "Q4_K-tiles"])  # float activations read the row layout only
 def test_a_residual_is_added_bit_for_bit_as_a_separate_add(ggml_type, tiles, float_activations, dtype):
-    """The fused skip connection equals ``residual + product`` exactly, whatever the rows and the threads' split."""
+    """The fused skip connection equals ``residual + product`` exactly, for one row and for five, the threads
+    splitting the columns; through a NativeLinear too; a residual of the wrong shape or dtype is refused."""
     rows, k = shapes_for(ggml_type)[0]
     blob, k_padded, kind = packed(random_blocks(ggml_type, rows, k, seed=9), ggml_type, k, tiles)
     gen = torch.Generator().manual_seed(4)
