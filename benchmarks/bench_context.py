@@ -50,7 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--contexts", default="1024,8192")
-    parser.add_argument("--caches", default="full,hybrid:1024")
+    parser.add_argument("--caches", default="full,hybrid:1024",
+                        help="comma-separated caches: full or POLICY:BUDGET; '' runs llama.cpp alone, so that "
+                             "rounds can alternate the engines by invocation")
     parser.add_argument("--text", default="corpus:paradise_lost")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -103,7 +105,7 @@ def main() -> None:
             llm.close()
             del llm
         variants = [(spec, "auto", 0) if spec == "full" else (spec, retention, int(pages))
-                    for spec in args.caches.split(",")
+                    for spec in (args.caches.split(",") if args.caches else [])
                     for retention in (["auto"] if spec == "full" else args.retentions.split(","))
                     for pages in (["0"] if spec == "full" else args.recall_pages.split(","))]
         for spec, retention, pages in variants:
