@@ -33,7 +33,8 @@ from sparsespec.edge.calibrate import (
     run_calibrate,
 )
 from sparsespec.edge import list_profiles, load_profile
-from sparsespec.edge.roofline import kv_bytes_per_token, weight_bytes
+from sparsespec.edge.profile import DeviceProfile
+from sparsespec.edge.roofline import forward_pass, kv_bytes_per_token, weight_bytes
 
 # GGUF block types: (weights per block, bytes per block).
 BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
@@ -236,3 +237,37 @@ def test_two_attention_shapes_separate_the_query_heads_flops_from_each_kv_heads_
     assert attention_rates(wide, wide, entries, rows) == (
         pytest.approx(4 * heads * hd * (entries[1] - entries[0]) * rows / (wide[1] - wide[0])), None)
     assert attention_rates((1e-5, 1e-5), wide, entries, rows) == (None, None)
+
+
+def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
+    """The per-layer line goes through both probes in the simulator's own terms: a probe model's decode step, as
+    ``forward_pass`` prices it from the fitted figures and the type rates, is the step the probe measured, even where
+    its projections alone ran slower than their bytes at the rates (a narrow layer's small calls)."""
+    settings = replace(TINY, probe_context=64, probe_steps=4, probe_rounds=2)
+    native = {"Q4_K": {"bytes_per_s": 20e9}, "Q8_0": {"bytes_per_s": 25e9}}
+    attention, head_reads = {"single": 60e9}, {"single": 4e9}
+    pass_s, per_vocab = 0.8e-3, 2e-9
+    probes = []
+    # 256 MiB of Q4_K each; the narrow layers' projections alone 15 ms against 12.8 ms at the rate
+    for shape, layers, stream_1, around in (((512, 1536, 8, 2, 64), 150, 15e-3, 12e-3),
+                                            ((1536, 8192, 12, 2, 128), 11, 14e-3, 3.5e-3)):
+        layer_bytes = sum(calibrate_module.file_bytes("Q4_K", n, k)
+                          for n, k in calibrate_module.probe_parts(shape).values())
+        head_bytes = calibrate_module.file_bytes("Q8_0", 512, shape[0])
+        times = {"stream_1": stream_1, "around": around, "evicting": 0.0, "extra_rows": 0.0, "evicting_rows": 0.0}
+        probes.append(calibrate_module._Probe(shape, layers, times, layer_bytes, head_bytes, 512))
+    fit = calibrate_module._fit_overheads(settings, probes, pass_s, 0.0, native, per_vocab, attention, head_reads,
+                                          calibrate_module._Progress(1, quiet=True))
+    assert fit.per_layer_s > 0 and fit.stream_fraction > 0  # the line's own figures, not a fallback
+    profile = DeviceProfile(
+        name="fit", description="", compute_unit="cpu", memory_bytes=1 << 34, dram_bandwidth=30e9, sram_level="L3",
+        sram_bytes=1 << 20, sram_bandwidth=1e18, peak_flops={"bf16": 1e18}, overhead_s=fit.overhead_s,
+        per_layer_overhead_s=fit.per_layer_s, stream_overhead_fraction=fit.stream_fraction,
+        per_vocab_overhead_s=per_vocab, attention_flops=attention, attention_head_reads=head_reads,
+        native_stream=native)
+    entries = settings.probe_context + settings.probe_steps * settings.probe_rounds // 2
+    for p in probes:
+        config = calibrate_module.probe_config(p.layers, p.shape)
+        weights = {"Q4_K": p.layers * p.layer_bytes, "Q8_0": p.head_bytes}
+        cost = forward_pass(config, profile, tokens=1, kv_entries=entries, weights=weights, kv_in_sram=True)
+        assert cost.time_s == pytest.approx(p.times["stream_1"] + p.times["around"], rel=1e-6)

@@ -28,7 +28,8 @@ blocks, bfloat16 compute), at ``--threads`` threads:
   decode loop (:func:`sparsespec.generate.generate_tokens`) with few and many layers, gives the pass's fixed cost
   ``overhead_s`` (its intercept, less its sampling); two random models with native weights streaming from memory,
   one with narrow and one with wide layers, each timed beside a pass over its projections alone, give what a layer
-  costs around its weights: a fixed part (``per_layer_overhead_s``) and a part in proportion to its streaming time
+  costs beyond its weights' bytes at the streaming rates above (so a narrow layer's small calls, slower than those
+  rates, count there): a fixed part (``per_layer_overhead_s``) and a part in proportion to its streaming time
   (``stream_overhead_fraction``: the layer's other work runs in caches its weights just went through); their
   multi-row passes and their steps over a full budgeted cache give ``per_row_layer_overhead_s`` and the eviction's
   costs (``evict_layer_overhead_s``, ``evict_row_layer_overhead_s``), the attention op's own time taken out at the
@@ -121,6 +122,13 @@ class CalibrationSettings:
     kv_dtypes: tuple[str, ...] = QUANTIZED_KV  # quantized KV dtypes whose attention is timed too
     vocab_sizes: tuple[int, int] = (4096, 151936)  # vocabularies of the sampling test
     residency_fractions: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+    def __post_init__(self) -> None:
+        # The probes' weights and heads are priced at these types' measured rates (_fit_overheads).
+        for kind in (self.probe_type, "Q8_0"):
+            if kind not in self.native_types:
+                raise ValueError(f"native_types must include {kind} (the streaming probes' weights are priced at "
+                                 "its rate)")
 
 
 FULL = CalibrationSettings(
@@ -524,6 +532,24 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict:
     return state
 
 
+def probe_parts(shape: tuple[int, int, int, int, int]) -> dict[str, tuple[int, int]]:
+    """A probe layer's projections of ``shape`` (hidden, MLP width, query heads, KV heads, head width), as
+    ``{name: (out_features, in_features)}``."""
+    h, i, heads, kv_heads, hd = shape
+    q, kv = heads * hd, kv_heads * hd
+    return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+
+
+def file_bytes(kind: str, out_features: int, in_features: int) -> float:
+    """Bytes of an ``out_features × in_features`` weight of GGUF block type ``kind`` in the file."""
+    from gguf import GGMLQuantizationType
+
+    from ..kernels.repack import BLOCK_TYPES
+
+    _, block, block_bytes = BLOCK_TYPES[int(GGMLQuantizationType[kind])]
+    return out_features * in_features / block * block_bytes
+
+
 def native_probe_model(shape: tuple[int, int, int, int, int], kind: str, total_bytes: int):
     """A :class:`Transformer` of ``shape`` with as many layers as make ``total_bytes`` of random native weights of
     GGUF type ``kind`` (the file's bytes; at least 2 layers; one layer's blocks copied into every layer, so each
@@ -533,9 +559,8 @@ def native_probe_model(shape: tuple[int, int, int, int, int], kind: str, total_b
     from ..linear import NativeLinear
     from ..model import Transformer
 
-    h, i, heads, kv_heads, hd = shape
-    q, kv = heads * hd, kv_heads * hd
-    parts = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+    h = shape[0]
+    parts = probe_parts(shape)
     blocks = {part: random_native_weight(kind, n, k, seed=j) for j, (part, (n, k)) in enumerate(parts.items())}
     layers = max(2, math.ceil(total_bytes / sum(block[3] for block in blocks.values())))
     config = probe_config(layers, shape)
@@ -796,7 +821,8 @@ def _calibrate(settings: CalibrationSettings, threads: int, progress: _Progress)
     pass_s, cached_layer_s = _tiny_probe_overhead(settings, stream["bytes_per_s"], native, per_vocab, raw)
     probes = _probe_engine(settings, raw, progress)
     attention, head_reads = _attention_rates(settings, raw, progress)
-    overheads = _fit_overheads(settings, probes, pass_s, cached_layer_s, attention, head_reads, progress)
+    overheads = _fit_overheads(settings, probes, pass_s, cached_layer_s, native, per_vocab, attention, head_reads,
+                               progress)
     return Calibration(
         date=machine.date, threads=threads, loadavg_before=machine.load_before, loadavg_after=loadavg(),
         seconds=time.perf_counter() - started, cpu=machine.cpu, cores=machine.cores, hypervisor=machine.hypervisor,
@@ -1000,6 +1026,9 @@ class _Probe:
     shape: tuple[int, int, int, int, int]
     layers: int
     times: dict[str, float]
+    layer_bytes: float  # one layer's projections, in the file's bytes of the probe's type
+    head_bytes: float  # its Q8_0 head, in the file's bytes
+    vocab: int
 
 
 def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> list[_Probe]:
@@ -1036,7 +1065,10 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
                                             zip(t["pass_rows"], t["pass_1"], t["stream_rows"], t["stream_1"])),
             "evicting_rows": median_difference(t["pass_rows_evict"], t["pass_rows"]),
         }
-        probes.append(_Probe(shape, model.config.num_hidden_layers, times))
+        layer_bytes = sum(file_bytes(s.probe_type, n, k) for n, k in probe_parts(shape).values())
+        head_bytes = file_bytes("Q8_0", model.config.vocab_size, shape[0])
+        probes.append(_Probe(shape, model.config.num_hidden_layers, times, layer_bytes, head_bytes,
+                             model.config.vocab_size))
         progress.line(
             f"probe {shape[0]} wide, {model.config.num_hidden_layers} layers: its projections alone "
             f"{times['stream_1'] * 1e3:.2f} ms, a decode step {times['around'] * 1e3:.2f} ms more; evicting "
@@ -1097,14 +1129,18 @@ class _Overheads:
 
 
 def _fit_overheads(s: CalibrationSettings, probes: list[_Probe], pass_s: float, cached_layer_s: float,
-                   attention: dict[str, float], head_reads: dict[str, float], progress: _Progress) -> _Overheads:
-    """The engine's own costs from the streaming probes: each step less its projections alone, the pass's fixed
-    cost ``pass_s`` and the attention op's time over its entries at the measured ``attention`` and ``head_reads``
-    rates, per layer:
-    a fixed part and a part in proportion to the layer's streaming time (the layer's other work runs in caches its
-    weights just went through), fitted through the narrow and the wide probe; the extra rows' and the eviction's
-    costs beside the same passes alone, less the attention op's own difference. Without probes (the torch path),
-    a layer costs what the tiny probe's did (``cached_layer_s``)."""
+                   native: dict[str, dict[str, Any]], per_vocab: float, attention: dict[str, float],
+                   head_reads: dict[str, float], progress: _Progress) -> _Overheads:
+    """The engine's own costs from the streaming probes: each step less its weights' streaming time at the
+    ``native`` rates (the time the simulator gives them), the pass's fixed cost ``pass_s``, its sampling at
+    ``per_vocab`` seconds per vocabulary entry and the attention op's time over its entries at the measured
+    ``attention`` and ``head_reads`` rates, per layer: a fixed part and a part in proportion to the pass's streaming
+    time (the layer's other work runs in caches its weights just went through), a line through the narrow and the
+    wide probe. What a narrow layer's small calls cost beyond their bytes at the rates (measured over large calls)
+    lands in that line, where the simulator adds it; a line through the projections' own measured time would leave
+    it out. The extra rows' and the eviction's costs come from beside the same passes alone, less the attention
+    op's own difference. Without probes (the torch path), a layer costs what the tiny probe's did
+    (``cached_layer_s``)."""
     if not probes:
         progress.line(f"overheads (torch path): {pass_s * 1e3:.3f} ms per pass + {cached_layer_s * 1e6:.1f} µs per "
                       "layer")
@@ -1120,9 +1156,13 @@ def _fit_overheads(s: CalibrationSettings, probes: list[_Probe], pass_s: float, 
         per_entry = 4.0 * p.shape[2] * p.shape[4] / rate + (p.shape[3] * p.shape[4] / reads if reads else 0.0)
         return per_entry * entries * n_rows
 
-    def around(p: _Probe) -> tuple[float, float]:  # (streaming, other work) per layer
-        t = p.times
-        return t["stream_1"] / p.layers, (t["around"] - pass_s) / p.layers - attend(p, "single", decoding)
+    layer_rate, head_rate = native[s.probe_type]["bytes_per_s"], native["Q8_0"]["bytes_per_s"]
+
+    def around(p: _Probe) -> tuple[float, float]:  # (the pass's streaming at the rates, other work) per layer
+        streaming = (p.layers * p.layer_bytes / layer_rate + p.head_bytes / head_rate) / p.layers
+        step = p.times["stream_1"] + p.times["around"]
+        other = (step - pass_s - p.vocab * per_vocab) / p.layers - streaming - attend(p, "single", decoding)
+        return streaming, other
 
     points = sorted(around(p) for p in probes)
     (x0, y0), (x1, y1) = points[0], points[-1]
@@ -1205,8 +1245,9 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         "peak_flops.fp32": f"{stamp}: {settings.gemm_n}x{settings.gemm_n} fp32 torch.mm, best trial.",
         "overhead_s": f"{stamp}: intercept over layers of the decode-step time of {tiny}, less its head's "
                       "streaming and its sampling cost.",
-        "per_layer_overhead_s": (f"{stamp}: per layer, the decode step less the projections alone, the pass's "
-                                 f"fixed cost and the attention op's time over its entries at attention_flops, for "
+        "per_layer_overhead_s": (f"{stamp}: per layer, the decode step less its weights' streaming time at "
+                                 f"native_stream's rates, the pass's fixed cost and the attention op's time over its "
+                                 f"entries at attention_flops, for "
                                  f"{streaming}: the part that does not grow with the layer's streaming time (a line "
                                  "through the narrow and the wide model)." if native else
                                  f"{stamp}: slope per layer of the decode-step time of {tiny}, less its weights' "
