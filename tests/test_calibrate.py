@@ -248,7 +248,7 @@ def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
     attention, head_reads = {"single": 60e9}, {"single": 4e9}
     pass_s, per_vocab = 0.8e-3, 2e-9
     probes = []
-    # 256 MiB of Q4_K each; the narrow layers' projections alone 15 ms against 12.8 ms at the rate
+    # about 256 MiB of Q4_K each; the narrow layers' projections alone 15 ms against 12.7 ms at the rate
     for shape, layers, stream_1, around in (((512, 1536, 8, 2, 64), 150, 15e-3, 12e-3),
                                             ((1536, 8192, 12, 2, 128), 11, 14e-3, 3.5e-3)):
         layer_bytes = sum(calibrate_module.file_bytes("Q4_K", n, k)
