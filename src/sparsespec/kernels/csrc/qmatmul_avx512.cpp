@@ -237,7 +237,7 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int r0, const Activatio
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
     const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>();
-    prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());
+    if constexpr (MT > 1) prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());  // formats.h: not for one row
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
     __m512i isum[MT], osum[MT];
 #pragma GCC unroll 8
@@ -337,7 +337,7 @@ inline void q5_0_tile_pass(const uint8_t* tile, int n_chunks, int r0, const Acti
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<Q5_0_T16>();
-    prefetch_ahead(chunk, tile_chunk_bytes_of<Q5_0_T16>());
+    if constexpr (MT > 1) prefetch_ahead(chunk, tile_chunk_bytes_of<Q5_0_T16>());  // formats.h: not for one row
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)chunk));
     const __m512i high = _mm512_loadu_si512(chunk + kTileQ5HighBytes);
     const uint8_t* pairs = chunk + tile_scale_bytes_of<Q5_0_T16>();
