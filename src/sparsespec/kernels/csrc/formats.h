@@ -200,9 +200,9 @@ constexpr int tile_chunk_bytes_of() {
 // Multi-row passes compute long enough per chunk that the hardware prefetcher alone leaves the memory idle part of
 // the time, so each chunk asks for the bytes this far ahead of it (the whole 1.5B on AVX-512, 5 rows: 60 -> 42 ms,
 // 8 rows: 95 -> 47 ms; 2 to 16 KiB ahead measured alike; RESULTS.md, sixth pass). The AVX-512 column tiles' one-row
-// passes leave it to the hardware prefetcher: there the requests slowed the 1.5B's projections by 15% and its decode
-// by a quarter on an Intel AMX host (the row layouts' one-row passes need them: SmolLM2's float path 50% slower
-// without; RESULTS.md, "One-row tile passes without software prefetch").
+// passes leave it to the hardware prefetcher: there the requests slowed the 1.5B's projections by 11-17% and its
+// decode by a quarter on an Intel AMX host (the row layouts' one-row passes need them: SmolLM2's float path 55-60%
+// slower without; RESULTS.md, "One-row tile passes without software prefetch").
 constexpr int kPrefetchBytes = 4096;
 
 // Asks for the `bytes` bytes that start kPrefetchBytes past `at`, one request per cache line.
