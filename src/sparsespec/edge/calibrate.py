@@ -388,11 +388,11 @@ def random_native_weight(kind: str, out_features: int, in_features: int, seed: i
 
 def in_engine_memory(blobs: list):
     """Copies of the byte tensors ``blobs`` in one mapping of the memory the engine's weights stream from
-    (:func:`~sparsespec.loading.tensor_cache.anonymous_memory`: huge pages), each 64-byte aligned; their rates are
+    (:func:`~sparsespec.loading.huge_pages.anonymous_memory`: huge pages), each 64-byte aligned; their rates are
     the engine's (decoding ran 10-20% faster from it than from one allocation per tensor)."""
     import torch
 
-    from ..loading.tensor_cache import anonymous_memory
+    from ..loading.huge_pages import anonymous_memory
 
     offsets, end = [], 0
     for blob in blobs:

@@ -134,8 +134,8 @@ def load_model(
             print(f"sparsespec: warning: could not store the built weights in {file.parent} (disk full or not "
                   "writable?); the next start builds them again.", file=sys.stderr)
         elif file is not None:
-            # Run on the stored copy, as every later start does: its weights sit in one mapping in huge pages
-            # (tensor_cache.read_tensor_file), which decoded 10-20% faster here than the built tensors' memory.
+            # Run on the stored copy, as every later start does: its weights move into huge pages (huge_pages.py),
+            # which decoded 10-20% faster here than the built tensors' memory.
             stored = load_model_tensors(file, dtype, fmt)
             if stored is not None:
                 config, model = stored

@@ -27,10 +27,11 @@ format reads that file and builds nothing, so it holds exactly the same values a
   that cannot be read (truncated, or written by another cache version) is ignored and rebuilt. Failing to write
   (e.g. a full disk) only skips caching.
 
-Reading a stored file costs about half a second per GB on a 2-core host, most of it the kernel handing out fresh
-pages. :func:`prefetch_stored_models` starts that reading on a background thread before the command imports torch
-(about a second, during which the reading thread needs the interpreter only between its system calls), so a
-start pays the larger of the two rather than their sum. This module does not import torch for that reason.
+A stored file is memory-mapped, not read: the model runs on the page cache's pages from the start, and a background
+thread moves them into anonymous huge pages at the same addresses (``huge_pages.py``, which says why and what each
+costs). :func:`prefetch_stored_models` maps the files and starts that move before the command imports torch (about
+a second, during which the moving thread needs the interpreter only between its system calls). This module does
+not import torch for that reason.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from .fetch import stamped_sha256
 from .fixtures import cache_dir
+from .huge_pages import move_into_huge_pages, populate
 from .source import ModelSource, resolve_model
 
 TENSOR_CACHE_ENV = "SPARSESPEC_TENSOR_CACHE"
@@ -112,62 +114,56 @@ def describe_tensor_cache() -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- reading a file
+# Where a stored file's data section and each tensor in it start: 64-byte aligned in memory, as the kernels read.
+TENSOR_ALIGNMENT = 64
+
+
 @dataclass
 class StoredTensors:
-    """A safetensors file read into memory: its metadata, its header's entries (name → ``{"dtype", "shape",
-    "data_offsets"}``) and its data section, in anonymous memory (page-aligned, so an entry whose offset is a
-    multiple of 64 is 64-byte aligned; on Linux in transparent huge pages where the system allows them)."""
+    """A safetensors file mapped into memory: its metadata, its header's entries (name → ``{"dtype", "shape",
+    "data_offsets"}``, offsets into the data section) and the mapping of the whole file, whose data section starts
+    at ``data_offset`` (a multiple of :data:`TENSOR_ALIGNMENT`; the mapping itself is page-aligned)."""
 
     metadata: dict[str, str]
     entries: dict[str, dict]
     data: mmap.mmap
-
-
-def anonymous_memory(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed, page-aligned, private process memory, in transparent huge pages where the system allows
-    them (Linux ``madvise``): the memory the engine's weights stream from. Huge pages mean fewer page faults while it
-    is filled and fewer TLB misses while it is read; native decoding ran 10-20% faster from it than from one torch
-    allocation per tensor (``weights.read_safetensors``)."""
-    if hasattr(mmap, "MAP_PRIVATE"):  # private: Python's default for anonymous maps is shared (shmem) memory
-        data = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:
-        data = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        data.madvise(mmap.MADV_HUGEPAGE)
-    return data
+    data_offset: int
 
 
 def read_tensor_file(file: Path) -> StoredTensors:
-    """Read ``file`` whole; ``ValueError`` when its header is malformed or its data truncated, ``OSError`` when it
-    cannot be read."""
+    """Map ``file`` (private: the process never writes it) and fault its pages in; ``ValueError`` when its header
+    is malformed, its data section unaligned (a file from an older cache version) or its data truncated,
+    ``OSError`` when it cannot be read. :func:`~sparsespec.loading.huge_pages.move_into_huge_pages` may then move
+    the mapping into anonymous huge pages."""
     with open(file, "rb", buffering=0) as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
         if not isinstance(header, dict):
             raise ValueError(f"{file}: the header is not a table")
         metadata = header.pop("__metadata__", None) or {}
-        size = os.fstat(f.fileno()).st_size - 8 - header_len
-        if size < max((int(e["data_offsets"][1]) for e in header.values()), default=0):
+        data_offset = 8 + header_len
+        if data_offset % TENSOR_ALIGNMENT:
+            raise ValueError(f"{file}: its data section does not start {TENSOR_ALIGNMENT}-byte aligned")
+        size = os.fstat(f.fileno()).st_size
+        if size - data_offset < max((int(e["data_offsets"][1]) for e in header.values()), default=0):
             raise ValueError(f"{file} is truncated")
-        data = anonymous_memory(size)
-        view, done = memoryview(data), 0
-        while done < size:
-            n = f.readinto(view[done:size])
-            if not n:
-                raise ValueError(f"{file} is truncated")
-            done += n
-        view.release()
-    return StoredTensors(metadata, header, data)
+        if hasattr(mmap, "MAP_PRIVATE"):
+            data = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+        else:  # Windows: a copy-on-write view
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    populate(data)
+    return StoredTensors(metadata, header, data, data_offset)
 
 
 class _Prefetch:
-    """One file to be read by the background thread of :func:`prefetch_stored_models`."""
+    """One file to be mapped by the background thread of :func:`prefetch_stored_models`."""
 
     def __init__(self, file: Path):
         self.file = file
         self.result: StoredTensors | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.dropped = threading.Event()  # the load did not take it: its move stops
 
     def run(self) -> None:
         try:
@@ -188,11 +184,27 @@ _prefetches: dict[Path, _Prefetch] = {}
 _prefetches_lock = threading.Lock()
 
 
+def _map_then_move(prefetches: list[_Prefetch]) -> None:
+    """Map every file first (a load may be waiting for it), then move each into huge pages."""
+    for prefetch in prefetches:
+        prefetch.run()
+    for prefetch in prefetches:
+        if prefetch.result is not None:
+            move_into_huge_pages(prefetch.result.data, prefetch.dropped)
+    prefetches.clear()  # the mappings nobody took are unmapped once the thread lets go of them
+
+
 def take_tensor_file(file: Path) -> StoredTensors:
-    """``file``'s contents: from its background read when one was started (waiting for it), else read now."""
+    """``file``'s contents: from its background mapping when one was started (waiting for it; its move into huge
+    pages goes on), else mapped now, its move started on a thread of its own."""
     with _prefetches_lock:
         prefetch = _prefetches.pop(Path(file), None)
-    return prefetch.take() if prefetch is not None else read_tensor_file(file)
+    if prefetch is not None:
+        return prefetch.take()
+    stored = read_tensor_file(file)
+    threading.Thread(target=move_into_huge_pages, args=(stored.data,), name="sparsespec huge pages",
+                     daemon=True).start()
+    return stored
 
 
 def stored_native_file(ref: str, dtype_name: str) -> Path | None:
@@ -210,12 +222,13 @@ def stored_native_file(ref: str, dtype_name: str) -> Path | None:
 
 
 def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: list[str | None]) -> None:
-    """Start reading, on one background thread, the stored native builds of the GGUF models ``refs`` (each with
-    its ``--weights`` choice, None meaning auto), for :func:`take_tensor_file` to take.
+    """Start mapping, on one background thread, the stored native builds of the GGUF models ``refs`` (each with
+    its ``--weights`` choice, None meaning auto), for :func:`take_tensor_file` to take; the thread then moves them
+    into huge pages.
 
     Only the default path is guessed: native weights from a GGUF file (``auto`` or ``native``) with one stored
     build for the dtype. ``load_model`` drops what it did not take of its model (:func:`drop_prefetches`), so a
-    wrong guess holds memory only until then.
+    wrong guess holds its mapping only until then.
     """
     files = []
     for ref, fmt in zip(refs, weights):
@@ -226,11 +239,11 @@ def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: lis
     with _prefetches_lock:
         _prefetches.update({p.file: p for p in started})
     if started:
-        threading.Thread(target=lambda: [p.run() for p in started], name="sparsespec prefetch", daemon=True).start()
+        threading.Thread(target=_map_then_move, args=(started,), name="sparsespec prefetch", daemon=True).start()
 
 
 def drop_prefetches(folder: Path) -> None:
-    """Forget the background reads of files in ``folder`` (one model's key folder) that were not taken."""
+    """Forget the background mappings of files in ``folder`` (one model's key folder) that were not taken."""
     with _prefetches_lock:
         for file in [f for f in _prefetches if f.parent == folder]:
-            del _prefetches[file]
+            _prefetches.pop(file).dropped.set()

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
 from ..model import layer_norms
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
-from .tensor_cache import source_cache_key, take_tensor_file
+from .tensor_cache import TENSOR_ALIGNMENT, source_cache_key, take_tensor_file
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index); the layers' norms come from layer_norms.
 _GGUF_TO_HF = {
@@ -300,7 +300,9 @@ def _check_complete(config: ModelConfig, state: dict[str, torch.Tensor], where: 
 
 # ------------------------------------------------------------------------------------------------ tensor cache
 
-TENSOR_CACHE_VERSION = 2  # 2: the config carries RoPE scaling (entries without it may be wrong, so rebuild)
+# 2: the config carries RoPE scaling (entries without it may be wrong, so rebuild); 3: the data section starts
+# 64-byte aligned, so that the file is mapped rather than copied
+TENSOR_CACHE_VERSION = 3
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -406,7 +408,7 @@ def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: di
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    raw += b" " * (-(8 + len(raw)) % TENSOR_ALIGNMENT)  # the format pads the header (to 8 bytes at least)
     with open(file, "wb") as f:
         f.write(np.uint64(len(raw)).tobytes() + raw)
         for t in tensors.values():
@@ -415,14 +417,10 @@ def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Metadata and tensors of a safetensors file, in process memory (see :func:`tensor_cache.read_tensor_file`;
-    taken from its background read when the command started one).
-
-    Unlike a memory-mapped file, the tensors live in anonymous memory: weights streamed from file-backed pages
-    decode 7-13% slower (measured on Qwen2.5 0.5B / 1.5B, bf16, 2 threads), the peak memory is the tensors alone,
-    and the model does not depend on the file staying untouched. Tensors are views of the one read buffer where
-    their offset keeps them 64-byte aligned for the kernels, else copies; the buffer is in huge pages
-    (:func:`tensor_cache.anonymous_memory`).
+    """Metadata and tensors of a safetensors file written by :func:`write_safetensors`: views of its mapping (see
+    :func:`tensor_cache.read_tensor_file`; taken from its background mapping when the command started one), which
+    a background thread moves into anonymous huge pages (``huge_pages.py``). A tensor whose offset would leave it
+    less than 64-byte aligned for the kernels is a copy instead.
     """
     stored = take_tensor_file(file)
     tensors = {}
@@ -436,8 +434,8 @@ def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
-        t = torch.frombuffer(stored.data, dtype=dtype, count=count, offset=begin).view(shape)
-        tensors[name] = t if begin % 64 == 0 else t.clone()
+        t = torch.frombuffer(stored.data, dtype=dtype, count=count, offset=stored.data_offset + begin).view(shape)
+        tensors[name] = t if begin % TENSOR_ALIGNMENT == 0 else t.clone()
     return stored.metadata, tensors
 
 

@@ -1,0 +1,105 @@
+"""A mapped file's pages move into anonymous memory at the same addresses, readers see the same bytes throughout, and
+afterwards the process no longer reads the file (``loading/huge_pages.py``)."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+import pytest
+
+from sparsespec.loading.huge_pages import huge_page_size, move_into_huge_pages
+
+pytestmark = pytest.mark.skipif(huge_page_size() is None, reason="no transparent huge pages (Linux only)")
+
+
+def mapped_pages(start: int, stop: int) -> dict[str, int]:
+    """Of this process's mappings in ``[start, stop)``: KiB resident from files and anonymous, and the anonymous
+    KiB in huge pages (``/proc/self/smaps``)."""
+    totals = {"file": 0, "anonymous": 0, "huge": 0}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and fields[0][0] in "0123456789abcdef" and ":" not in fields[0]:
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            inside = low < stop and high > start
+            file_backed = fields[4] != "0"
+        elif inside and fields[0] == "Rss:":
+            totals["file" if file_backed else "anonymous"] += int(fields[1])
+        elif inside and fields[0] == "AnonHugePages:":
+            totals["huge"] += int(fields[1])
+    return totals
+
+
+def write_random_file(path, size: int) -> bytes:
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    return data
+
+
+@pytest.mark.parametrize("huge_pages", [0, 3])
+def test_a_mapped_file_moves_into_anonymous_memory_and_leaves_the_file(tmp_path, huge_pages):
+    """Every byte of the mapping moves (a file shorter than a huge page too, into small pages); the bytes are the
+    file's; the range holds no file pages afterwards, and truncating the file no longer changes what it reads."""
+    page = huge_page_size()
+    size = huge_pages * page + 12_345
+    path = tmp_path / "weights.bin"
+    data = write_random_file(path, size)
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    start = view.ctypes.data
+    assert view.tobytes() == data and mapped_pages(start, start + size)["file"] > 0  # read: its pages faulted in
+
+    assert move_into_huge_pages(mapping) == size
+
+    pages = mapped_pages(start, start + size)
+    assert pages["file"] == 0 and pages["anonymous"] * 1024 >= size
+    path.write_bytes(b"")  # the file gone: a read of a still-mapped page would fault
+    assert view.tobytes() == data
+    if huge_pages:
+        print(f"anonymous huge pages: {pages['huge']} KiB of {size // 1024} KiB")
+
+
+def test_readers_see_the_same_bytes_while_the_pages_move(tmp_path):
+    """A thread summing the mapping over and over while it moves gets the file's sum every time."""
+    page = huge_page_size()
+    size = 8 * page
+    path = tmp_path / "weights.bin"
+    expected = int(np.frombuffer(write_random_file(path, size), dtype=np.uint8).sum(dtype=np.uint64))
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    sums, moving = [], threading.Event()
+    moving.set()
+
+    def read_while_moving():
+        while moving.is_set() or not sums:
+            sums.append(int(view.sum(dtype=np.uint64)))
+
+    reader = threading.Thread(target=read_while_moving)
+    reader.start()
+    try:
+        moved = move_into_huge_pages(mapping)
+    finally:
+        moving.clear()
+        reader.join()
+    assert moved == size
+    assert sums and all(s == expected for s in sums)
+    assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["file"] == 0
+
+
+def test_a_stopped_move_leaves_the_rest_mapped(tmp_path):
+    """``stop`` set: nothing moves, and the mapping still reads the file."""
+    size = 2 * huge_page_size()
+    path = tmp_path / "weights.bin"
+    data = write_random_file(path, size)
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    stop = threading.Event()
+    stop.set()
+    assert move_into_huge_pages(mapping, stop) == 0
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    assert view.tobytes() == data
+    assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["anonymous"] == 0
