@@ -443,6 +443,29 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     assert result["load_seconds"] > 0 and result["prefill_seconds"] > 0
 
 
+def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_path, monkeypatch, tmp_path):
+    """``generate`` pauses the move of the weights into huge pages before it loads the model, lets it go on once
+    the first piece of text is out, and never leaves it paused (a run that fails on a user mistake neither)."""
+    from sparsespec.loading import huge_pages
+
+    events = []
+    pause, resume = huge_pages.pause_moves, huge_pages.resume_moves
+    monkeypatch.setattr(huge_pages, "pause_moves", lambda: events.append("pause") or pause())
+    monkeypatch.setattr(huge_pages, "resume_moves",
+                        lambda: events.append(f"resume after {len(capsys.readouterr().out)} chars") or resume())
+    code, out, err = run_cli(capsys, "generate", "--model", "smollm2-135m", "--prompt", PROMPT, "-n", "4",
+                             "--threads", "2", "--ignore-eos")
+    assert code == 0, err
+    assert events[0] == "pause" and events[1] == "resume after 0 chars"  # before the first piece is written
+    assert huge_pages._moves_may_run.is_set()
+
+    events.clear()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    assert_user_error(run_cli(capsys, "generate", "--model", str(broken), "--prompt", PROMPT), "broken.gguf")
+    assert events[0] == "pause" and huge_pages._moves_may_run.is_set()
+
+
 def test_console_script_flushes_its_output_and_exit_code(smollm2_path):
     """The console script's fast exit (``cli.entry``) loses no output and keeps the exit status: a streamed run's
     text and summary, a --json object whole, a user mistake's sentence and status 2 (subprocesses, as a shell runs

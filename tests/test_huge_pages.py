@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from sparsespec.loading.huge_pages import huge_page_size, move_into_huge_pages
+from sparsespec.loading.huge_pages import huge_page_size, move_into_huge_pages, pause_moves, resume_moves
 
 pytestmark = pytest.mark.skipif(huge_page_size() is None, reason="no transparent huge pages (Linux only)")
 
@@ -103,3 +103,25 @@ def test_a_stopped_move_leaves_the_rest_mapped(tmp_path):
     view = np.frombuffer(mapping, dtype=np.uint8)
     assert view.tobytes() == data
     assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["anonymous"] == 0
+
+
+def test_a_paused_move_waits_for_resume(tmp_path):
+    """With the moves paused, a move started takes no page until they are resumed; then it moves them all."""
+    size = 2 * huge_page_size()
+    path = tmp_path / "weights.bin"
+    data = write_random_file(path, size)
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    moved = []
+    pause_moves()
+    try:
+        mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(mapping)))
+        mover.start()
+        mover.join(timeout=0.5)
+        assert mover.is_alive() and not moved
+        assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["anonymous"] == 0
+    finally:
+        resume_moves()
+    mover.join()
+    assert moved == [size] and view.tobytes() == data

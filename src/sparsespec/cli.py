@@ -82,9 +82,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
     from contextlib import closing
 
-    prefetch_models(args)  # first: the stored weights are read while torch imports
+    prefetch_models(args)  # first: the stored weights are mapped, and move into huge pages, while torch imports
     from .engine import RunStats, run_generation
     from .generate import stream_text
+    from .loading.huge_pages import pause_moves, resume_moves
     from .loading.load import load_model
     from .loading.tokenizer import eos_token_ids
     from .sampling import SamplingParams
@@ -105,32 +106,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft_setup = draft_settings(args)
     dtype = setup_torch(args)
 
-    started = time.perf_counter()
-    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
-    draft = load_draft(args, target, dtype, draft_setup)
-    load_seconds = time.perf_counter() - started
+    pause_moves()  # the weights' move into huge pages waits for the first token (loading/huge_pages.py)
+    try:
+        started = time.perf_counter()
+        target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
+        draft = load_draft(args, target, dtype, draft_setup)
+        load_seconds = time.perf_counter() - started
 
-    tokenizer = target.tokenizer
-    if args.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError(f"{target.name} has no chat template; drop --chat.")
-        prompt_ids = list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
-    else:
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
-    eos = set() if args.ignore_eos else eos_token_ids(tokenizer)
-    stats = RunStats()
-    tokens = run_generation(
-        target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
-        seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
-    )
-    pieces = []
-    with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
-        for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
-            pieces.append(piece)
-            if not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        tokenizer = target.tokenizer
+        if args.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise UserError(f"{target.name} has no chat template; drop --chat.")
+            prompt_ids = list(tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
+        else:
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+        eos = set() if args.ignore_eos else eos_token_ids(tokenizer)
+        stats = RunStats()
+        tokens = run_generation(
+            target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
+            seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
+        )
+        pieces = []
+        with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
+            for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
+                resume_moves()
+                pieces.append(piece)
+                if not args.json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+    finally:
+        resume_moves()
     if args.json:
         result = {"text": "".join(pieces), "model": target.name, "weights": target.weights,
                   "activations": target.activations, **stats.to_dict()}
