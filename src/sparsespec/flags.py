@@ -212,7 +212,7 @@ def reject_without(given: list[str], needed: str, reason: str = "") -> None:
 
 
 def prefetch_models(args: argparse.Namespace) -> None:
-    """Start reading the stored builds of ``--model`` and ``--draft`` in the background, before the command imports
+    """Start mapping the stored builds of ``--model`` and ``--draft`` in the background, before the command imports
     torch (``loading/tensor_cache.py``); the loads take them."""
     from .loading.tensor_cache import prefetch_stored_models
 

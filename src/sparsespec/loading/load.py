@@ -141,7 +141,7 @@ def load_model(
                 config, model = stored
                 release_freed_memory()
     if file is not None:
-        drop_prefetches(file.parent)  # a background read of this model the load did not take
+        drop_prefetches(file.parent)  # a background mapping of this model the load did not take
     if fmt == NATIVE and float_activations_chosen(activations, model.projection_parameters()):
         if any(kind in TILED_TYPES.values() for _, linear in model.linear_items() for kind in linear.types):
             return load_model(ref, dtype, weights, tokenizer, role=role, cache=cache, share_tokenizer=share_tokenizer,

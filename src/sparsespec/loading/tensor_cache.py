@@ -182,6 +182,20 @@ class _Prefetch:
 
 _prefetches: dict[Path, _Prefetch] = {}
 _prefetches_lock = threading.Lock()
+_movers: list[threading.Thread] = []  # the threads that map and move stored files (a list: appends are atomic)
+
+
+def _start_mover(target, *args, name: str) -> None:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    _movers.append(thread)
+    thread.start()
+
+
+def wait_for_moves() -> None:
+    """Wait until every stored file mapped so far has moved into huge pages (or stopped moving): for timings that
+    should read the memory decoding settles on, not the moves' first seconds (benchmarks)."""
+    while _movers:
+        _movers.pop().join()
 
 
 def _map_then_move(prefetches: list[_Prefetch]) -> None:
@@ -202,8 +216,7 @@ def take_tensor_file(file: Path) -> StoredTensors:
     if prefetch is not None:
         return prefetch.take()
     stored = read_tensor_file(file)
-    threading.Thread(target=move_into_huge_pages, args=(stored.data,), name="sparsespec huge pages",
-                     daemon=True).start()
+    _start_mover(move_into_huge_pages, stored.data, name="sparsespec huge pages")
     return stored
 
 
@@ -239,7 +252,7 @@ def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: lis
     with _prefetches_lock:
         _prefetches.update({p.file: p for p in started})
     if started:
-        threading.Thread(target=_map_then_move, args=(started,), name="sparsespec prefetch", daemon=True).start()
+        _start_mover(_map_then_move, started, name="sparsespec prefetch")
 
 
 def drop_prefetches(folder: Path) -> None:
