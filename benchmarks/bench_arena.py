@@ -22,14 +22,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from common import RESULTS_DIR, emit, machine
+from common import RESULTS_DIR, emit, load_settled, machine
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
 from sparsespec.eval.sweep import RssMonitor
 from sparsespec.generate import generate_tokens
 from sparsespec.loading.fetch import corpus_text_path
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -57,7 +56,7 @@ def cache_for(policy_name: str, budget: int | None, context: int, model_context:
 
 def context_sweep(args) -> None:
     for name in args.models.split(","):
-        loaded = load_model(name, torch.bfloat16, args.weights)
+        loaded = load_settled(name, torch.bfloat16, args.weights)
         text = corpus_tokens(loaded.tokenizer, max(args.contexts))
         configs = [("full", None)] + [("hybrid", b) for b in args.budgets]
         for context in args.contexts:
@@ -79,7 +78,7 @@ def context_sweep(args) -> None:
 def long_run(args) -> None:
     """Generate ``args.long_run`` tokens with a hybrid budget, sampling RSS as it goes."""
     name = args.models.split(",")[0]
-    loaded = load_model(name, torch.bfloat16, args.weights)
+    loaded = load_settled(name, torch.bfloat16, args.weights)
     budget = args.budgets[0]
     cache = CacheOptions(make_policy("hybrid", budget), "in-cache", 512)
     arena = make_arena(loaded, cache, args.long_run + 64, max_inflight=1)

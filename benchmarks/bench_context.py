@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 
 from bench_llamacpp import common_prefix, llama_greedy, open_llama
-from common import RESULTS_DIR, emit, fixture_path, machine
+from common import RESULTS_DIR, emit, fixture_path, load_settled, machine
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.eval.texts import text_token_ids
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -74,7 +73,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "context.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, torch.bfloat16, "native")
+    loaded = load_settled(args.model, torch.bfloat16, "native")
     contexts = [int(c) for c in args.contexts.split(",")]
     ids = text_token_ids(loaded.tokenizer, args.text, max_tokens=max(contexts))
     wanted = args.prompts.split(",") if args.prompts else []
@@ -84,7 +83,7 @@ def main() -> None:
         parser.error(f"unknown prompt id {missing[0]!r}")
     drafts = []  # one DraftOptions per --gamma value
     if args.draft:
-        draft_model = load_model(args.draft, torch.bfloat16, "native", role="draft")
+        draft_model = load_settled(args.draft, torch.bfloat16, "native", role="draft")
         if args.draft_vocab:
             draft_model.model.limit_vocabulary(args.draft_vocab)
         drafts = [DraftOptions(draft_model, cache_options(args.draft_cache), parse_gamma(g))

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, machine
+from common import RESULTS_DIR, emit, load_settled, machine
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.loading.fetch import corpus_text_path
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -81,9 +80,9 @@ def main() -> None:
     out = args.out if args.out is not None else (None if args.smoke else RESULTS_DIR / "draft_budget.jsonl")
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, torch.bfloat16, args.weights, role="target")
+    target = load_settled(args.target, torch.bfloat16, args.weights, role="target")
     is_self = args.draft == "self"
-    draft_model = target if is_self else load_model(args.draft, torch.bfloat16, args.draft_weights, role="draft")
+    draft_model = target if is_self else load_settled(args.draft, torch.bfloat16, args.draft_weights, role="draft")
     target_cache = (CacheOptions(force_context=True) if args.target_budget is None
                     else CacheOptions(make_policy("hybrid", args.target_budget), "in-cache"))
     text_ids = target.tokenizer.encode(corpus_text_path(args.text).read_text(encoding="utf-8", errors="replace"))

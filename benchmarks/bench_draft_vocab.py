@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from bench_llamacpp import bench_prompts, ours_greedy
-from common import RESULTS_DIR, emit, machine, median
+from common import RESULTS_DIR, emit, load_settled, machine, median
 
 from sparsespec.engine import CacheOptions, DraftOptions
-from sparsespec.loading.load import load_model
 
 
 def main() -> None:
@@ -31,10 +30,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "draft_vocab.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(args.target, torch.bfloat16, "native")
+    target = load_settled(args.target, torch.bfloat16, "native")
     prompts = bench_prompts(target.tokenizer, args.prompts)
     for label, limit in (("full-head", None), (f"vocab-{args.vocab}", args.vocab)):
-        draft = load_model(args.draft, torch.bfloat16, "native", role="draft")
+        draft = load_settled(args.draft, torch.bfloat16, "native", role="draft")
         if limit:
             draft.model.limit_vocabulary(limit)
         options = DraftOptions(draft, CacheOptions(), args.gamma)

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from common import PROSE_PROMPT, RESULTS_DIR, dram_read_bandwidth, emit, load_transformers, machine, median
-from common import transformers_decode_tok_s
+from common import load_settled, transformers_decode_tok_s
 
 from sparsespec.engine import CacheOptions, RunStats, run_generation
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -44,7 +43,7 @@ def main() -> None:
     bandwidth = dram_read_bandwidth()
     emit({"bench": "dram_read", "bytes_per_s": bandwidth, **machine()}, args.out)
     for name in args.models.split(","):
-        ours = load_model(name, torch.bfloat16, args.weights)
+        ours = load_settled(name, torch.bfloat16, args.weights)
         prompt_ids = ours.tokenizer.encode(PROSE_PROMPT)
         cache = CacheOptions()
         ours_decode_tok_s(ours, prompt_ids, 8, cache)  # warm-up

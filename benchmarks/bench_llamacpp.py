@@ -48,10 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, machine, median
+from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
 
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 DEFAULT_MODELS = "smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
@@ -264,7 +263,7 @@ def probe_rss(spec: str, threads: int) -> dict:
         llm = open_llama(fixture_path(name), threads, n_ctx=256)
         llama_greedy(llm, llm.tokenize(FALLBACK_PROMPT.encode()), 8)
         return {"rss_bytes": rss_bytes(), "rss_before_load_bytes": before}
-    loaded = load_model(name, torch.bfloat16, weights_arg(fmt))
+    loaded = load_settled(name, torch.bfloat16, weights_arg(fmt))
     ours_greedy(loaded, list(loaded.tokenizer.encode(FALLBACK_PROMPT)), 8)
     return {"rss_bytes": rss_bytes(), "rss_before_load_bytes": before, "weight_bytes": loaded.model.weight_nbytes}
 
@@ -290,7 +289,7 @@ def bench_model(name: str, args, out: Path | None, have_llama: bool) -> None:
                      "prefill_tok_s": {}, "ppl": {}, "kl_vs_bf16": {}, "kl_vs_llama_cpp": {}, "rss_mb": {},
                      "rss_growth_mb": {}, "load_seconds": {}}
 
-    base = load_model(name, torch.bfloat16, "dense")
+    base = load_settled(name, torch.bfloat16, "dense")
     tokenizer = base.tokenizer
     prompts = bench_prompts(tokenizer, args.prompts)
     long_ids = text_ids(tokenizer, args.ppl_text, max(args.ppl_tokens, args.prefill_tokens))
@@ -332,7 +331,7 @@ def bench_model(name: str, args, out: Path | None, have_llama: bool) -> None:
     # ---- decode + prefill, sparsespec per format
     for label in formats:
         started = time.perf_counter()
-        loaded = load_model(name, torch.bfloat16, weights_arg(label), role="target")
+        loaded = load_settled(name, torch.bfloat16, weights_arg(label), role="target")
         summary["load_seconds"][label] = rnd(time.perf_counter() - started, 2)
         decode, pprefill = [], []
         for pid, prompt in prompts:
@@ -375,7 +374,7 @@ def bench_model(name: str, args, out: Path | None, have_llama: bool) -> None:
             llama_logit_rows = torch.from_numpy(llama_logit_rows)
         reference = None
         for label in (["bf16"] + [f for f in formats if f != "bf16"]):
-            loaded = load_model(name, torch.bfloat16, weights_arg(label))
+            loaded = load_settled(name, torch.bfloat16, weights_arg(label))
             ppl_summary, logits = ours_perplexity(loaded, ppl_ids, args.ppl_chunk)
             rec = {"bench": "perplexity", "engine": "sparsespec", "weights": label, "model": name,
                    "text": args.ppl_text, **ppl_summary}
@@ -417,7 +416,7 @@ def bench_speculative(pair: str, args, out: Path | None, have_llama: bool) -> No
     (``--runs`` rounds per prompt: llama.cpp, sparsespec alone, then sparsespec with the draft for each ``--gamma``
     value), so that every ratio comes from the same minutes of this shared host."""
     draft_name, target_name = pair.split(":")
-    draft = load_model(draft_name, torch.bfloat16, weights_arg(args.draft_weights), role="draft")
+    draft = load_settled(draft_name, torch.bfloat16, weights_arg(args.draft_weights), role="draft")
     if args.draft_vocab:
         draft.model.limit_vocabulary(args.draft_vocab)
     prompts = bench_prompts(draft.tokenizer, args.prompts)
@@ -427,7 +426,7 @@ def bench_speculative(pair: str, args, out: Path | None, have_llama: bool) -> No
         llm = LlamaProcess(fixture_path(target_name), args.threads,
                            max(len(p) for _, p in prompts) + args.new_tokens + 16)
     for label in args.spec_target_weights.split(","):
-        target = load_model(target_name, torch.bfloat16, weights_arg(label), role="target")
+        target = load_settled(target_name, torch.bfloat16, weights_arg(label), role="target")
         options = {g: DraftOptions(draft, CacheOptions(), g) for g in gammas}
         for pid, prompt in prompts:
             ours_greedy(target, prompt, 8)  # warm-up

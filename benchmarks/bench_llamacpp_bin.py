@@ -32,12 +32,11 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, machine, median
+from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
 
 from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
 from sparsespec.eval.perplexity import streaming_nll
 from sparsespec.eval.texts import read_text
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -118,7 +117,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the native kernels' threads too
     path = fixture_path(args.model)
     choices = args.activations.split(",")
-    models = {choice: load_model(args.model, torch.bfloat16, "auto", activations=choice) for choice in choices}
+    models = {choice: load_settled(args.model, torch.bfloat16, "auto", activations=choice) for choice in choices}
     loaded = models[choices[0]]
     base = {"model": args.model, "weights": loaded.weights, "threads": args.threads, **machine()}
 

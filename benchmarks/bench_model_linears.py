@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, machine, median
+from common import RESULTS_DIR, emit, load_settled, machine, median
 
-from sparsespec.loading.load import load_model
 
 
 def pass_seconds(linears: list, rows: int) -> float:
@@ -43,7 +42,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "model_linears.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, torch.bfloat16, "native").model
+    model = load_settled(args.model, torch.bfloat16, "native").model
     if args.vocab:
         model.limit_vocabulary(args.vocab)
     layers = model.layers

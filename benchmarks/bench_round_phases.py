@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 
 from bench_context import cache_options
-from common import RESULTS_DIR, emit, machine
+from common import RESULTS_DIR, emit, load_settled, machine
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.engine import DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.eval.texts import text_token_ids
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -46,8 +45,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "round_phases.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(args.model, torch.bfloat16, "native")
-    draft = load_model(args.draft, torch.bfloat16, "native", role="draft")
+    target = load_settled(args.model, torch.bfloat16, "native")
+    draft = load_settled(args.draft, torch.bfloat16, "native", role="draft")
     if args.draft_vocab:
         draft.model.limit_vocabulary(args.draft_vocab)
     prompts = {p.id: p for p in load_prompts()}

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, machine, median
+from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
-from sparsespec.loading.load import load_model
 
 
 def sparsespec_pass_ms(loaded, prefix: list[int], rows: list[int], runs: int) -> float:
@@ -63,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "rows.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, torch.bfloat16, "native")
+    loaded = load_settled(args.model, torch.bfloat16, "native")
     vocab = loaded.config.vocab_size
     prefix = [(7919 * i + 13) % vocab for i in range(args.context)]
     counts = [int(m) for m in args.rows.split(",")]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from common import PROSE_PROMPT, RESULTS_DIR, emit, loadavg, machine, median
+from common import PROSE_PROMPT, RESULTS_DIR, emit, load_settled, loadavg, machine, median
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.edge import load_profile, predict_autoregressive, predict_speculative
@@ -50,7 +50,6 @@ from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.errors import UserError
 from sparsespec.eval.prompts import load_prompts
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 TARGET = "qwen2.5-coder-1.5b"
@@ -307,7 +306,7 @@ def main() -> None:
     def get(name: str, weights: str):
         if (name, weights) not in models:
             print(f"loading {name} ({weights})", file=sys.stderr)
-            models[name, weights] = load_model(name, torch.bfloat16, weights, activations="int8")
+            models[name, weights] = load_settled(name, torch.bfloat16, weights, activations="int8")
             warm = models[name, weights]
             list(run_generation(warm, warm.tokenizer.encode(PROSE_PROMPT)[:32], max_new_tokens=4,
                                 sampling=SamplingParams(), cache=cache_for(None)))

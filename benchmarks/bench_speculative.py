@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, load_transformers, machine, transformers_decode_tok_s
+from common import RESULTS_DIR, emit, load_settled, load_transformers, machine, transformers_decode_tok_s
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.flags import DEFAULT_GAMMA
 from sparsespec.eval.prompts import load_prompts, prompt_ids
 from sparsespec.loading.fetch import corpus_text_path
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -73,11 +72,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, torch.bfloat16, args.target_weights, role="target")
+    target = load_settled(args.target, torch.bfloat16, args.target_weights, role="target")
     if args.draft == "self":
         draft_model = target
     else:
-        draft_model = load_model(args.draft, torch.bfloat16, args.draft_weights, role="draft")
+        draft_model = load_settled(args.draft, torch.bfloat16, args.draft_weights, role="draft")
         if args.draft_vocab is not None:
             draft_model.model.limit_vocabulary(args.draft_vocab)
     draft_cache = CacheOptions(make_policy(args.draft_policy, args.draft_budget), "in-cache" if args.long_context else "original")

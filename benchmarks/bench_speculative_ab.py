@@ -19,10 +19,10 @@ import sys
 
 import torch
 
+from common import load_settled
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.eval.prompts import load_prompts, prompt_ids
-from sparsespec.loading.load import load_model
 from sparsespec.sampling import SamplingParams
 
 
@@ -32,13 +32,13 @@ def main() -> None:
         sys.exit(f"unknown case {case!r}: smollm2 or pair")
     torch.set_num_threads(2)
     if case == "smollm2":
-        target = draft_model = load_model("smollm2-135m", torch.bfloat16, "auto", role="target")
+        target = draft_model = load_settled("smollm2-135m", torch.bfloat16, "auto", role="target")
         cache = CacheOptions(make_policy("hybrid", 64), "original")
         draft = DraftOptions(draft_model, CacheOptions(make_policy("streaming", 32, sinks=2)), 4, is_self=True)
         prompt, new_tokens = load_prompts(["prose"])[0], 256
     else:
-        target = load_model("qwen2.5-coder-1.5b", torch.bfloat16, "auto", role="target")
-        draft_model = load_model("qwen2.5-coder-0.5b", torch.bfloat16, "auto", role="draft")
+        target = load_settled("qwen2.5-coder-1.5b", torch.bfloat16, "auto", role="target")
+        draft_model = load_settled("qwen2.5-coder-0.5b", torch.bfloat16, "auto", role="draft")
         cache = CacheOptions(make_policy("hybrid", 128), "original")
         draft = DraftOptions(draft_model, CacheOptions(make_policy("full")), 3)
         prompt, new_tokens = load_prompts(["code"])[0], 160

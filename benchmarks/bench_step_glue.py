@@ -28,10 +28,10 @@ def measure(model: str, activations: str, steps: int, runs: int, threads: int) -
     """``{step_ms, matmul_ms, rest_ms, rest_us_per_layer}``: medians over ``runs`` runs of ``steps`` steps each."""
     import torch
 
+    from common import load_settled
     from sparsespec import kernels
     from sparsespec.engine import CacheOptions, make_arena
     from sparsespec.generate import generate_tokens
-    from sparsespec.loading.load import load_model
     from sparsespec.sampling import SamplingParams
 
     torch.set_num_threads(threads)
@@ -46,7 +46,7 @@ def measure(model: str, activations: str, steps: int, runs: int, threads: int) -
             inside[0] += time.perf_counter() - started
 
     kernels.gguf_linear = timed  # the linears call it through the module
-    loaded = load_model(model, torch.bfloat16, "native", activations=activations)
+    loaded = load_settled(model, torch.bfloat16, "native", activations=activations)
     layers = loaded.config.num_hidden_layers
     records = []
     for _ in range(runs):

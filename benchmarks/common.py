@@ -86,6 +86,18 @@ def fixture_path(name: str) -> Path:
     return MODEL_FIXTURES[name].path
 
 
+def load_settled(*args, **kwargs):
+    """``load_model(*args, **kwargs)``, then wait until the stored weights it mapped have moved into huge pages
+    (``loading/huge_pages.py``), so that what a benchmark times reads the memory decoding settles on rather than
+    sharing the machine with the move."""
+    from sparsespec.loading.load import load_model
+    from sparsespec.loading.tensor_cache import wait_for_moves
+
+    loaded = load_model(*args, **kwargs)
+    wait_for_moves()
+    return loaded
+
+
 def load_transformers(name: str, dtype: torch.dtype):
     """The transformers model and tokenizer for a fixture GGUF (the reference implementation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
