@@ -2,8 +2,8 @@
 
 Native decoding reads every weight once per step, and reads it faster from private anonymous memory in 2 MiB
 pages than from 4 KiB pages (fewer TLB misses, hardware prefetch that runs across a whole page): on the 2-vCPU
-Intel AMX host, the 1.5B decoded 23.3 tok/s from anonymous huge pages, 21.6 from its stored file mapped
-(mostly in huge page-cache folios) and 17.0 from anonymous 4 KiB pages. But a fresh huge page can be slow to
+Intel AMX host, the 1.5B decoded 23.2 tok/s from anonymous huge pages, 21.7 from its stored file mapped
+(mostly in huge page-cache folios) and 16.9 from anonymous 4 KiB pages (medians of 3 alternated runs). But a fresh huge page can be slow to
 get: on a virtual machine that hands free memory back to its host, each one is faulted in from the host, and
 filling the 1.5B's 1.1 GB took 3.2-4.8 s of kernel time whenever the process started more than a few seconds
 after the last (0.33 s back to back; 4 KiB pages 0.42 s; mapping the file 0.05 s).
@@ -65,12 +65,12 @@ def populate(mapping: mmap.mmap) -> None:
     """Fault in every page of ``mapping`` now (reading the file where the page cache lacks it), so that the model's
     first pass does not; with ``MADV_HUGEPAGE`` set first, Linux reads what is not cached in huge folios. Best
     effort: on systems without ``MADV_POPULATE_READ`` the pages fault in on first use."""
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    if sys.platform == "linux":
+    advice = ([mmap.MADV_HUGEPAGE] if hasattr(mmap, "MADV_HUGEPAGE") else []) + \
+        ([MADV_POPULATE_READ] if sys.platform == "linux" else [])
+    for value in advice:
         try:
-            mapping.madvise(MADV_POPULATE_READ)
-        except OSError:  # a kernel before 5.14
+            mapping.madvise(value)
+        except OSError:  # advice this kernel does not take (MADV_POPULATE_READ: before 5.14)
             pass
 
 
@@ -135,7 +135,7 @@ def move_into_huge_pages(mapping: mmap.mmap, stop: threading.Event | None = None
         return 0
     try:
         libc = _Libc()
-    except (OSError, AttributeError):  # not a C library with mremap
+    except (OSError, AttributeError, TypeError):  # not a C library with mremap
         return 0
     anchor = ctypes.c_char.from_buffer(mapping)  # an export: the mapping cannot be closed while it moves
     try:
