@@ -4,6 +4,7 @@ afterwards the process no longer reads the file (``loading/huge_pages.py``)."""
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 
 import numpy as np
@@ -38,21 +39,36 @@ def write_random_file(path, size: int) -> bytes:
     return data
 
 
+@pytest.fixture
+def map_file():
+    """``map_file(path, size)``: a private mapping of ``path`` and a descriptor of it (closed when the test
+    ends), as ``tensor_cache.read_tensor_file`` holds them."""
+    descriptors = []
+
+    def mapped(path, size: int) -> tuple[mmap.mmap, int]:
+        with open(path, "rb") as f:
+            descriptors.append(os.dup(f.fileno()))
+            return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE), descriptors[-1]
+
+    yield mapped
+    for fd in descriptors:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("huge_pages", [0, 3])
-def test_a_mapped_file_moves_into_anonymous_memory_and_leaves_the_file(tmp_path, huge_pages):
+def test_a_mapped_file_moves_into_anonymous_memory_and_leaves_the_file(tmp_path, map_file, huge_pages):
     """Every byte of the mapping moves (a file shorter than a huge page too, into small pages); the bytes are the
     file's; the range holds no file pages afterwards, and truncating the file no longer changes what it reads."""
     page = huge_page_size()
     size = huge_pages * page + 12_345
     path = tmp_path / "weights.bin"
     data = write_random_file(path, size)
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    mapping, fd = map_file(path, size)
     view = np.frombuffer(mapping, dtype=np.uint8)
     start = view.ctypes.data
     assert view.tobytes() == data and mapped_pages(start, start + size)["file"] > 0  # read: its pages faulted in
 
-    assert move_into_huge_pages(mapping) == size
+    assert move_into_huge_pages(mapping, fd) == size
 
     pages = mapped_pages(start, start + size)
     assert pages["file"] == 0 and pages["anonymous"] * 1024 >= size
@@ -62,14 +78,13 @@ def test_a_mapped_file_moves_into_anonymous_memory_and_leaves_the_file(tmp_path,
         print(f"anonymous huge pages: {pages['huge']} KiB of {size // 1024} KiB")
 
 
-def test_readers_see_the_same_bytes_while_the_pages_move(tmp_path):
+def test_readers_see_the_same_bytes_while_the_pages_move(tmp_path, map_file):
     """A thread summing the mapping over and over while it moves gets the file's sum every time."""
     page = huge_page_size()
     size = 8 * page
     path = tmp_path / "weights.bin"
     expected = int(np.frombuffer(write_random_file(path, size), dtype=np.uint8).sum(dtype=np.uint64))
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    mapping, fd = map_file(path, size)
     view = np.frombuffer(mapping, dtype=np.uint8)
     sums, moving = [], threading.Event()
     moving.set()
@@ -81,7 +96,7 @@ def test_readers_see_the_same_bytes_while_the_pages_move(tmp_path):
     reader = threading.Thread(target=read_while_moving)
     reader.start()
     try:
-        moved = move_into_huge_pages(mapping)
+        moved = move_into_huge_pages(mapping, fd)
     finally:
         moving.clear()
         reader.join()
@@ -90,33 +105,31 @@ def test_readers_see_the_same_bytes_while_the_pages_move(tmp_path):
     assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["file"] == 0
 
 
-def test_a_stopped_move_leaves_the_rest_mapped(tmp_path):
+def test_a_stopped_move_leaves_the_rest_mapped(tmp_path, map_file):
     """``stop`` set: nothing moves, and the mapping still reads the file."""
     size = 2 * huge_page_size()
     path = tmp_path / "weights.bin"
     data = write_random_file(path, size)
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    mapping, fd = map_file(path, size)
     stop = threading.Event()
     stop.set()
-    assert move_into_huge_pages(mapping, stop) == 0
+    assert move_into_huge_pages(mapping, fd, stop) == 0
     view = np.frombuffer(mapping, dtype=np.uint8)
     assert view.tobytes() == data
     assert mapped_pages(view.ctypes.data, view.ctypes.data + size)["anonymous"] == 0
 
 
-def test_a_paused_move_waits_for_resume(tmp_path):
+def test_a_paused_move_waits_for_resume(tmp_path, map_file):
     """With the moves paused, a move started takes no page until they are resumed; then it moves them all."""
     size = 2 * huge_page_size()
     path = tmp_path / "weights.bin"
     data = write_random_file(path, size)
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+    mapping, fd = map_file(path, size)
     view = np.frombuffer(mapping, dtype=np.uint8)
     moved = []
     pause_moves()
     try:
-        mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(mapping)))
+        mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(mapping, fd)))
         mover.start()
         mover.join(timeout=0.5)
         assert mover.is_alive() and not moved
@@ -125,3 +138,17 @@ def test_a_paused_move_waits_for_resume(tmp_path):
         resume_moves()
     mover.join()
     assert moved == [size] and view.tobytes() == data
+
+
+def test_a_file_cut_short_under_a_move_stops_it_without_a_fault(tmp_path, map_file):
+    """The move reads the file, not the mapping: a file truncated under it ends the move at the cut, with the
+    pages before it moved and nothing read past the file's end (no SIGBUS)."""
+    page = huge_page_size()
+    size = 3 * page
+    path = tmp_path / "weights.bin"
+    data = write_random_file(path, size)
+    mapping, fd = map_file(path, size)
+    os.truncate(path, page + 100)
+    assert move_into_huge_pages(mapping, fd) == page
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    assert view[:page].tobytes() == data[:page]

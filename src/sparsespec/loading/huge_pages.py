@@ -10,9 +10,12 @@ after the last (0.33 s back to back; 4 KiB pages 0.42 s; mapping the file 0.05 s
 
 So a stored model is memory-mapped (``tensor_cache.read_tensor_file``: the model can run at once, on the page
 cache's pages), and :func:`move_into_huge_pages` then moves the mapping's pages, one huge page at a time, into
-anonymous memory in huge pages at the same addresses (copy, then ``mremap`` the copy over the mapped range), on a
-background thread while the command imports torch, builds the model and decodes. Tensors that view the mapping
-stay valid throughout and see the same bytes; once the move is done the process no longer reads the file. Where
+anonymous memory in huge pages at the same addresses (read the file into a fresh huge page, then ``mremap`` it over
+the mapped range), on a background thread while the command imports torch, builds the model and decodes. Tensors
+that view the mapping stay valid throughout and see the same bytes; once the move is done the process no longer
+reads the file. Until then it does, as a memory-mapping engine always does: the store is replaced by renaming a new
+file over it, never rewritten in place, and a file cut short under a running model stops its move (a model that
+then reads a page past the file's end gets SIGBUS, as with any mapped file). Where
 fresh huge pages are that slow, a move running beside the model's first pass slowed it from 0.15 s to 0.45-1.25 s,
 so ``generate`` holds the moves (:func:`pause_moves`) from loading the model until its first token is out: they use
 the core that torch's import leaves idle, then the time after the first token.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 import threading
 from pathlib import Path
@@ -119,12 +123,14 @@ class _Libc:
         return self.mremap(source, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, target) == target
 
 
-def move_into_huge_pages(mapping: mmap.mmap, stop: threading.Event | None = None) -> int:
-    """Move the pages of ``mapping`` (a private file mapping) into private anonymous memory at the same addresses:
-    each huge-page-aligned stretch is copied into a fresh huge page, which ``mremap`` then puts in place of the
-    mapped range (a stretch shorter than a huge page, at the mapping's ends, into small pages the same way).
-    Returns the bytes moved: all of the mapping, or 0 where the system has no transparent huge pages or no
-    ``mremap`` (not Linux); then the model keeps running on the mapped file.
+def move_into_huge_pages(mapping: mmap.mmap, fd: int, stop: threading.Event | None = None) -> int:
+    """Move the pages of ``mapping`` (a private mapping of the file open as ``fd``) into private anonymous memory
+    at the same addresses: each huge-page-aligned stretch is read from the file into a fresh huge page, which
+    ``mremap`` then puts in place of the mapped range (a stretch shorter than a huge page, at the mapping's ends,
+    into small pages the same way). Returns the bytes moved: all of the mapping; less where the file has been cut
+    short under it (the move stops there: reading the file, not the mapping, it never faults on a page past the
+    file's end); 0 where the system has no transparent huge pages or no ``mremap`` (not Linux). What is not moved
+    stays mapped, as every page of a model is until its move.
 
     Readers of the mapping (the kernels, on other threads) see the same bytes before, during and after a move: the
     kernel swaps the pages under its mapping lock. ``stop`` set ends the move early (a mapping nobody took);
@@ -150,11 +156,24 @@ def move_into_huge_pages(mapping: mmap.mmap, stop: threading.Event | None = None
             fresh = libc.fresh_pages(stretch, page if stretch == page else mmap.PAGESIZE)
             if fresh is None:
                 break
-            ctypes.memmove(fresh, address, min(stretch, base + size - address))
-            if not libc.move_over(fresh, stretch, address):
+            wanted = min(stretch, base + size - address)
+            if _read_into(fd, fresh, wanted, address - base) < wanted or not libc.move_over(fresh, stretch, address):
                 libc.munmap(fresh, stretch)
                 break
             address += stretch
         return min(address - base, size)
     finally:
         del anchor
+
+
+def _read_into(fd: int, address: int, nbytes: int, offset: int) -> int:
+    """Read ``nbytes`` of the file ``fd`` from ``offset`` into memory at ``address``; the bytes read (fewer at the
+    file's end)."""
+    view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done

@@ -122,12 +122,14 @@ TENSOR_ALIGNMENT = 64
 class StoredTensors:
     """A safetensors file mapped into memory: its metadata, its header's entries (name → ``{"dtype", "shape",
     "data_offsets"}``, offsets into the data section) and the mapping of the whole file, whose data section starts
-    at ``data_offset`` (a multiple of :data:`TENSOR_ALIGNMENT`; the mapping itself is page-aligned)."""
+    at ``data_offset`` (a multiple of :data:`TENSOR_ALIGNMENT`; the mapping itself is page-aligned); ``fd`` reads
+    the same file (the same inode, whatever is renamed over its path) for :func:`_move`."""
 
     metadata: dict[str, str]
     entries: dict[str, dict]
     data: mmap.mmap
     data_offset: int
+    fd: int  # the mapped file, open for its move into huge pages (which closes it)
 
 
 def read_tensor_file(file: Path) -> StoredTensors:
@@ -151,8 +153,9 @@ def read_tensor_file(file: Path) -> StoredTensors:
             data = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
         else:  # Windows: a copy-on-write view
             data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        fd = os.dup(f.fileno())
     populate(data)
-    return StoredTensors(metadata, header, data, data_offset)
+    return StoredTensors(metadata, header, data, data_offset, fd)
 
 
 class _Prefetch:
@@ -198,13 +201,21 @@ def wait_for_moves() -> None:
         _movers.pop().join()
 
 
+def _move(stored: StoredTensors, stop: threading.Event | None = None) -> None:
+    """Move ``stored``'s mapping into huge pages (``huge_pages.py``), then close its file."""
+    try:
+        move_into_huge_pages(stored.data, stored.fd, stop)
+    finally:
+        os.close(stored.fd)
+
+
 def _map_then_move(prefetches: list[_Prefetch]) -> None:
     """Map every file first (a load may be waiting for it), then move each into huge pages."""
     for prefetch in prefetches:
         prefetch.run()
     for prefetch in prefetches:
         if prefetch.result is not None:
-            move_into_huge_pages(prefetch.result.data, prefetch.dropped)
+            _move(prefetch.result, prefetch.dropped)
     prefetches.clear()  # the mappings nobody took are unmapped once the thread lets go of them
 
 
@@ -216,7 +227,7 @@ def take_tensor_file(file: Path) -> StoredTensors:
     if prefetch is not None:
         return prefetch.take()
     stored = read_tensor_file(file)
-    _start_mover(move_into_huge_pages, stored.data, name="sparsespec huge pages")
+    _start_mover(_move, stored, name="sparsespec huge pages")
     return stored
 
 
