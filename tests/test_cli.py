@@ -13,6 +13,7 @@ import torch
 from conftest import random_state, tiny_config
 from sparsespec.cli import main
 from sparsespec.errors import UserError
+from sparsespec.loading.load import load_model
 
 PROMPT = "The capital of France is"
 LONG_PROMPT = (
@@ -441,6 +442,24 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     # The process's peak resident memory: at least the weights it holds (the file's blocks), at most the machine.
     assert smollm2_path.stat().st_size < result["peak_rss_bytes"] < 24 * 2**30
     assert result["load_seconds"] > 0 and result["prefill_seconds"] > 0
+
+
+def test_fetch_prepares_each_model_once(capsys, smollm2_path, tmp_path, monkeypatch):
+    """``fetch`` leaves a fetched model ready for ``generate``'s defaults: its weights stored for this CPU and its
+    tokenizer beside them, so that the next load builds nothing; a second fetch finds them and builds nothing."""
+    from sparsespec.loading import huge_pages
+
+    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    code, out, err = run_cli(capsys, "fetch", "smollm2-135m", "--quiet")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"smollm2-135m: {smollm2_path}" and lines[-1].startswith("smollm2-135m: prepared in ")
+    [key] = (tmp_path / "tensors").iterdir()
+    assert list(key.glob("bfloat16-*.safetensors")) and (key / "tokenizer" / "tokenizer.json").is_file()
+    assert load_model("smollm2-135m", torch.bfloat16, "auto").from_cache
+    code, out, err = run_cli(capsys, "fetch", "smollm2-135m", "--quiet")
+    assert code == 0 and out.splitlines()[-1].startswith("smollm2-135m: already prepared in "), err
+    assert huge_pages._moves_may_run.is_set()  # held while it prepared, not after
 
 
 def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_path, monkeypatch, tmp_path):

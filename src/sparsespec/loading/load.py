@@ -156,6 +156,13 @@ def load_model(
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
 
 
+def prepare_model(ref: str) -> bool:
+    """Build and store what ``generate``'s defaults load for ``ref`` (bfloat16, ``--weights auto``: for a GGUF file
+    the native kernels read, its blocks repacked for this CPU; and its tokenizer), unless they are stored already.
+    True when they were built now."""
+    return not load_model(ref, torch.bfloat16, "auto").from_cache
+
+
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
 
