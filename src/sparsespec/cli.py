@@ -57,19 +57,19 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     models = [name for name in fetched if name in MODEL_FIXTURES]
     if not models:
         return 0
-    from .loading.huge_pages import pause_moves, resume_moves
-    from .loading.load import prepare_model
+    import gc
 
-    pause_moves()  # each prepared model is dropped at once: its pages need not move into huge pages
-    try:
-        for name in models:
-            if not args.quiet:
-                print(f"{name}: preparing (its weights for this CPU and its tokenizer, stored once)...", flush=True)
-            started = time.perf_counter()
-            built = prepare_model(name)
-            print(f"{name}: {'prepared' if built else 'already prepared'} in {time.perf_counter() - started:.1f} s")
-    finally:
-        resume_moves()
+    from .loading.load import prepare_model
+    from .loading.tensor_cache import stop_moves
+
+    for name in models:
+        if not args.quiet:
+            print(f"{name}: preparing (its weights for this CPU and its tokenizer, stored once)...", flush=True)
+        started = time.perf_counter()
+        built = prepare_model(name)
+        stop_moves()  # the prepared model is dropped: its pages need not move into huge pages
+        gc.collect()  # and its mapping goes now, not with the next model's
+        print(f"{name}: {'prepared' if built else 'already prepared'} in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -100,13 +100,27 @@ def peak_rss_bytes() -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``generate``, its weights' move into huge pages (``loading/huge_pages.py``) held from the start until the
+    first token is out: beside torch's import or the first pass it made either slower where fresh huge pages are
+    slow to get (a start of the 1.5B took 2.8-3.2 s instead of 1.4-1.5 s on the 2-vCPU Intel host)."""
+    from .loading.huge_pages import pause_moves, resume_moves
+
+    pause_moves()
+    try:
+        return _generate(args)
+    finally:
+        resume_moves()
+
+
+def _generate(args: argparse.Namespace) -> int:
     import time
     from contextlib import closing
 
-    prefetch_models(args)  # first: the stored weights are mapped, and move into huge pages, while torch imports
+    from .loading.huge_pages import resume_moves
+
+    prefetch_models(args)  # first: the stored weights are mapped while torch imports
     from .engine import RunStats, run_generation
     from .generate import stream_text
-    from .loading.huge_pages import pause_moves, resume_moves
     from .loading.load import load_model
     from .loading.tokenizer import eos_token_ids
     from .sampling import SamplingParams
@@ -127,37 +141,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft_setup = draft_settings(args)
     dtype = setup_torch(args)
 
-    pause_moves()  # the weights' move into huge pages waits for the first token (loading/huge_pages.py)
-    try:
-        started = time.perf_counter()
-        target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
-        draft = load_draft(args, target, dtype, draft_setup)
-        load_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
+    draft = load_draft(args, target, dtype, draft_setup)
+    load_seconds = time.perf_counter() - started
 
-        tokenizer = target.tokenizer
-        if args.chat:
-            if not getattr(tokenizer, "chat_template", None):
-                raise UserError(f"{target.name} has no chat template; drop --chat.")
-            prompt_ids = list(tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
-        else:
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
-        eos = set() if args.ignore_eos else eos_token_ids(tokenizer)
-        stats = RunStats()
-        tokens = run_generation(
-            target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
-            seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
-        )
-        pieces = []
-        with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
-            for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
-                resume_moves()
-                pieces.append(piece)
-                if not args.json:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-    finally:
-        resume_moves()
+    tokenizer = target.tokenizer
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{target.name} has no chat template; drop --chat.")
+        prompt_ids = list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
+    else:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    eos = set() if args.ignore_eos else eos_token_ids(tokenizer)
+    stats = RunStats()
+    tokens = run_generation(
+        target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
+        seed=args.seed or 0, eos_ids=eos, draft=draft, stats=stats,
+    )
+    pieces = []
+    with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
+        for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
+            resume_moves()  # the first token is out
+            pieces.append(piece)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
     if args.json:
         result = {"text": "".join(pieces), "model": target.name, "weights": target.weights,
                   "activations": target.activations, **stats.to_dict()}

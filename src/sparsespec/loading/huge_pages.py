@@ -3,24 +3,26 @@
 Native decoding reads every weight once per step, and reads it faster from private anonymous memory in 2 MiB
 pages than from 4 KiB pages (fewer TLB misses, hardware prefetch that runs across a whole page): on the 2-vCPU
 Intel AMX host, the 1.5B decoded 23.2 tok/s from anonymous huge pages, 21.7 from its stored file mapped
-(mostly in huge page-cache folios) and 16.9 from anonymous 4 KiB pages (medians of 3 alternated runs). But a fresh huge page can be slow to
-get: on a virtual machine that hands free memory back to its host, each one is faulted in from the host, and
-filling the 1.5B's 1.1 GB took 3.2-4.8 s of kernel time whenever the process started more than a few seconds
-after the last (0.33 s back to back; 4 KiB pages 0.42 s; mapping the file 0.05 s).
+(mostly in huge page-cache folios) and 16.9 from anonymous 4 KiB pages (medians of 3 alternated runs). But a
+fresh huge page can be slow to get: on a virtual machine that hands free memory back to its host, each one is
+faulted in from the host, and filling the 1.5B's 1.1 GB took 3.2-4.8 s of kernel time whenever the process
+started more than a few seconds after the last (0.33 s back to back; 4 KiB pages 0.42 s; mapping the file 0.05 s).
 
 So a stored model is memory-mapped (``tensor_cache.read_tensor_file``: the model can run at once, on the page
 cache's pages), and :func:`move_into_huge_pages` then moves the mapping's pages, one huge page at a time, into
 anonymous memory in huge pages at the same addresses (read the file into a fresh huge page, then ``mremap`` it over
-the mapped range), on a background thread while the command imports torch, builds the model and decodes. Tensors
-that view the mapping stay valid throughout and see the same bytes; once the move is done the process no longer
-reads the file. Until then it does, as a memory-mapping engine always does: the store is replaced by renaming a new
-file over it, never rewritten in place, and a file cut short under a running model stops its move (a model that
-then reads a page past the file's end gets SIGBUS, as with any mapped file). Where
-fresh huge pages are that slow, a move running beside the model's first pass slowed it from 0.15 s to 0.45-1.25 s,
-so ``generate`` holds the moves (:func:`pause_moves`) from loading the model until its first token is out: they use
-the core that torch's import leaves idle, then the time after the first token.
+the mapped range), on a background thread. Tensors that view the mapping stay valid throughout and see the same
+bytes; once the move is done the process no longer reads the file. Until then it does, as a memory-mapping engine
+always does: the store is replaced by renaming a new file over it, never rewritten in place, and a file cut short
+under a running model stops its move (a model that then reads a page past the file's end gets SIGBUS, as with any
+mapped file).
 
-This module does not import torch (the move starts before torch's import).
+Where fresh huge pages are that slow, a move beside the model's first pass slowed it from 0.15 s to 0.45-1.25 s,
+and one beside torch's import slowed the import too (a start of the 1.5B: 2.8-3.2 s against 1.4-1.5 s), so
+``generate`` holds the moves (:func:`pause_moves`) from its start until its first token is out; ``chat`` and
+``serve``, which wait for input, let them run.
+
+This module does not import torch (the mapping starts before torch's import).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class _Prefetch:
         self.result: StoredTensors | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.dropped = threading.Event()  # the load did not take it: its move stops
+        self.dropped = threading.Event()  # the load did not take it (or stop_moves): its move stops
 
     def run(self) -> None:
         try:
@@ -185,12 +185,13 @@ class _Prefetch:
 
 _prefetches: dict[Path, _Prefetch] = {}
 _prefetches_lock = threading.Lock()
-_movers: list[threading.Thread] = []  # the threads that map and move stored files (a list: appends are atomic)
+# The threads that map and move stored files, each with the events that stop its moves (appends are atomic).
+_movers: list[tuple[threading.Thread, list[threading.Event]]] = []
 
 
-def _start_mover(target, *args, name: str) -> None:
+def _start_mover(target, args: tuple, stops: list[threading.Event], name: str) -> None:
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    _movers.append(thread)
+    _movers.append((thread, stops))
     thread.start()
 
 
@@ -198,7 +199,16 @@ def wait_for_moves() -> None:
     """Wait until every stored file mapped so far has moved into huge pages (or stopped moving): for timings that
     should read the memory decoding settles on, not the moves' first seconds (benchmarks)."""
     while _movers:
-        _movers.pop().join()
+        _movers.pop()[0].join()
+
+
+def stop_moves() -> None:
+    """End every move started so far at its next huge page and wait for it: for a command that drops the models it
+    loaded (``fetch``), whose mappings are then released with them instead of moving."""
+    for _, stops in list(_movers):
+        for stop in stops:
+            stop.set()
+    wait_for_moves()
 
 
 def _move(stored: StoredTensors, stop: threading.Event | None = None) -> None:
@@ -227,7 +237,8 @@ def take_tensor_file(file: Path) -> StoredTensors:
     if prefetch is not None:
         return prefetch.take()
     stored = read_tensor_file(file)
-    _start_mover(_move, stored, name="sparsespec huge pages")
+    stop = threading.Event()
+    _start_mover(_move, (stored, stop), [stop], name="sparsespec huge pages")
     return stored
 
 
@@ -263,7 +274,7 @@ def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: lis
     with _prefetches_lock:
         _prefetches.update({p.file: p for p in started})
     if started:
-        _start_mover(_map_then_move, started, name="sparsespec prefetch")
+        _start_mover(_map_then_move, (started,), [p.dropped for p in started], name="sparsespec prefetch")
 
 
 def drop_prefetches(folder: Path) -> None:

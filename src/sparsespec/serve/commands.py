@@ -69,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve the model over HTTP until interrupted."""
     from ..flags import prefetch_models
 
-    prefetch_models(args)  # first: the stored weights are mapped, and move into huge pages, while torch imports
+    prefetch_models(args)  # first: the stored weights are mapped (and start moving into huge pages) while torch imports
     import uvicorn
 
     from ..loading.source import resolve_model
@@ -155,7 +155,7 @@ def run_chat(args: argparse.Namespace) -> int:
     """An interactive chat in the terminal."""
     from ..flags import prefetch_models
 
-    prefetch_models(args)  # first: the stored weights are mapped, and move into huge pages, while torch imports
+    prefetch_models(args)  # first: the stored weights are mapped (and start moving into huge pages) while torch imports
     from ..engine import Session
     from ..sampling import SamplingParams
     from .chat import Chat
