@@ -463,8 +463,9 @@ def test_fetch_prepares_each_model_once(capsys, smollm2_path, tmp_path, monkeypa
 
 
 def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_path, monkeypatch, tmp_path):
-    """``generate`` pauses the move of the weights into huge pages before it loads the model, lets it go on once
-    the first piece of text is out, and never leaves it paused (a run that fails on a user mistake neither)."""
+    """``generate`` pauses the move of the weights into huge pages from its start, lets it go on once the first
+    piece of text is out (where fresh huge pages are quick), and never leaves it paused or held (a run that fails
+    on a user mistake neither)."""
     from sparsespec.loading import huge_pages
 
     events = []
@@ -476,13 +477,13 @@ def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_p
                              "--threads", "2", "--ignore-eos")
     assert code == 0, err
     assert events[0] == "pause" and events[1] == "resume after 0 chars"  # before the first piece is written
-    assert huge_pages._moves_may_run.is_set()
+    assert huge_pages._moves_may_run.is_set() and huge_pages._slow_moves_may_run.is_set()
 
     events.clear()
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(60))
     assert_user_error(run_cli(capsys, "generate", "--model", str(broken), "--prompt", PROMPT), "broken.gguf")
-    assert events[0] == "pause" and huge_pages._moves_may_run.is_set()
+    assert events[0] == "pause" and huge_pages._moves_may_run.is_set() and huge_pages._slow_moves_may_run.is_set()
 
 
 def test_console_script_flushes_its_output_and_exit_code(smollm2_path):

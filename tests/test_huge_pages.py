@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from sparsespec.loading import huge_pages
 from sparsespec.loading.huge_pages import huge_page_size, move_into_huge_pages, pause_moves, resume_moves
 
 pytestmark = pytest.mark.skipif(huge_page_size() is None, reason="no transparent huge pages (Linux only)")
@@ -152,3 +153,43 @@ def test_a_file_cut_short_under_a_move_stops_it_without_a_fault(tmp_path, map_fi
     assert move_into_huge_pages(mapping, fd) == page
     view = np.frombuffer(mapping, dtype=np.uint8)
     assert view[:page].tobytes() == data[:page]
+
+
+def test_held_slow_moves_wait_once_fresh_pages_prove_slow(tmp_path, map_file, monkeypatch):
+    """With slow moves held, a move goes on while fresh huge pages are quick, and waits once it has found them slow
+    (here: any speed counts as slow), until released; a stop ends the wait."""
+    page = huge_page_size()
+    size = 8 * page
+    path = tmp_path / "weights.bin"
+    data = write_random_file(path, size)
+    mapping, fd = map_file(path, size)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    monkeypatch.setattr(huge_pages, "SLOW_SECONDS_PER_GB", 0.0)
+    monkeypatch.setattr(huge_pages, "SLOW_AFTER_BYTES", 2 * page)
+    monkeypatch.setattr(huge_pages, "_huge_pages_slow", threading.Event())
+    moved = []
+    huge_pages.hold_slow_moves()
+    try:
+        mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(mapping, fd)))
+        mover.start()
+        mover.join(timeout=1.0)
+        assert mover.is_alive() and huge_pages.huge_pages_slow()
+        pages = mapped_pages(view.ctypes.data, view.ctypes.data + size)
+        assert pages["anonymous"] * 1024 == 2 * page  # it stopped where it found them slow
+    finally:
+        huge_pages.release_slow_moves()
+    mover.join()
+    assert moved == [size] and view.tobytes() == data
+
+    mapping, fd = map_file(path, size)
+    huge_pages.hold_slow_moves()
+    try:
+        stop = threading.Event()
+        mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(mapping, fd, stop)))
+        mover.start()
+        mover.join(timeout=0.5)
+        stop.set()
+        mover.join(timeout=5)
+        assert not mover.is_alive() and moved[-1] == 0  # slow already: it waited from the start, then stopped
+    finally:
+        huge_pages.release_slow_moves()

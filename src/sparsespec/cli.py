@@ -101,15 +101,18 @@ def peak_rss_bytes() -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``generate``, its weights' move into huge pages (``loading/huge_pages.py``) held from the start until the
-    first token is out: beside torch's import or the first pass it made either slower where fresh huge pages are
-    slow to get (a start of the 1.5B took 2.8-3.2 s instead of 1.4-1.5 s on the 2-vCPU Intel host)."""
-    from .loading.huge_pages import pause_moves, resume_moves
+    first token is out, and for the whole run where fresh huge pages prove slow to get: beside torch's import,
+    the first pass or decoding, such a move slowed each (a start of the 1.5B took 2.8-3.2 s instead of 1.4-1.5 s
+    on the 2-vCPU Intel host)."""
+    from .loading.huge_pages import hold_slow_moves, pause_moves, release_slow_moves, resume_moves
 
     pause_moves()
+    hold_slow_moves()
     try:
         return _generate(args)
     finally:
         resume_moves()
+        release_slow_moves()
 
 
 def _generate(args: argparse.Namespace) -> int:

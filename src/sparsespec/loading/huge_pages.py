@@ -18,9 +18,12 @@ under a running model stops its move (a model that then reads a page past the fi
 mapped file).
 
 Where fresh huge pages are that slow, a move beside the model's first pass slowed it from 0.15 s to 0.45-1.25 s,
-and one beside torch's import slowed the import too (a start of the 1.5B: 2.8-3.2 s against 1.4-1.5 s), so
-``generate`` holds the moves (:func:`pause_moves`) from its start until its first token is out; ``chat`` and
-``serve``, which wait for input, let them run.
+one beside torch's import slowed the import too (a start of the 1.5B: 2.8-3.2 s against 1.4-1.5 s), and one beside
+decoding halved it for its 5-8 s: a 128-token run took longer than copying before the first token had. So
+``generate`` holds the moves (:func:`pause_moves`) until its first token is out, and where the moves find fresh huge
+pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run (:func:`hold_slow_moves`): it decodes
+from the mapped file, 7-9% slower than from huge pages but from the start. ``serve`` holds slow moves while it has
+requests, so they run while it idles; ``chat`` lets them run (it waits for input first).
 
 This module does not import torch (the mapping starts before torch's import).
 """
@@ -32,6 +35,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Linux's madvise advice values Python's mmap module does not name (MADV_POPULATE_READ: Linux 5.14 and later).
@@ -39,8 +43,16 @@ MADV_POPULATE_READ = 22
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 THP_SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
 
+# Fresh huge pages are "slow" here when the moves so far took this long per GB (after SLOW_AFTER_BYTES moved): 0.3
+# s back to back on the 2-vCPU Intel host, 3.2-4.8 s where its host had taken the memory back.
+SLOW_SECONDS_PER_GB = 1.5
+SLOW_AFTER_BYTES = 8 << 20
+
 _moves_may_run = threading.Event()  # cleared by pause_moves: every move waits before its next stretch
 _moves_may_run.set()
+_slow_moves_may_run = threading.Event()  # cleared by hold_slow_moves: so do moves once fresh pages proved slow
+_slow_moves_may_run.set()
+_huge_pages_slow = threading.Event()  # set by the first move that finds them slow
 
 
 def pause_moves() -> None:
@@ -52,6 +64,36 @@ def pause_moves() -> None:
 def resume_moves() -> None:
     """Let the moves held by :func:`pause_moves` go on."""
     _moves_may_run.set()
+
+
+def hold_slow_moves() -> None:
+    """Where fresh huge pages have proved slow to get (:data:`SLOW_SECONDS_PER_GB`), hold the moves until
+    :func:`release_slow_moves`: while a command computes (``generate`` for its whole run; ``serve`` while it has
+    requests), so that the seconds a move takes there come out of idle time, or never. Where they are quick the
+    moves go on."""
+    _slow_moves_may_run.clear()
+
+
+def release_slow_moves() -> None:
+    """Let the moves held by :func:`hold_slow_moves` go on."""
+    _slow_moves_may_run.set()
+
+
+def huge_pages_slow() -> bool:
+    """Whether a move has found fresh huge pages slow to get on this machine."""
+    return _huge_pages_slow.is_set()
+
+
+def _wait_for_turn(stop: threading.Event | None) -> bool:
+    """Wait until moves may run (:func:`pause_moves`, :func:`hold_slow_moves`); False when ``stop`` is set first."""
+    while stop is None or not stop.is_set():
+        if not _moves_may_run.is_set():
+            _moves_may_run.wait(0.05)
+        elif _huge_pages_slow.is_set() and not _slow_moves_may_run.is_set():
+            _slow_moves_may_run.wait(0.05)
+        else:
+            return True
+    return False
 
 
 def anonymous_memory(nbytes: int) -> mmap.mmap:
@@ -136,7 +178,8 @@ def move_into_huge_pages(mapping: mmap.mmap, fd: int, stop: threading.Event | No
 
     Readers of the mapping (the kernels, on other threads) see the same bytes before, during and after a move: the
     kernel swaps the pages under its mapping lock. ``stop`` set ends the move early (a mapping nobody took);
-    :func:`pause_moves` holds it between two stretches.
+    :func:`pause_moves` holds it between two stretches, and so does :func:`hold_slow_moves` once the moves so far
+    have found fresh huge pages slow.
     """
     page = huge_page_size()
     if page is None or mapping.closed or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -149,11 +192,9 @@ def move_into_huge_pages(mapping: mmap.mmap, fd: int, stop: threading.Event | No
     try:
         base, size = ctypes.addressof(anchor), len(mapping)
         end = base + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping ends on a whole small page
-        address = base
-        while address < end:
-            _moves_may_run.wait()
-            if stop is not None and stop.is_set():
-                break
+        address, seconds = base, 0.0
+        while address < end and _wait_for_turn(stop):
+            started = time.perf_counter()
             stretch = min((address // page + 1) * page, end) - address
             fresh = libc.fresh_pages(stretch, page if stretch == page else mmap.PAGESIZE)
             if fresh is None:
@@ -163,6 +204,9 @@ def move_into_huge_pages(mapping: mmap.mmap, fd: int, stop: threading.Event | No
                 libc.munmap(fresh, stretch)
                 break
             address += stretch
+            seconds += time.perf_counter() - started
+            if address - base >= SLOW_AFTER_BYTES and seconds > SLOW_SECONDS_PER_GB * (address - base) / 1e9:
+                _huge_pages_slow.set()
         return min(address - base, size)
     finally:
         del anchor

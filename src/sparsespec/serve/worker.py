@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ..engine import CacheOptions, DraftOptions, RunStats, Session, check_fits_context
 from ..errors import UserError
 from ..generate import TextStream
+from ..loading.huge_pages import hold_slow_moves, release_slow_moves
 from ..loading.load import LoadedModel
 from ..loading.tokenizer import eos_token_ids
 from ..passes import Batch, Running
@@ -272,7 +273,10 @@ class EngineWorker:
     # ------------------------------------------------------------------------------------- engine side
     def _serve(self) -> None:
         while not self._stopping:
+            if not self._batch.running:
+                release_slow_moves()  # idle: a slow move of the weights into huge pages may run (huge_pages.py)
             self._admit(block=not self._batch.running)
+            hold_slow_moves()
             for slot in self.slots:  # a client that went away frees its slot now
                 if slot.job is not None and slot.job.cancelled.is_set():
                     slot.running.close()
@@ -280,6 +284,7 @@ class EngineWorker:
             if rows:
                 self.metrics.add(engine_steps_total=1, batch_rows_total=rows)
             self.metrics.set(slots_busy=sum(slot.job is not None for slot in self.slots))
+        release_slow_moves()
         for slot in self.slots:
             if slot.job is not None:
                 slot.running.close()
