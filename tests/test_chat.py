@@ -1,7 +1,9 @@
-"""``sparsespec chat`` in a pseudo-terminal (pexpect): two turns, /stats, /reset, Ctrl-D; and its input reader."""
+"""``sparsespec chat`` in a pseudo-terminal (pexpect): two turns, /stats, /reset, Ctrl-D; its input reader; and
+what an answer holds while it computes."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from sparsespec.serve.chat import read_message
+from sparsespec.serve.chat import Chat, read_message
 
 
 def reader(lines):
@@ -65,3 +67,22 @@ def test_chat_two_turns_stats_reset_and_ctrl_d(smollm2_path):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_an_answer_holds_slow_moves_while_it_computes(smollm2_f32, monkeypatch):
+    """A slow move of the weights into huge pages waits while chat answers and goes on while it waits for input
+    (``loading/huge_pages.py``)."""
+    from sparsespec.engine import CacheOptions, Session
+    from sparsespec.loading import huge_pages
+    from sparsespec.sampling import SamplingParams
+    from sparsespec.serve import chat as chat_module
+
+    events = []
+    monkeypatch.setattr(chat_module, "hold_slow_moves", lambda: events.append("hold") or huge_pages.hold_slow_moves())
+    monkeypatch.setattr(chat_module, "release_slow_moves",
+                        lambda: events.append("release") or huge_pages.release_slow_moves())
+    session = Session(smollm2_f32, CacheOptions(), None, capacity=512)
+    out = io.StringIO()
+    chat = Chat(session, sampling=SamplingParams(0.0, 0, 1.0), max_new_tokens=3, seed=0, out=out)
+    chat.answer("Hi")
+    assert events == ["hold", "release"] and huge_pages._slow_moves_may_run.is_set() and out.getvalue().strip()
