@@ -44,6 +44,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     """Fetch what was asked, build the native kernels if they are not built yet (a failed build warns and leaves
     the torch kernels), then prepare each fetched model for ``generate``'s defaults (``load.prepare_model``), so
     that the set-up command leaves nothing to compile, repack or convert on first use."""
+    import gc
     import time
 
     from . import kernels
@@ -57,8 +58,6 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     models = [name for name in fetched if name in MODEL_FIXTURES]
     if not models:
         return 0
-    import gc
-
     from .loading.load import prepare_model
     from .loading.tensor_cache import stop_moves
 

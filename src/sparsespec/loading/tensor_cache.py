@@ -28,10 +28,9 @@ format reads that file and builds nothing, so it holds exactly the same values a
   (e.g. a full disk) only skips caching.
 
 A stored file is memory-mapped, not read: the model runs on the page cache's pages from the start, and a background
-thread moves them into anonymous huge pages at the same addresses (``huge_pages.py``, which says why and what each
-costs). :func:`prefetch_stored_models` maps the files and starts that move before the command imports torch (about
-a second, during which the moving thread needs the interpreter only between its system calls). This module does
-not import torch for that reason.
+thread moves them into anonymous huge pages at the same addresses when the command lets it (``huge_pages.py``, which
+says why, what each costs and who holds the move). :func:`prefetch_stored_models` maps the files on that thread
+before the command imports torch. This module does not import torch for that reason.
 """
 
 from __future__ import annotations
