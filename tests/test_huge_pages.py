@@ -164,7 +164,7 @@ def test_held_slow_moves_wait_once_fresh_pages_prove_slow(mapped_file, monkeypat
         mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(file.mapping, file.fd)))
         mover.start()
         mover.join(timeout=1.0)
-        assert mover.is_alive() and huge_pages.huge_pages_slow()
+        assert mover.is_alive() and huge_pages._huge_pages_slow.is_set()
         pages = mapped_pages(file.view.ctypes.data, file.view.ctypes.data + size)
         assert pages["anonymous"] * 1024 == 2 * page  # it stopped where it found them slow
     finally:

@@ -22,8 +22,8 @@ one beside torch's import slowed the import too (a start of the 1.5B: 2.8-3.2 s 
 decoding halved it for its 5-8 s: a 128-token run took longer than copying before the first token had. So
 ``generate`` holds the moves (:func:`pause_moves`) until its first token is out, and where the moves find fresh huge
 pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run (:func:`hold_slow_moves`): it decodes
-from the mapped file, 7-9% slower than from huge pages but from the start. ``serve`` holds slow moves while it has
-requests, so they run while it idles; ``chat`` lets them run (it waits for input first).
+from the mapped file, 7-15% slower than from huge pages but from the start. ``serve`` holds slow moves while it
+has requests and ``chat`` while it answers, so they run while those wait.
 
 This module does not import torch (the mapping starts before torch's import).
 """
@@ -77,11 +77,6 @@ def hold_slow_moves() -> None:
 def release_slow_moves() -> None:
     """Let the moves held by :func:`hold_slow_moves` go on."""
     _slow_moves_may_run.set()
-
-
-def huge_pages_slow() -> bool:
-    """Whether a move has found fresh huge pages slow to get on this machine."""
-    return _huge_pages_slow.is_set()
 
 
 def _wait_for_turn(stop: threading.Event | None) -> bool:
