@@ -298,3 +298,13 @@ def attention_path(request):
     if request.param == "native-op":
         request.getfixturevalue("native_kernels")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(smollm2_f32):
+    """A 2-layer random model speaking SmolLM2's vocabulary: fast, and its chat template is SmolLM2's (the server's
+    tests, where only the server's behaviour matters)."""
+    from sparsespec.loading.load import LoadedModel
+
+    model = tiny_model(vocab_size=len(smollm2_f32.tokenizer), max_position_embeddings=2048)
+    return LoadedModel("tiny", None, model.config, model, smollm2_f32.tokenizer)

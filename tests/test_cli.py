@@ -329,7 +329,11 @@ INVALID_FLAGS = [
     (["--top-p", "0"], ["--top-p", "(0, 1]", "0.0"]),
     (["--top-p", "1.5"], ["--top-p", "1.5"]),
     (["--top-k", "-3"], ["--top-k", "-3"]),
-    (["--draft", "self", "--gamma", "0"], ["--gamma", "at least 1"]),
+    (["--draft", "self", "--gamma", "0"], ["--gamma", "from 1 to 64", "got 0"]),
+    (["--draft", "self", "--gamma", "1000000"], ["--gamma", "from 1 to 64", "got 1000000"]),
+    (["--budget", "256", "--recall-pages", "100000"], ["--recall-pages", "from 1 to 1024", "got 100000"]),
+    (["--budget", "256", "--recall-pages", "0"], ["--recall-pages", "from 1 to 1024", "got 0"]),
+    (["--threads", "100000"], ["--threads", "from 1 to", "per core", "got 100000"]),
     (["--draft", "self", "--gamma", "many"], ["--gamma", "'many'"]),
     (["--policy", "hybrid", "--budget", "2"], ["budget of 2"]),
     (["--policy", "hybrid", "--budget", "5"], ["budget of 5", "heavy hitters"]),
@@ -341,7 +345,7 @@ INVALID_FLAGS = [
     (["--policy", "hybrid", "--budget", "10", "--sinks", "4", "--heavy", "3", "--window", "2"],
      ["does not match --budget 10"]),
     (["--prefill-chunk", "0"], ["--prefill-chunk", "at least 1"]),
-    (["--threads", "0"], ["--threads", "at least 1"]),
+    (["--threads", "0"], ["--threads", "from 1 to", "got 0"]),
     # Flags that would do nothing in this combination.
     (["--gamma", "2"], ["--gamma", "nothing without --draft"]),
     (["--draft-budget", "16", "--draft-weights", "int4"], ["--draft-weights, --draft-budget", "without --draft"]),
@@ -682,3 +686,39 @@ def test_simulate_kv_bytes_gives_the_budget(capsys, smollm2_path):
     assert report["settings"]["budget"] == slots - 1
     assert report["settings"]["combined_budget"] == slots - (DEFAULT_GAMMA + 1)  # γ + 1 rows in flight
     assert report["settings"]["budget_source"] == "from --kv-bytes"
+
+
+def test_a_seed_of_any_size_is_reduced_as_the_server_reduces_it(capsys, cached_smollm2):
+    """A seed beyond 64 bits samples the stream of that seed modulo 2^63 (the server's rule), not a traceback."""
+    big = 10**30
+    texts = []
+    for seed in (big, big % 2**63):
+        code, out, err = run_cli(capsys, "generate", "--prompt", PROMPT, "-n", "6", "--temperature", "0.8",
+                                 "--seed", str(seed), "--json")
+        assert code == 0, err
+        texts.append(json.loads(out)["text"])
+    assert texts[0] == texts[1]
+
+
+def test_a_gguf_that_can_no_longer_be_read_is_refused_even_when_prepared(tmp_path, monkeypatch, smollm2_path):
+    """Resolving a model opens its file each time, so a stored preparation never stands in for a file that is gone
+    unreadable or replaced by something else."""
+    from sparsespec.loading.source import resolve_model
+
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(smollm2_path.read_bytes()[:4096])
+    assert resolve_model(str(copy)).path == copy
+    real_open = open
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path) == str(copy):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(UserError, match="cannot be read .Permission denied"):
+        resolve_model(str(copy))
+    monkeypatch.undo()
+    copy.write_bytes(b"PK\x03\x04" + bytes(4092))
+    with pytest.raises(UserError, match="does not start with GGUF's magic number"):
+        resolve_model(str(copy))

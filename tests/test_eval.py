@@ -417,7 +417,7 @@ def test_ppl_max_tokens_beyond_context_is_refused_before_loading(tmp_path):
         (["--out", "x.jsonl", "--speed", "--context-tokens", "10"], "give --text too"),
         (["--out", "x.jsonl", "--speed", "--new-tokens", "0"], "--new-tokens"),
         (["--out", "x.jsonl", "--speed", "--budgets", "32,abc"], "integers"),
-        (["--out", "x.jsonl", "--speed", "--draft", "self", "--gammas", "0"], "--gamma must be at least 1"),
+        (["--out", "x.jsonl", "--speed", "--draft", "self", "--gammas", "0"], "--gamma must be from 1 to 64"),
         (["--out", "x.jsonl", "--speed", "--gammas", "2"], "--gammas does nothing without a draft"),
         (["--out", "x.jsonl", "--speed", "--draft-budget", "32"], "--draft-budget does nothing without a draft"),
         (["--out", "x.jsonl", "--speed", "--chunk", "4", "--ppl-window", "64"], "--chunk, --ppl-window do nothing"),

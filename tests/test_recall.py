@@ -269,7 +269,7 @@ def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, r
 def test_recall_needs_pages_and_a_budget():
     assert recall_for(None, make_policy("hybrid", 64)) is None
     assert recall_for(4, make_policy("streaming", 64)) == Recall(4)
-    with pytest.raises(UserError, match="at least 1"):
+    with pytest.raises(UserError, match="from 1 to 1024"):
         recall_for(0, make_policy("hybrid", 64))
     with pytest.raises(UserError, match="the full cache evicts nothing"):
         recall_for(4, make_policy("full"))
@@ -277,7 +277,7 @@ def test_recall_needs_pages_and_a_budget():
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["generate", "--recall-pages", "4", "-p", "x"], "the full cache evicts nothing"),
-    (["generate", "--budget", "64", "--recall-pages", "0", "-p", "x"], "at least 1"),
+    (["generate", "--budget", "64", "--recall-pages", "0", "-p", "x"], "from 1 to 1024 (got 0)"),
     (["generate", "--draft-recall-pages", "2", "-p", "x"], "--draft-recall-pages does nothing without --draft"),
     (["ppl", "--text", "corpus:hamlet", "--budget", "64", "--recall-pages", "4"], "only decode rows recall"),
 ])

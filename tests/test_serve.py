@@ -17,9 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -30,66 +27,15 @@ from openai import APIError, OpenAI
 from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions
-from sparsespec.loading.load import LoadedModel, release_freed_memory
+from sparsespec.loading.load import release_freed_memory
 from sparsespec.model import Transformer
 from sparsespec.serve.server import ServerState, create_app
 from sparsespec.sampling import SamplingParams
 from sparsespec.serve.worker import TEXT_INTERVAL_SECONDS, EngineWorker, GenerationRequest, Job
 
-from conftest import tiny_model
+from serving import chat, client, get, live_server, metric, post, settled_metric, start_long_stream
 
 QUESTION = "What is 2+2? Answer with a number only."  # SmolLM2 answers "2 + 2 = 4" and stops
-
-
-@contextmanager
-def live_server(load):
-    """An app on a free 127.0.0.1 port, served by uvicorn in a thread; yields ``(base_url, state)``."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    state = ServerState(load)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + 120
-        while get(url + "/health")[0] != 200:
-            assert state.error is None, state.error
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.05)
-        yield url, state
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
-
-
-def post(url: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat(c: OpenAI, messages: list[dict], max_tokens: int, **kw):
-    return c.chat.completions.create(model="any", messages=messages, max_tokens=max_tokens, temperature=0, **kw)
 
 
 def generate_text(capsys, question: str, max_new_tokens: int, *flags: str) -> str:
@@ -101,47 +47,11 @@ def generate_text(capsys, question: str, max_new_tokens: int, *flags: str) -> st
     return json.loads(capsys.readouterr().out)["text"]
 
 
-def metric(url: str, name: str) -> float:
-    status, text = get(url + "/metrics")
-    assert status == 200
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"sparsespec_{name} ")))
-
-
-def settled_metric(url: str, name: str, timeout: float = 30.0) -> float:
-    """``metric`` once the engine is idle: a request's answer can reach the client before the engine thread has
-    counted the pass that finished it, and it sets ``slots_busy`` only after counting."""
-    deadline = time.monotonic() + timeout
-    while metric(url, "slots_busy") != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return metric(url, name)
-
-
-def start_long_stream(url: str) -> http.client.HTTPConnection:
-    """A streamed 2,000-token completion whose first event has arrived; its connection, for the test to drop."""
-    host, port = url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions",
-                       json.dumps({"prompt": "Once", "max_tokens": 2000, "stream": True, "temperature": 0}),
-                       {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    response.fp.readline()  # the first event
-    return connection
-
-
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def smol_server(smollm2_f32):
     with live_server(lambda: EngineWorker(smollm2_f32, CacheOptions())) as (url, _):
         yield url
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(smollm2_f32):
-    """A 2-layer random model speaking SmolLM2's vocabulary: fast, and its chat template is SmolLM2's."""
-    model = tiny_model(vocab_size=len(smollm2_f32.tokenizer), max_position_embeddings=2048)
-    return LoadedModel("tiny", None, model.config, model, smollm2_f32.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -564,8 +474,16 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
     (["--no-evict-overflow"], "--no-evict-overflow only matters"),
     (["--gamma", "3"], "--gamma does nothing without --draft"),
     (["--draft-kv-dtype", "int4"], "--draft-kv-dtype does nothing without --draft"),
-    (["--queue-size", "0"], "--queue-size must be at least 1"),
-    (["--parallel", "0"], "--parallel must be at least 1"),
+    (["--queue-size", "0"], "--queue-size must be from 1 to 65536 (got 0)"),
+    (["--parallel", "0"], "--parallel must be from 1 to 256 (got 0)"),
+    (["--parallel", "100000"], "--parallel must be from 1 to 256 (got 100000)"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
+    (["--max-body-bytes", "12"], "--max-body-bytes must be at least 1 KiB"),
+    (["--max-body-bytes", "lots"], "--max-body-bytes takes a size in bytes"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--threads", "100000"], "--threads must be from 1 to"),
+    (["--gamma", "1000000", "--draft", "self"], "--gamma must be from 1 to 64"),
+    (["--recall-pages", "100000", "--budget", "256"], "--recall-pages must be from 1 to 1024"),
 ])
 def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):
     assert main(["serve", "--model", "smollm2-135m", *flags]) == 2

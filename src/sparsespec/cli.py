@@ -77,12 +77,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from . import __version__, kernels
+    from .flags import check_threads
     from .loading.tensor_cache import describe_tensor_cache
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1 (got {args.threads}).")
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(check_threads(args.threads))
     print(f"sparsespec {__version__}, torch {torch.__version__}")
     print(kernels.info())
     print("\n".join(describe_tensor_cache()))

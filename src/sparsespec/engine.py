@@ -16,14 +16,14 @@ from .cache.arena import KVArena
 from .cache.layered import LayeredArena, global_config, sliding_config, window_policy
 from .cache.policy import CachePolicy, make_policy
 from .cache.quant import BITS, check_kv_dtype, recent_window_for
-from .cache.recall import recall_for
+from .cache.recall import recall_for, recalled_entries
 from .cache.retention import retention_for
 from .config import ModelConfig
 from .errors import UserError
 from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
 from .passes import Pass, Program, run_alone
-from .sampling import SamplingParams
+from .sampling import SamplingParams, seeded_generator
 from .speculative import (
     AdaptiveGamma,
     STARTS_PLAIN_AT_COST,
@@ -100,12 +100,18 @@ def check_in_cache_ranks(loaded: LoadedModel, cache: CacheOptions, staging: int)
     """
     budget = cache.policy.budget
     context = loaded.config.max_position_embeddings
-    if cache.positions != "in-cache" or budget is None or cache.force_context or budget + staging <= context:
+    if cache.positions != "in-cache" or budget is None or cache.force_context:
         return
-    raise UserError(
-        f"With --positions in-cache the ranks reach --budget {budget} + {staging} staged rows = {budget + staging}, "
-        f"past {loaded.name}'s context of {context} tokens; lower --budget or the chunk (or --force-context)."
-    )
+    if budget + staging > context:
+        raise UserError(
+            f"With --positions in-cache the ranks reach --budget {budget} + {staging} staged rows = "
+            f"{budget + staging}, past {loaded.name}'s context of {context} tokens; lower --budget or the chunk "
+            "(or --force-context).")
+    recalled = cache.policy.sinks + recalled_entries(cache.recall_pages) if cache.recall_pages else 0
+    if recalled > context:
+        raise UserError(
+            f"With --positions in-cache the {cache.recall_pages} recalled pages take ranks up to {recalled}, past "
+            f"{loaded.name}'s context of {context} tokens; lower --recall-pages (or --force-context).")
 
 
 def arena_staging(cache: CacheOptions, max_tokens: int, max_inflight: int) -> int:
@@ -239,6 +245,11 @@ class DraftOptions:
     while_paying: bool = False
 
 
+# The most draft tokens a round may propose: a verification pass stages γ + 1 rows in both arenas, and acceptance
+# falls geometrically with γ, so rounds past a few dozen tokens only allocate.
+MAX_GAMMA = 64
+
+
 def parse_gamma(text: str) -> int | str:
     """``--gamma`` value: a positive integer or ``auto``."""
     if text == "auto":
@@ -247,8 +258,8 @@ def parse_gamma(text: str) -> int | str:
         value = int(text)
     except ValueError:
         raise UserError(f"--gamma must be a positive integer or 'auto' (got {text!r}).") from None
-    if value < 1:
-        raise UserError(f"--gamma must be at least 1 (got {value}).")
+    if not 1 <= value <= MAX_GAMMA:
+        raise UserError(f"--gamma must be from 1 to {MAX_GAMMA} (got {value}).")
     return value
 
 
@@ -390,7 +401,7 @@ class Session:
             )
         stats = stats if stats is not None else RunStats()
         stats.prompt_tokens = len(prompt_ids)
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        generator = seeded_generator(seed)
 
         self._prepare_arenas(total)
         reuse = self.reusable(prompt_ids)

@@ -220,13 +220,31 @@ def prefetch_models(args: argparse.Namespace) -> None:
     prefetch_stored_models([args.model, getattr(args, "draft", None)], args.dtype, [args.weights, draft_weights])
 
 
+# More threads than this many per core only queue for the cores (each pass's barriers then wait on the slowest).
+MAX_THREADS_PER_CORE = 4
+
+
+def check_threads(threads: int) -> int:
+    """``threads`` if the engine can use it: refused below 1 or above :data:`MAX_THREADS_PER_CORE` per core this
+    process may run on, with a warning above one per core."""
+    import os
+    import sys
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+        raise UserError(f"--threads must be from 1 to {MAX_THREADS_PER_CORE * cores} ({MAX_THREADS_PER_CORE} per "
+                        f"core of the {cores} this process may use; got {threads}).")
+    if threads > cores:
+        print(f"sparsespec: warning: --threads {threads} is more than the {cores} cores this process may use; the "
+              "threads will take turns on them, which is slower than one per core.", file=sys.stderr)
+    return threads
+
+
 def setup_torch(args: argparse.Namespace):
     import torch
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1 (got {args.threads}).")
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(check_threads(args.threads))
     from .loading.load import DTYPES
 
     if args.weights is None:

@@ -62,6 +62,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+SEED_RANGE = 2**63  # seeds are reduced modulo this: a generator takes a signed 64-bit value
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A generator seeded with ``seed`` (None: 0). Any integer is taken, reduced modulo :data:`SEED_RANGE`, so a
+    seed of any size (a command-line flag, a request's ``seed`` field) names one stream and never overflows."""
+    return torch.Generator().manual_seed((seed or 0) % SEED_RANGE)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from ``probs: [vocab]``."""
     return int(torch.multinomial(probs, 1, generator=generator))

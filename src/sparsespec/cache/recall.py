@@ -57,6 +57,9 @@ from .quant import group_size, quantize
 
 PAGE = 16  # entries per page (Quest's page size)
 DEFAULT_PAGES = 8  # pages a row recalls: 128 entries, an eighth of a 1024-entry budget
+# The most pages a row may recall: 16,384 entries, more than any budget this engine is run with; a row's recall
+# allocates and reads that many entries for every layer.
+MAX_PAGES = 1024
 BITS = 4
 
 
@@ -67,13 +70,18 @@ class Recall:
     pages: int = DEFAULT_PAGES
 
 
+def recalled_entries(pages: int) -> int:
+    """The most entries one row reads back with ``pages`` pages: theirs and the newest, incomplete page."""
+    return pages * PAGE + PAGE
+
+
 def recall_for(pages: int | None, policy: CachePolicy) -> Recall | None:
     """The recall of ``--recall-pages PAGES`` (None: no cold tier). Raises :class:`UserError` for a page count
     below 1 or a policy that evicts nothing."""
     if pages is None:
         return None
-    if pages < 1:
-        raise UserError(f"--recall-pages must be at least 1 (got {pages}); drop it to keep no cold tier.")
+    if not 1 <= pages <= MAX_PAGES:
+        raise UserError(f"--recall-pages must be from 1 to {MAX_PAGES} (got {pages}); drop it to keep no cold tier.")
     if policy.is_full:
         raise UserError("--recall-pages reads back what a budgeted cache evicted, and the full cache evicts nothing; "
                         "choose a budgeted --policy or drop --recall-pages.")
@@ -295,7 +303,7 @@ class ColdTier:
             extra_start, extra, extra_summaries, total = 0, None, None, self.count
         else:
             extra_start, extra, extra_summaries, total = self.view(layer, pending)
-        recalled = self.pages * PAGE + PAGE  # the most entries a row reads, which take the ranks from self.rank on
+        recalled = recalled_entries(self.pages)  # the most entries a row reads, which take the ranks from self.rank on
         highest = max(self.rank + recalled if self.rank is not None else self.highest_position, query_row)
         if pending_given:
             highest = max(highest, int(extra.positions.max()))

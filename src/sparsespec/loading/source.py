@@ -30,6 +30,7 @@ def resolve_model(ref: str) -> ModelSource:
         fixture = MODEL_FIXTURES[ref]
         if not fixture.path.is_file():
             raise UserError(f"Model {ref!r} is not fetched yet; run `sparsespec fetch {ref}` first.")
+        check_gguf_readable(fixture.path)
         return ModelSource("gguf", fixture.path, ref)
     path = Path(ref).expanduser()
     if path.is_dir():
@@ -41,9 +42,22 @@ def resolve_model(ref: str) -> ModelSource:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file {path} does not exist.")
+        check_gguf_readable(path)
         return ModelSource("gguf", path, path.stem)
     known = ", ".join(MODEL_FIXTURES)
     raise UserError(f"Unknown model {ref!r}: give one of {known}, a .gguf file or a Hugging Face model folder.")
+
+
+def check_gguf_readable(path: Path) -> None:
+    """Raise :class:`UserError` unless ``path`` can be opened and starts with GGUF's magic number: checked on every
+    resolution, so a model whose prepared weights are stored still needs its file (no other read of it may come)."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(4)
+    except OSError as exc:
+        raise UserError(f"GGUF file {path} cannot be read ({exc.strerror or exc}).") from None
+    if magic != b"GGUF":
+        raise UserError(f"{path} is not a readable GGUF file (it does not start with GGUF's magic number).")
 
 
 def open_gguf(path: Path):
@@ -130,12 +144,24 @@ class _GGUFHeader:
         if kind != _GGUF_ARRAY:
             raise ValueError(f"unknown metadata value type {kind}")
         element, count = self.take("<I"), self.take("<Q")
+        # Each element takes at least this many bytes, so a count the rest of the file cannot hold is refused before
+        # anything walks it (a string: its length field; an array: its type and count).
+        least = struct.calcsize(_GGUF_SCALAR_FORMATS[element]) if element in _GGUF_SCALAR_FORMATS else 12
+        if element not in _GGUF_SCALAR_FORMATS and element not in (_GGUF_STRING, _GGUF_ARRAY):
+            raise ValueError(f"unknown metadata array type {element}")
+        self.fits(count, 8 if element == _GGUF_STRING else least, "array elements")
         if element in _GGUF_SCALAR_FORMATS:
-            self.pos += count * struct.calcsize(_GGUF_SCALAR_FORMATS[element])
+            self.pos += count * least
         else:  # strings or nested arrays: each element says its own length
             for _ in range(count):
                 self.skip(element)
         return SkippedArray(count)
+
+    def fits(self, count: int, least_bytes: int, what: str) -> None:
+        """Raise ``ValueError`` when ``count`` items of at least ``least_bytes`` each cannot fit in the bytes left."""
+        left = len(self.data) - self.pos
+        if count * least_bytes > left:
+            raise ValueError(f"it declares {count} {what}, more than its remaining {left} bytes can hold")
 
     def skip(self, kind: int) -> None:
         if kind == _GGUF_STRING:
@@ -152,40 +178,90 @@ class _GGUFHeader:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
         n_tensors, n_metadata = self.take("<Q"), self.take("<Q")
+        self.fits(n_tensors, 24, "tensors")  # name length, dimension count, type and offset
+        self.fits(n_metadata, 13, "metadata entries")  # key length, value type, a one-byte value
         metadata = {}
         for _ in range(n_metadata):
             key = self.string()
+            if key in metadata:
+                raise ValueError(f"the metadata key {key} appears twice")
             metadata[key] = self.value(self.take("<I"))
         table = []
+        names = set()
         for _ in range(n_tensors):
             name = self.string()
-            dims = tuple(self.take("<Q") for _ in range(self.take("<I")))
+            if name in names:
+                raise ValueError(f"the tensor name {name} appears twice")
+            names.add(name)
+            n_dims = self.take("<I")
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                raise ValueError(f"tensor {name} has {n_dims} dimensions (GGUF allows 1 to {GGML_MAX_DIMS})")
+            dims = tuple(self.take("<Q") for _ in range(n_dims))
             table.append((name, dims, self.take("<I"), self.take("<Q")))
         if self.pos > len(self.data):
             raise ValueError("the tensor table runs past the end of the file")
         alignment = metadata.get("general.alignment", 32)
-        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+        if not isinstance(alignment, int) or alignment < 8 or alignment % 8:
+            raise ValueError(f"general.alignment is {alignment!r}, not a positive multiple of 8")
         start = -(-self.pos // alignment) * alignment
         tensors = {name: GGUFTensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in table}
+        _check_tensor_data(tensors, start, alignment, len(self.data))
         return metadata, tensors
+
+
+# GGML's most dimensions a tensor may have.
+GGML_MAX_DIMS = 4
+
+
+def tensor_nbytes(info: GGUFTensorInfo) -> int | None:
+    """Bytes of a tensor's data by its GGML type's block size and bytes (None for a type the ``gguf`` package does not
+    know); raises ``ValueError`` when its rows are not whole blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    except (KeyError, ValueError):
+        return None
+    if info.dims[0] % block:
+        raise ValueError(f"tensor {info.name}'s rows of {info.dims[0]} values are not whole blocks of {block}")
+    elements = 1
+    for d in info.dims:
+        elements *= d
+    return elements // block * block_bytes
+
+
+def _check_tensor_data(tensors: dict[str, GGUFTensorInfo], start: int, alignment: int, file_size: int) -> None:
+    """Raise ``ValueError`` unless every tensor's data starts aligned, lies inside the file and overlaps no other
+    tensor's (by the sizes their types and shapes give). Tensors of a type the ``gguf`` package does not know are
+    only checked for alignment: the loaders refuse them by name."""
+    spans = []
+    for info in tensors.values():
+        if (info.offset - start) % alignment:
+            raise ValueError(f"tensor {info.name}'s data is not aligned to {alignment} bytes")
+        nbytes = tensor_nbytes(info)
+        if nbytes is None:
+            continue
+        if info.offset + nbytes > file_size:
+            raise ValueError(f"tensor {info.name}'s data runs past the end of the file")
+        spans.append((info.offset, info.offset + nbytes, info.name))
+    spans.sort()
+    for (_, end, name), (begin, _, following) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {name} and {following} overlap")
 
 
 def read_gguf_tensor_storage(path: Path) -> dict[str, tuple[str, int]]:
     """Each tensor of a GGUF file as stored: its GGML type's name (``Q4_K``) and its bytes (by the type's block size
     and bytes), from the header alone."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
     _, tensors = read_gguf_tensor_table(path)
     sizes = {}
     for name, t in tensors.items():
-        try:
-            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
-        except (KeyError, ValueError):
-            raise UserError(f"{path}: tensor {name} has an unknown type {t.ggml_type}.") from None
-        elements = 1
-        for d in t.dims:
-            elements *= d
-        sizes[name] = (GGMLQuantizationType(t.ggml_type).name, elements // block * block_bytes)
+        nbytes = tensor_nbytes(t)
+        if nbytes is None:
+            raise UserError(f"{path}: tensor {name} has an unknown type {t.ggml_type}.")
+        sizes[name] = (GGMLQuantizationType(t.ggml_type).name, nbytes)
     return sizes
 
 
@@ -193,8 +269,31 @@ def read_gguf_config(path: Path, table: tuple[dict, dict[str, GGUFTensorInfo]] |
     """The :class:`ModelConfig` of a GGUF file: its header (``table``: :func:`read_gguf_tensor_table`'s, if read
     already) and the values of its ``rope_freqs.weight``, the one tensor that is part of the config."""
     metadata, tensors = table or read_gguf_tensor_table(path)
+    _check_counts(path, metadata, tensors)
     info = tensors.get(GGUF_ROPE_FREQS)
-    return ModelConfig.from_gguf_metadata(metadata, set(tensors), _read_float_vector(path, info) if info else ())
+    rope_freqs = _read_float_vector(path, info) if info else ()
+    try:
+        return ModelConfig.from_gguf_metadata(metadata, set(tensors), rope_freqs)
+    except (TypeError, ValueError, OverflowError) as exc:  # a metadata value of the wrong type (a string for a count)
+        raise UserError(f"{path} has a metadata value of the wrong type ({exc}).") from None
+
+
+def _check_counts(path: Path, metadata: dict, tensors: dict[str, GGUFTensorInfo]) -> None:
+    """Raise :class:`UserError` when the header's layer count or vocabulary size disagrees with the tensors the file
+    holds, before anything is sized by them (a layer count of 2³¹ would otherwise be allocated for)."""
+    arch = metadata.get("general.architecture")
+    layers = metadata.get(f"{arch}.block_count")
+    if isinstance(layers, int):
+        held = {name.split(".", 2)[1] for name in tensors if name.startswith("blk.") and name.count(".") >= 2}
+        if layers != len(held) or held != {str(i) for i in range(layers)}:
+            raise UserError(f"{path} declares {layers} layers ({arch}.block_count) but holds the tensors of "
+                            f"{len(held)}; the file is damaged.")
+    vocab = metadata.get(f"{arch}.vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    vocab = len(vocab) if isinstance(vocab, SkippedArray) else vocab
+    embedding = tensors.get("token_embd.weight")
+    if isinstance(vocab, int) and embedding is not None and len(embedding.dims) == 2 and embedding.dims[1] != vocab:
+        raise UserError(f"{path} declares a vocabulary of {vocab} tokens but its embedding has {embedding.dims[1]} "
+                        "rows; the file is damaged.")
 
 
 def _read_float_vector(path: Path, info: GGUFTensorInfo) -> tuple[float, ...]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -41,6 +43,9 @@ class Tokenizer:
         # sha256 of the stored backend it was read from (None when built here): equal digests, equal token ids
         self.digest = digest
         self._template = None  # compiled on first use
+        self._specials = None  # a pattern matching any special token's text, built on first use
+        # Encoding reads the backend's encode_special_tokens switch, which content tokenized as text flips.
+        self._encode_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ building, storing
     @classmethod
@@ -78,13 +83,28 @@ class Tokenizer:
         (folder / CONFIG_FILE).write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
 
     # ------------------------------------------------------------------------------------------------- the interface
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (with the BOS or other tokens the tokenizer adds when ``add_special_tokens``)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, specials_as_text: bool = False) -> list[int]:
+        """Token ids of ``text`` (with the BOS or other tokens the tokenizer adds when ``add_special_tokens``).
+
+        Special tokens written in ``text`` (``<|im_end|>`` …) become those tokens, unless ``specials_as_text``: then
+        they are tokenized as the characters they are written with. Safe to call from several threads; the backend
+        runs without Python's global lock, so a long text tokenized on one thread leaves the others running."""
+        return self._encode(text, add_special_tokens, specials_as_text).ids
+
+    def _encode(self, text: str, add_special_tokens: bool, specials_as_text: bool = False):
+        with self._encode_lock:
+            self.backend.encode_special_tokens = specials_as_text
+            try:
+                if len(text) < LONG_TEXT_CHARS:
+                    return self.backend.encode(text, add_special_tokens=add_special_tokens)
+                # encode_batch gives the same encoding and releases Python's global lock (encode holds it)
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            finally:
+                self.backend.encode_special_tokens = False
 
     def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
         """``{"input_ids": [...]}`` and, when asked, ``"offset_mapping"``: each token's ``(start, end)`` characters."""
-        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        encoding = self._encode(text, add_special_tokens)
         out = {"input_ids": encoding.ids}
         if return_offsets_mapping:
             out["offset_mapping"] = encoding.offsets
@@ -118,14 +138,66 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = True) -> list[int] | str:
         """The chat prompt of ``messages`` (dicts with ``role`` and ``content``): its ids, or its text when not
-        ``tokenize``. The template writes the special tokens itself, so none are added when encoding."""
+        ``tokenize``. The template writes the special tokens itself, so none are added when encoding.
+
+        **Message content is text**: a special token's text inside a message's content (``<|im_end|>`` typed by a
+        user) is tokenized as those characters, never as the control token, so no message can end its turn or open
+        another; the template's own special tokens stay control tokens. Prompts whose contents hold no special
+        token's text are tokenized exactly as ``transformers`` tokenizes them. Raises :class:`ContentNotText` when
+        a content that holds one is changed by the template as it renders it (then its place in the prompt is not
+        known)."""
+        text = self._render(messages, add_generation_prompt)
+        if not tokenize:
+            return text
+        guarded = {i for i, m in enumerate(messages) if isinstance(m.get("content"), str)
+                   and self._special_pattern().search(m["content"])}
+        if not guarded:
+            return self.encode(text, add_special_tokens=False)
+        # Render again with each guarded content replaced by a marker, to learn where the contents lie.
+        marked = [dict(m, content=f"{_MARK}{i}{_MARK}") if i in guarded else m for i, m in enumerate(messages)]
+        pieces = re.split(f"{_MARK}([0-9]+){_MARK}", self._render(marked, add_generation_prompt))
+        contents = [messages[int(index)]["content"] for index in pieces[1::2]]
+        rebuilt = "".join(part for pair in zip(pieces[::2], contents + [""]) for part in pair)
+        if rebuilt != text or len(set(pieces[1::2])) != len(guarded):
+            first = min(guarded)
+            raise ContentNotText(f"message {first}'s content holds the text of a special token "
+                                 f"({self._special_pattern().search(messages[first]['content']).group(0)!r}), and "
+                                 "this model's chat template changes message content as it renders it, so that "
+                                 "text cannot be kept apart as plain text; remove it from the message.")
+        ids = []
+        for template_text, content in zip(pieces[::2], contents + [None]):
+            ids += self.encode(template_text, add_special_tokens=False)
+            if content is not None:
+                ids += self.encode(content, add_special_tokens=False, specials_as_text=True)
+        return ids
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=None, documents=None, **self.special_tokens)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _special_pattern(self) -> re.Pattern:
+        """A pattern matching the text of any special token (longest first)."""
+        if self._specials is None:
+            texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values() if t.special),
+                           key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, texts)) if texts else "(?!)")
+        return self._specials
+
+
+# Texts at least this long are tokenized without holding Python's global lock (tens of milliseconds and up), so a
+# server's event loop answers while a long prompt is tokenized on another thread. Shorter ones take the plain call:
+# the batch call may start the backend's thread pool, after which a fork makes the backend print a warning.
+LONG_TEXT_CHARS = 65536
+# Brackets the index of a message in the marked rendering (a private-use character, never in a template).
+_MARK = "\ue000"
+
+
+class ContentNotText(UserError):
+    """A message's content holds a special token's text that cannot be kept apart as plain text."""
 
 
 def stored_tokenizer_digest(folder: Path) -> str | None:

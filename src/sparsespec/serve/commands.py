@@ -8,6 +8,7 @@ import threading
 import time
 
 from ..errors import UserError
+from .guard import API_KEY_ENV
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-evict-overflow", action="store_true",
                         help="with a budget and in-cache positions, answer 400 to a request that would run past "
                         "the model's context instead of evicting")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                        help="the longest prompt taken, in tokens (default: the model's context, or 2^20 where a "
+                        "budget with in-cache positions lets a conversation outgrow it)")
+    parser.add_argument("--max-body-bytes", default="8MiB", metavar="SIZE",
+                        help="the largest request body read, in bytes or with a KiB / MiB suffix (default: "
+                        "%(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"answer only requests that send 'Authorization: Bearer KEY' (all but /health); "
+                        f"default: ${API_KEY_ENV}, else none. The environment keeps the key out of process lists")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="also accept requests whose Host header names NAME (repeatable; '*' accepts any). By "
+                        "default only the address listened on, localhost and, on 0.0.0.0, IP addresses: web pages "
+                        "cannot reach the server through a name of theirs (DNS rebinding)")
+    parser.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages at ORIGIN (e.g. http://localhost:3000; '*' for any) call the server "
+                        "and read its answers (repeatable); without it requests from web pages are refused")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -73,13 +90,21 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..loading.source import resolve_model
+    from ..flags import parse_size
+    from .guard import access_from_environment
     from .server import ServerState, create_app
     from .worker import EngineWorker, check_worker_options
 
     options = engine_options(args)
-    check_worker_options(options[0], args.queue_size, args.no_evict_overflow, args.parallel)
+    check_worker_options(options[0], args.queue_size, args.no_evict_overflow, args.parallel, args.max_prompt_tokens)
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be from 0 to 65535 (got {args.port}).")
+    max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
+    if max_body < 1024:
+        raise UserError(f"--max-body-bytes must be at least 1 KiB (got {max_body} bytes).")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty; give a key, or drop the flag to serve without one.")
+    access = access_from_environment(args.host, args.allow_host, args.cors, args.api_key, max_body)
     _check_port_free(args.host, args.port)  # before the model loads, not a minute after
     resolve_model(args.model)  # a wrong name fails now, not after the port is open
     if args.draft not in (None, "self"):
@@ -89,11 +114,12 @@ def run_serve(args: argparse.Namespace) -> int:
         target, cache, draft = load_engine(args, options)
         print(f"sparsespec: {target.name} loaded; serving.", file=sys.stderr, flush=True)
         return EngineWorker(target, cache, draft, parallel=args.parallel, queue_size=args.queue_size,
-                            no_evict_overflow=args.no_evict_overflow)
+                            no_evict_overflow=args.no_evict_overflow, max_prompt_tokens=args.max_prompt_tokens)
 
     # The engine takes this (the main) thread, the HTTP server a thread beside it (see ServerState).
     state = ServerState(load, background=False)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(state, access), host=args.host, port=args.port,
+                                           log_level="warning"))
     http = threading.Thread(target=server.run, name="sparsespec-http", daemon=True)
     state.on_failure = lambda exc: setattr(server, "should_exit", True)
     print(f"sparsespec: loading {args.model}; the API will be at http://{args.host}:{args.port}/v1 "

@@ -3,16 +3,24 @@
 Fields read: ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop``, ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``, ``ignore_eos`` (an extension, as vLLM's and llama.cpp's servers have it: go on
-past end-of-sequence tokens to ``max_tokens``, for load tests). Every other field is ignored. Defaults are OpenAI's: temperature 1, top_p 1.
+past end-of-sequence tokens to ``max_tokens``, for load tests), ``cache_salt`` (as vLLM's: a request resumes only
+from cached text that a request with the same salt left). Every other field is ignored. Defaults are OpenAI's:
+temperature 1, top_p 1.
+
+Bodies are checked before anything reads them: JSON objects nested at most :data:`MAX_JSON_DEPTH` deep whose strings
+are valid Unicode (no lone surrogates); prompts are measured in characters before they are tokenized and in tokens
+after (:class:`PromptLimits`). A message's content is text: special tokens written in it are tokenized as text
+(``Tokenizer.apply_chat_template``); a completions ``prompt`` is the model's raw input, special tokens included.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 
-from ..sampling import SamplingParams
+from ..sampling import SEED_RANGE, SamplingParams
 from .worker import GenerationRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -26,8 +34,67 @@ class BadRequest(Exception):
         self.param = param
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+# How deeply a request body may nest arrays and objects (a chat request needs 4; Python's parser gives up near 1,000).
+MAX_JSON_DEPTH = 64
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a checked JSON object (see the module's docstring); :class:`BadRequest` otherwise."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"The request body nests arrays or objects more than {MAX_JSON_DEPTH} deep.") from None
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    pending = [(body, 1, None)]
+    while pending:
+        value, depth, field = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"The request body nests arrays or objects more than {MAX_JSON_DEPTH} deep.", field)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, field or key)
+                pending.append((item, depth + 1, field or key))
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1, field) for item in value)
+        elif isinstance(value, str):
+            _check_unicode(value, field)
+    return body
+
+
+def _check_unicode(text: str, field: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{field}' holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text.",
+                         field) from None
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How long a prompt may be: ``tokens`` after tokenizing, and ``chars`` before (a prompt of more characters
+    than ``tokens`` of the tokenizer's longest token could not fit, so it is refused without being tokenized)."""
+
+    tokens: int
+    chars: int
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, tokens: int) -> "PromptLimits":
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        return cls(tokens, tokens * max(longest, 1))
+
+    def check_chars(self, chars: int, field: str) -> None:
+        if chars > self.chars:
+            raise BadRequest(f"The prompt has {chars} characters; this server takes at most {self.tokens} tokens, "
+                             f"which no text of more than {self.chars} characters fits in.", field)
+
+    def check_tokens(self, ids: list[int], field: str) -> list[int]:
+        if len(ids) > self.tokens:
+            raise BadRequest(f"The prompt is {len(ids)} tokens long; this server takes at most {self.tokens} "
+                             "(--max-prompt-tokens).", field)
+        return ids
 
 
 @dataclass(frozen=True)
@@ -42,9 +109,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
     def generation(self, max_tokens: int) -> GenerationRequest:
-        return GenerationRequest(self.prompt_ids, max_tokens, self.sampling, self.seed, self.stop, self.ignore_eos)
+        return GenerationRequest(self.prompt_ids, max_tokens, self.sampling, self.seed, self.stop, self.ignore_eos,
+                                 self.cache_salt)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -105,8 +174,11 @@ def parse_common(body, prompt_ids: list[int]) -> ParsedRequest:
     if ignore_eos and max_tokens is None:
         raise BadRequest("'ignore_eos' needs 'max_tokens': the answer would run to the end of the context.",
                          "ignore_eos")
-    return ParsedRequest(prompt_ids, max_tokens, sampling, None if seed is None else seed % 2**63, _stop(body),
-                         stream, bool(options.get("include_usage")), ignore_eos)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string.", "cache_salt")
+    return ParsedRequest(prompt_ids, max_tokens, sampling, None if seed is None else seed % SEED_RANGE, _stop(body),
+                         stream, bool(options.get("include_usage")), ignore_eos, salt)
 
 
 def _message_text(message: dict, index: int) -> str:
@@ -125,7 +197,7 @@ def _message_text(message: dict, index: int) -> str:
     raise BadRequest(f"messages[{index}].content must be a string or a list of text parts.", "messages")
 
 
-def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+def chat_prompt_ids(body: dict, tokenizer, limits: PromptLimits) -> list[int]:
     """The ``messages`` rendered by the model's own chat template, ending with the assistant's turn opened."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -135,15 +207,17 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise BadRequest(f"messages[{i}] needs a 'role' among {', '.join(ROLES)}.", "messages")
         plain.append({"role": message["role"], "content": _message_text(message, i)})
+    limits.check_chars(sum(len(message["content"]) for message in plain), "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("This model has no chat template; use /v1/completions.", "messages")
     try:
-        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
+        ids = list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
     except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
         raise BadRequest(f"The chat template rejected the messages: {exc}", "messages") from None
+    return limits.check_tokens(ids, "messages")
 
 
-def text_prompt_ids(body: dict, tokenizer) -> list[int]:
+def text_prompt_ids(body: dict, tokenizer, limits: PromptLimits) -> list[int]:
     """``prompt``: a string, a list holding one string, or a list of token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -151,12 +225,13 @@ def text_prompt_ids(body: dict, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' is empty.", "prompt")
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        limits.check_chars(len(prompt), "prompt")
+        return limits.check_tokens(tokenizer.encode(prompt, add_special_tokens=True), "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
         if not all(0 <= t < vocab for t in prompt):
             raise BadRequest(f"'prompt' token ids must be in [0, {vocab}).", "prompt")
-        return list(prompt)
+        return limits.check_tokens(list(prompt), "prompt")
     raise BadRequest("'prompt' must be a non-empty string, a list of one string, or a list of token ids.", "prompt")
 
 

@@ -2,10 +2,14 @@
 
 Endpoints: ``GET /health`` (503 while the model loads, 200 after), ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent events ending in
-``data: [DONE]``, or whole), ``GET /metrics`` (Prometheus text). Errors are OpenAI error objects.
+``data: [DONE]``, or whole), ``GET /metrics`` (Prometheus text). Errors are OpenAI error objects; 503s carry
+``Retry-After``, 405s ``Allow``. ``guard.py`` decides who may call (Host, Origin, API key) and which bodies are
+read at all (JSON, size).
 
-A request is checked and tokenized on the event loop, queued, and answered once the engine's first event arrives,
-so a request the engine refuses still gets a 400 rather than a stream that breaks off.
+A request's body is parsed and its prompt tokenized on a worker thread (the event loop keeps answering), then it is
+queued and answered once the engine's first event arrives, so a request the engine refuses still gets a 400 rather
+than a stream that breaks off. A request whose client goes away is cancelled, streamed or not: its slot is free
+before the engine's next step.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import UserError
-from .protocol import BadRequest, ParsedRequest, Responses, chat_prompt_ids, error_body, parse_common, text_prompt_ids
+from .guard import UNEXPECTED, Access, BodyTooLarge, Guard, error_body
+from .protocol import (BadRequest, ParsedRequest, PromptLimits, Responses, chat_prompt_ids, parse_body, parse_common,
+                       text_prompt_ids)
 from .worker import EngineWorker, Job, QueueFull, extension
 
 log = logging.getLogger("sparsespec.serve")
@@ -46,6 +53,14 @@ class ServerState:
         self.background = background
         self.worker: EngineWorker | None = None
         self.error: BaseException | None = None
+        self._limits: PromptLimits | None = None
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """The loaded worker's prompt limits (its tokenizer's longest token read once)."""
+        if self._limits is None:
+            self._limits = PromptLimits.for_tokenizer(self.worker.target.tokenizer, self.worker.max_prompt_tokens)
+        return self._limits
 
     def start_loading(self) -> None:
         """Load and start the engine in background threads (a no-op without ``background``)."""
@@ -74,16 +89,33 @@ class ServerState:
             return None
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+# Seconds a client is asked to wait before retrying a 503 (a full queue, a model still loading).
+RETRY_AFTER_SECONDS = 1
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, kind, param), status_code=status)
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS), **(headers or {})}
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, access: Access | None = None):
+    """The ASGI app: the API behind :class:`~sparsespec.serve.guard.Guard` with ``access`` (default: listening on
+    127.0.0.1, no API key, no CORS)."""
+
+    def count_server_error() -> None:
+        if state.worker is not None:
+            state.worker.metrics.add(server_errors_total=1)
+
+    return Guard(_api(state), access or Access(), count_server_error)
+
+
+def _api(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_loading()
@@ -95,7 +127,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)  # 405's Allow among them
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return _error(413, str(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return _error(500, UNEXPECTED)  # then re-raised to the guard, which logs and counts it
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -135,16 +175,19 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     if worker is None:
         return _error(503, "The model is still loading.")
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        return _error(400, "The request body is not valid JSON.")
-    if not isinstance(body, dict):
-        return _error(400, "The request body must be a JSON object.")
-    tokenizer = worker.target.tokenizer
+        raw = await request.body()  # its size bounded by the guard
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to count
+        return Response(status_code=499)
+    tokenizer, limits = worker.target.tokenizer, state.prompt_limits
+    prompt_ids = chat_prompt_ids if chat else text_prompt_ids
+
+    def read() -> ParsedRequest:  # on a worker thread: parsing megabytes or tokenizing a long prompt takes seconds
+        body = parse_body(raw)
+        return parse_common(body, prompt_ids(body, tokenizer, limits))
+
     try:
-        prompt_ids = chat_prompt_ids(body, tokenizer) if chat else text_prompt_ids(body, tokenizer)
-        parsed = parse_common(body, prompt_ids)
-        generation = parsed.generation(parsed.max_tokens or worker.default_max_tokens(len(prompt_ids)))
+        parsed = await asyncio.to_thread(read)
+        generation = parsed.generation(parsed.max_tokens or worker.default_max_tokens(len(parsed.prompt_ids)))
         worker.check(generation)
     except BadRequest as exc:
         return _error(400, str(exc), exc.param)
@@ -154,12 +197,27 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         job = worker.submit(generation, asyncio.get_running_loop())
     except QueueFull:
         return _error(503, "The server is busy (its queue is full); retry later.")
-    responses = Responses(chat, worker.target.name)
+    # Until a stream takes over (it watches its client itself), a client that goes away cancels the job.
+    watcher = asyncio.create_task(_cancel_when_gone(request, job))
     try:
-        first = await job.events.get()
+        return await _answer(worker, job, parsed, Responses(chat, worker.target.name))
     except asyncio.CancelledError:
         job.cancel()
         raise
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """Cancel ``job`` once the request's client disconnects (the body is read, so the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+async def _answer(worker: EngineWorker, job: Job, parsed: ParsedRequest, responses: Responses) -> Response:
+    """The response to a queued job: a stream once its first event has come, or the whole answer."""
+    first = await job.events.get()
     if first[0] == "error":
         return _error(*first[1])
     if parsed.stream:

@@ -45,7 +45,8 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation, in token ids. ``seed`` None draws a random one; ``ignore_eos``: end-of-sequence tokens do not
-    end it (they are generated like any other token, and streamed as their text)."""
+    end it (they are generated like any other token, and streamed as their text); ``cache_salt``: see
+    :meth:`EngineWorker._slot_for`."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -53,6 +54,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str | None = None  # resumes only from text a request with the same salt left in a slot
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Metrics:
         "request_errors_total": "generation requests that ended in an error",
         "requests_rejected_total": "requests answered 503 because the queue was full",
         "requests_cancelled_total": "requests whose client went away before they finished",
+        "server_errors_total": "requests answered 500 because of an unexpected error",
         "prompt_tokens_total": "prompt tokens of finished requests",
         "reused_prompt_tokens_total": "prompt tokens resumed from the cache instead of read again",
         "generated_tokens_total": "tokens generated",
@@ -142,13 +145,23 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def check_worker_options(cache: CacheOptions, queue_size: int, no_evict_overflow: bool, parallel: int = 1) -> None:
-    """Raise :class:`UserError` for a queue bound or slot count below 1, or ``--no-evict-overflow`` where it would
-    do nothing."""
-    if parallel < 1:
-        raise UserError(f"--parallel must be at least 1 (got {parallel}).")
-    if queue_size < 1:
-        raise UserError(f"--queue-size must be at least 1 (got {queue_size}).")
+# The longest prompt a server takes by default where a budgeted cache with in-cache positions lets a run outgrow
+# the model's context: a conversation's whole history is its prompt, and reading a million tokens takes hours here.
+UNBOUNDED_MAX_PROMPT_TOKENS = 2**20
+# Bounds of the server's sizes: each slot holds its own arenas, and each waiting request its prompt.
+MAX_PARALLEL, MAX_QUEUE_SIZE = 256, 65536
+
+
+def check_worker_options(cache: CacheOptions, queue_size: int, no_evict_overflow: bool, parallel: int = 1,
+                         max_prompt_tokens: int | None = None) -> None:
+    """Raise :class:`UserError` for a queue bound, slot count or prompt limit out of range, or
+    ``--no-evict-overflow`` where it would do nothing."""
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UserError(f"--parallel must be from 1 to {MAX_PARALLEL} (got {parallel}).")
+    if not 1 <= queue_size <= MAX_QUEUE_SIZE:
+        raise UserError(f"--queue-size must be from 1 to {MAX_QUEUE_SIZE} (got {queue_size}).")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise UserError(f"--max-prompt-tokens must be at least 1 (got {max_prompt_tokens}).")
     if no_evict_overflow and (cache.policy.is_full or cache.positions == "original"):
         raise UserError(
             "--no-evict-overflow only matters with a budgeted policy and --positions in-cache; "
@@ -162,6 +175,7 @@ class _Slot:
 
     session: Session
     last_used: float = 0.0
+    salt: str | None = None  # the cache_salt of the request that left the session's text
     job: Job | None = None
     running: Running | None = None  # the job's program in the batch
     stats: RunStats | None = None
@@ -181,7 +195,8 @@ class EngineWorker:
     """The engine thread, its bounded queue and ``parallel`` slots, each with its own :class:`Session`.
 
     ``no_evict_overflow``: refuse a request that would run past the model's context even where the budgeted cache
-    (with in-cache positions) could go on by evicting.
+    (with in-cache positions) could go on by evicting. ``max_prompt_tokens``: the longest prompt taken (None: the
+    model's context where a run must fit it, else :data:`UNBOUNDED_MAX_PROMPT_TOKENS`).
     """
 
     def __init__(
@@ -193,13 +208,17 @@ class EngineWorker:
         parallel: int = 1,
         queue_size: int = 16,
         no_evict_overflow: bool = False,
+        max_prompt_tokens: int | None = None,
     ) -> None:
-        check_worker_options(cache, queue_size, no_evict_overflow, parallel)
+        check_worker_options(cache, queue_size, no_evict_overflow, parallel, max_prompt_tokens)
         self.target = target
         self.cache = cache
         self.draft = draft
         self.no_evict_overflow = no_evict_overflow
         self.context = target.config.max_position_embeddings
+        if max_prompt_tokens is None:
+            max_prompt_tokens = self.context if self._bounded_by_context else UNBOUNDED_MAX_PROMPT_TOKENS
+        self.max_prompt_tokens = max_prompt_tokens
         self.slots = [_Slot(Session(target, cache, draft, capacity=self.context)) for _ in range(parallel)]
         self.eos_ids = frozenset(eos_token_ids(target.tokenizer))
         self.metrics = Metrics()
@@ -302,12 +321,20 @@ class EngineWorker:
             elif job.cancelled.is_set():
                 self.metrics.add(requests_cancelled_total=1)
             else:
-                self._start(job, self._slot_for(job.request.prompt_ids))
+                self._start(job, self._slot_for(job.request))
 
-    def _slot_for(self, prompt_ids: list[int]) -> _Slot:
-        """The free slot whose text the prompt extends the furthest, else the one unused the longest."""
+    def _slot_for(self, request: GenerationRequest) -> _Slot:
+        """The free slot whose text the prompt extends the furthest, else the one unused the longest.
+
+        Only text left by a request with the same ``cache_salt`` counts: a client whose salt differs cannot learn,
+        from ``reused_prompt_tokens`` or from a quick answer, whether another client's conversation began with
+        what it guessed. (Without salts every client shares: the server's callers are one user's.)"""
         free = [slot for slot in self.slots if slot.job is None]
-        return max(free, key=lambda slot: (slot.session.reusable(prompt_ids), -slot.last_used))
+        return max(free, key=lambda slot: (self._reusable(slot, request), -slot.last_used))
+
+    @staticmethod
+    def _reusable(slot: _Slot, request: GenerationRequest) -> int:
+        return slot.session.reusable(request.prompt_ids) if slot.salt == request.cache_salt else 0
 
     def _start(self, job: Job, slot: _Slot) -> None:
         request = job.request
@@ -315,6 +342,9 @@ class EngineWorker:
         eos_ids = frozenset() if request.ignore_eos else self.eos_ids
         slot.text = TextStream(self.target.tokenizer, stop_strings=request.stop, eos_ids=eos_ids)
         slot.started = time.perf_counter()
+        if slot.salt != request.cache_salt:
+            slot.session.reset()  # another salt's text is never resumed from
+            slot.salt = request.cache_salt
         seed = request.seed if request.seed is not None else random.getrandbits(63)
         program = slot.session.steps(
             request.prompt_ids, max_new_tokens=request.max_tokens, sampling=request.sampling, seed=seed,

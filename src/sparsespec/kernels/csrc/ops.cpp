@@ -476,7 +476,7 @@ void recall_attention(const at::Tensor& query, int64_t query_row, const at::Tens
                   sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd,
               "recall_attention: cos and sin must be contiguous float32 [rows, hd]");
   // Every rotation must fall inside the tables: the ranks from `rank` on, or every position of the view.
-  int64_t highest = rank + pages * page_size + page_size;
+  int64_t highest = rank >= 0 ? rank + pages * page_size + page_size : -1;
   if (rank < 0) {
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t n_stored = has_extra ? extra_start : total;
