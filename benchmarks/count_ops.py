@@ -45,7 +45,7 @@ def labelled(method, label: str, where: list[str]):
     return wrapper
 
 
-NATIVE_OPS = ("gguf_linear", "gguf_dequantize", "arena_attention", "rms_norm", "silu_mul")
+NATIVE_OPS = ("gguf_linear", "gguf_dequantize", "arena_attention", "rms_norm", "gated")
 
 
 def counted(function, where: list[str], counts: collections.Counter, native: collections.Counter):

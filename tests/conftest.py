@@ -266,28 +266,20 @@ def smollm2_default(smollm2_path, native_kernels):
 @pytest.fixture
 def row_by_row(monkeypatch):
     """Counts, by arena, the layer calls that evicted between the rows of a multi-row block (a verification block
-    that fills the budget), on the native op or the torch fallback (``cache/fallback.py``)."""
+    that fills the budget): each such block counts once per layer, on whichever path it ran (the native pass, the
+    native op or the torch fallback, ``cache/fallback.py``)."""
     calls: dict[int, int] = {}
-    from sparsespec.cache import fallback
     from sparsespec.cache.arena import KVArena
 
-    fallback_attend, native_path = fallback.attend, KVArena._attend_native
+    block_pass = KVArena._block_pass
 
-    def count(arena):
-        calls[id(arena)] = calls.get(id(arena), 0) + 1
+    def spy(self, n_rows, per_block):
+        block = block_pass(self, n_rows, per_block)
+        if block.per_row:
+            calls[id(self)] = calls.get(id(self), 0) + self.config.num_hidden_layers
+        return block
 
-    def spy_fallback(arena, *args, per_row, **kwargs):
-        if per_row:
-            count(arena)
-        return fallback_attend(arena, *args, per_row=per_row, **kwargs)
-
-    def spy_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
-        if per_row:
-            count(self)
-        return native_path(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse)
-
-    monkeypatch.setattr(fallback, "attend", spy_fallback)
-    monkeypatch.setattr(KVArena, "_attend_native", spy_native)
+    monkeypatch.setattr(KVArena, "_block_pass", spy)
     return calls
 
 

@@ -430,9 +430,9 @@ def test_the_checks_pass_the_valid_calls_the_tests_below_break():
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (lambda: _op_args(n_kv=0), "n_kv >= 1"),  # q.size(0) % n_kv: a division by zero
-    (lambda: _op_args(group=0), "1 <= group"),
-    (lambda: _op_args(head_dim=0), "2 <= hd"),
+    (lambda: _op_args(n_kv=0), "no KV heads"),  # q.size(0) % n_kv: a division by zero
+    (lambda: _op_args(group=0), "0 query heads for 2 KV heads"),
+    (lambda: _op_args(head_dim=0), "heads of an even size from 2 to 256, not 0"),
     (lambda: _op_args(first_position=-3), "first_position"),  # negative positions index the ranks' bitmap
     (lambda: _op_args(visible_before=-4), "visible_before"),  # a negative rank reads before the RoPE tables
     (lambda: _op_args(budget=None), "need a budget"),  # the ranks would stop at -1

@@ -316,7 +316,7 @@ def test_bad_inputs_raise():
     for call in (lambda: kernels.gguf_linear(meta, [blob], [2], [4], 64),
                  lambda: kernels.gguf_dequantize(blob.to("meta"), 2, 64, torch.arange(2)),
                  lambda: kernels.rms_norm(meta, torch.ones(64), 1e-6),
-                 lambda: kernels.silu_mul(meta)):
+                 lambda: kernels.gated(meta)):
         with pytest.raises(RuntimeError, match="on the CPU"):
             call()
 

@@ -20,7 +20,7 @@ from . import kernels
 from .cache.arena import KVArena
 from .config import ModelConfig
 from .errors import UserError
-from .linear import default_linear_options, make_linear, resolve_format
+from .linear import NativeEmbedding, NativeLinear, default_linear_options, make_linear, resolve_format
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class Transformer:
         self.dtype = dtype
         self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
         self.native_ops = kernels.available()  # rms_norm and silu * up as one native op each
+        self._native = None  # (what it was made of, the native pass's weights or None): native_model
         weights = resolve_format(weights, role)
         self.weights_format = weights
         options = dict(default_linear_options(weights, dtype) if linear_options is None else linear_options)
@@ -162,6 +163,45 @@ class Transformer:
             raise UserError(f"The draft vocabulary limit must be between 1 and {vocab} (got {n}).")
         self.lm_head = self.lm_head.first_rows(n) if hasattr(self.lm_head, "first_rows") else self._dense_rows(n)
         self.vocab_limit = n
+
+    def native_model(self):
+        """The weights as the native forward pass takes them (``kernels.native_model``), or None where it cannot run
+        them (a projection or the embedding in a torch format, or no native kernels). Made on first use and again
+        whenever a projection or its activations changed (a draft's cut head, float activations)."""
+        if not self.native_ops:
+            return None
+        linears = [linear for _, linear in self.linear_items()]
+        norms = [getattr(layer, field) for layer in self.layers for field, _, _ in layer_norms(self.config)]
+        key = [self.dtype, id(self.embed), id(self.norm), *map(id, norms),
+               *((id(linear), getattr(linear, "float_activations", None)) for linear in linears)]
+        if self._native is not None and self._native[0] == key:
+            return self._native[1]
+        native = None
+        embed_ok = isinstance(self.embed, NativeEmbedding) or (isinstance(self.embed, torch.Tensor) and
+                                                               self.embed.dtype == self.dtype)
+        if embed_ok and all(isinstance(linear, NativeLinear) for linear in linears):
+            native = kernels.native_model(self._native_spec())
+        self._native = (key, native)
+        return native
+
+    def _native_spec(self) -> dict:
+        """:meth:`native_model`'s description of the weights (``kernels.native_model`` says its fields)."""
+        cfg = self.config
+
+        def projection(linear: NativeLinear) -> tuple:
+            return linear.blobs, linear.types, linear.rows, linear.padded_in, linear.bias, linear.float_activations
+
+        layers = [{field: getattr(layer, field) for field in ("attn_norm", "mlp_norm", "q_norm", "k_norm",
+                                                              "attn_post_norm", "mlp_post_norm")}
+                  | {part: projection(getattr(layer, part)) for part in ("qkv", "o_proj", "gate_up", "down")}
+                  for layer in self.layers]
+        return dict(hidden=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads,
+                    head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+                    eps=cfg.rms_norm_eps, bf16=self.dtype == torch.bfloat16, gelu=cfg.gemma,
+                    embed_scale=None if self.embed_scale is None else float(self.embed_scale),
+                    embed=projection(self.embed.table) if isinstance(self.embed, NativeEmbedding)
+                    else self.embed.contiguous(), final_norm=self.norm, head=projection(self.lm_head),
+                    layers=layers)
 
     def _dense_rows(self, n: int):
         weight = getattr(self.lm_head, "weight", None)
@@ -235,13 +275,10 @@ class Transformer:
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side): SiLU, or GELU with
         the tanh approximation (Gemma)."""
-        if self.config.gemma:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.gelu(gate, approximate="tanh") * up
         if self.native_ops:
-            return kernels.silu_mul(gate_up)
+            return kernels.gated(gate_up, gelu=self.config.gemma)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.gelu(gate, approximate="tanh") if self.config.gemma else F.silu(gate)) * up
 
     def forward(
         self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False
@@ -273,12 +310,21 @@ class Transformer:
         cfg = self.config
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         sizes = [block.tokens.shape[0] for block in blocks]
+        for block, n_rows in zip(blocks, sizes):
+            block.cache.begin(n_rows, per_block=block.per_block)
+        scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits
+        native = self.native_model()
+        arenas = [block.cache.native_pass() for block in blocks] if native is not None else [None]
+        if all(arena is not None for arena in arenas):  # one native call runs every layer (kernels/csrc/model.h)
+            logits = native.forward([(block.tokens, block.last_only, *arena) for block, arena in zip(blocks, arenas)],
+                                    kernels.ISA_AUTO)
+            for block in blocks:
+                block.cache.end()
+            return [logits] if len(blocks) == 1 else list(logits.split(scored))
         tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([block.tokens for block in blocks])
         x = self.embed[tokens]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        for block, n_rows in zip(blocks, sizes):
-            block.cache.begin(n_rows, per_block=block.per_block)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
             attended = []
@@ -297,7 +343,6 @@ class Transformer:
                            layer.mlp_post_norm)
         for block in blocks:
             block.cache.end()
-        scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits
         if scored != sizes:
             ends = torch.tensor(sizes).cumsum(0).tolist()
             x = torch.cat([x[end - rows : end] for end, rows in zip(ends, scored)])

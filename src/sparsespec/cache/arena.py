@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -100,6 +101,29 @@ def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bi
     if key_bias and kv_dtype == "int4" and positions == "original" and not policy.is_full:
         raise UserError("int4 keys in the original position mode keep this model's key bias in, which breaks it "
                         "(perplexity over 1,000 on qwen2.5-coder-1.5b); use --positions in-cache or int8 keys.")
+
+
+@dataclass(frozen=True)
+class BlockPass:
+    """What :meth:`KVArena.attend` does with the open block in every layer, worked out once when it begins: the
+    block's first in-flight row, rows and kind, its slots from ``start``, the entries visible before its first row,
+    whether the policy evicts between rows (``per_row``) and down to which ``budget`` (None: none while it attends),
+    its first true position, the RoPE tables for its rows (``cos``, ``sin`` float32 ``[P, head_dim]``, row
+    ``p - table_offset`` for position or, ``in_cache``, rank ``p``) and how many rows keep score snapshots."""
+
+    first: int
+    n_rows: int
+    per_block: bool
+    start: int
+    visible_before: int
+    per_row: bool
+    budget: int | None
+    first_position: int
+    in_cache: bool
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table_offset: int
+    snapshots: int
 
 
 class KVArena:
@@ -216,10 +240,12 @@ class KVArena:
         self.evicted_tokens = 0  # tokens evicted (per layer and head) by committed rows
         self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
         self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
+        self._pass: BlockPass | None = None  # what the open block does in every layer
         self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
 
     def _allocate_slot_metadata(self) -> None:
         """(Re)build the per-slot bookkeeping for ``self.capacity`` slots, all empty."""
+        self._native = None  # the native pass's view of the buffers, made again for the new ones (native_pass)
         shape = (self.config.num_hidden_layers, self.config.num_key_value_heads, self.capacity)
         self.positions = torch.zeros(shape, dtype=torch.int64)
         self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
@@ -386,6 +412,57 @@ class KVArena:
                 raise ValueError(f"the observation window needs its {self._window_rows} rows in one block")
         self._block = (self.n_inflight, n_rows, per_block)
         self._per_block_inflight = per_block
+        self._pass = self._block_pass(n_rows, per_block)
+
+    def _block_pass(self, n_rows: int, per_block: bool) -> "BlockPass":
+        """What :meth:`attend` does with the block just begun, the same in every layer."""
+        first = self.n_inflight
+        start = self.n_committed + first
+        # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (attend).
+        budget = self.policy.budget if self._block_mode == "evict" else None
+        visible_before = self.n_visible
+        # A single row is its own block: evicting after it is the same as evicting after the block.
+        per_row = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        first_position = self.next_position + first
+        in_cache = self.positions_mode == "in-cache"
+        if in_cache:  # queries and keys rotate by rank, below start + n_rows
+            cos, sin = self.rope.tables(start + n_rows)
+            table_offset = 0
+        else:
+            cos, sin, table_offset = self.rope.table_rows(first_position, n_rows)
+        snapshots = 0
+        if self.policy.needs_scores and not per_block:
+            snapshots = max(0, min(n_rows, self.max_inflight - 1 - first))
+        return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
+                         cos, sin, table_offset, snapshots)
+
+    def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
+        """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
+        the pass being this arena's buffers with :class:`BlockPass`'s fields, the route each model layer's place in
+        it; None where a layer needs more than the native op (a retention selection, recall from the cold tier) or
+        the native kernels are not built."""
+        block = self._pass
+        if not self.native_attention or self._block_mode == "select" or (self.cold is not None and
+                                                                          not block.per_block):
+            return None
+        if self._native is None:
+            policy = self.policy
+            self._native = kernels.native_arena(
+                self.config.head_dim, self.keys, self.values, self.positions, self.evicted_at,
+                self.scores if policy.needs_scores else None, self.row_scores if policy.needs_scores else None,
+                self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
+                self.recent_keys if self.recent_window else None, self.recent_values if self.recent_window else None,
+                self.recent_window, policy.sinks, policy.heavy, policy.window, policy.age_normalised,
+                policy.score_decay, self.scale)
+        arena_pass = (self._native, block.start, block.first, block.visible_before, block.first_position,
+                      block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
+                      block.cos, block.sin, block.table_offset)
+        return [arena_pass], self._route
+
+    @property
+    def _route(self) -> list[tuple[int, int]]:
+        """Every layer of the model in this arena, under its own index."""
+        return [(0, layer) for layer in range(self.config.num_hidden_layers)]
 
     def end(self) -> None:
         """Close the block opened by :meth:`begin` (after the last layer)."""
@@ -398,6 +475,7 @@ class KVArena:
         if per_block and budget is not None:
             self._alive_after_row[-1] = min(alive, budget)
         self._block = None
+        self._pass = None
 
     def commit(self, n_rows: int) -> None:
         """Accept the first ``n_rows`` in-flight rows, drop the rest, and compact the buffers.
@@ -441,6 +519,7 @@ class KVArena:
         self.evicted_tokens = 0
         self._alive_after_row = []
         self._block = None
+        self._pass = None
         self._per_block_inflight = False
 
     def rollback(self) -> None:
@@ -590,55 +669,40 @@ class KVArena:
         Returns:
             ``[T, n_heads * head_dim]`` attention output.
         """
-        first, n_rows, per_block = self._block
-        start = self.n_committed + first
-        stop = start + n_rows
-        # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (below).
-        budget = self.policy.budget if self._block_mode == "evict" else None
-        visible_before = self.n_visible
-        # A single row is its own block: evicting after it is the same as evicting after the block.
-        evicts_between_rows = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        block = self._pass
+        first, n_rows, start, visible_before = block.first, block.n_rows, block.start, block.visible_before
         # Rows of row-by-row blocks recall from the cold tier; their attention over the resident entries gives its
         # log-sum-exps for the merge.
-        lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not per_block else None
+        lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not block.per_block else None
         if self.native_attention:
-            out = self._attend_native(layer, q, k, v, first, start, visible_before, per_block, evicts_between_rows,
-                                      budget, lse)
+            out = self._attend_native(layer, q, k, v, block, lse)
         else:
             out = fallback.attend(self, layer, q, k, v, first=first, start=start, visible_before=visible_before,
-                                  per_block=per_block, per_row=evicts_between_rows, budget=budget, lse=lse)
+                                  per_block=block.per_block, per_row=block.per_row, budget=block.budget, lse=lse)
         if self._block_mode == "select":
-            self._select_retained(layer, q, first, start, stop, visible_before)
+            self._select_retained(layer, q, first, start, start + n_rows, visible_before)
         if lse is not None:
-            out = self._recall(layer, q, out, lse, first, start, visible_before, evicts_between_rows)
+            out = self._recall(layer, q, out, lse, first, start, visible_before, block.per_row)
         return out
 
-    def _attend_native(self, layer, q, k, v, first, start, visible_before, per_block, per_row, budget, lse=None):
+    def _attend_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: "BlockPass",
+                       lse: torch.Tensor | None = None) -> torch.Tensor:
         """The block's rows through the native op, which also stores them: ``[T, n_heads * head_dim]`` in the dtype
-        of ``q``, scores and evictions as ``fallback.attend``'s (``per_row``: evictions between rows, else after the
-        block, down to ``budget``; None: none); each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
-        n_rows = q.shape[1]
-        first_position = self.next_position + first
-        in_cache = self.positions_mode == "in-cache"
-        if in_cache:  # queries and keys rotate by rank, below start + n_rows
-            cos, sin = self.rope.tables(start + n_rows)
-            table_offset = 0
-        else:
-            cos, sin, table_offset = self.rope.table_rows(first_position, n_rows)
+        of ``q``, scores and evictions as ``fallback.attend``'s; each row's log-sum-exps into ``lse [T, n_heads]``
+        if given."""
         scores = row_scores = None
-        snapshots = 0
         if self.policy.needs_scores:
             scores, row_scores = self.scores, self.row_scores
-            snapshots = 0 if per_block else max(0, min(n_rows, self.max_inflight - 1 - first))
         policy = self.policy
         return kernels.arena_attention(
-            q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, cos, sin,
-            table_offset=table_offset, in_cache=in_cache, layer=layer, start=start, first=first,
-            visible_before=visible_before, first_position=first_position, snapshots=snapshots, per_row=per_row,
-            budget=budget, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
-            age_normalised=policy.age_normalised, score_decay=policy.score_decay, scale=self.scale,
-            key_params=self._keys.params, value_params=self._values.params, code_bits=self._keys.bits or 0,
-            key_offset=self._keys.offset, recent_keys=self.recent_keys if self.recent_window else None,
+            q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, block.cos,
+            block.sin, table_offset=block.table_offset, in_cache=block.in_cache, layer=layer, start=block.start,
+            first=block.first, visible_before=block.visible_before, first_position=block.first_position,
+            snapshots=block.snapshots, per_row=block.per_row, budget=block.budget, sinks=policy.sinks,
+            heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
+            score_decay=policy.score_decay, scale=self.scale, key_params=self._keys.params,
+            value_params=self._values.params, code_bits=self._keys.bits or 0, key_offset=self._keys.offset,
+            recent_keys=self.recent_keys if self.recent_window else None,
             recent_values=self.recent_values if self.recent_window else None, recent_window=self.recent_window,
             row_lse=lse,
         )

@@ -24,7 +24,7 @@ Ops (functions of the extension module, called here: not through the torch dispa
   stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
   steps never depend on the rows beside it.
-* ``rms_norm(x, weight, eps)`` and ``silu_mul(gate_up)``: the decoder's element-wise steps in one op each (the
+* ``rms_norm(x, weight, eps)`` and ``gated(gate_up, gelu)``: the decoder's element-wise steps in one op each (the
   decode step of a small model is otherwise dominated by per-op overhead).
 """
 
@@ -44,9 +44,9 @@ KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
-    "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp",
+    "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp", "project.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
-    "recall.cpp",
+    "norm.cpp", "recall.cpp", "model.cpp",
 )
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON, ISA_AMX = -1, 0, 1, 2, 3, 4
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
@@ -328,12 +328,44 @@ def recall_attention(
                              out_row, lse_row)
 
 
+def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
+                 key_params: torch.Tensor | None, value_params: torch.Tensor | None, code_bits: int,
+                 key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None, recent_values: torch.Tensor | None,
+                 recent_window: int, sinks: int, heavy: int, window: int, age_normalised: bool, score_decay: float,
+                 scale: float):
+    """A KV arena's buffers (all layers) and policy as the native pass reads them: the tensors and values
+    :func:`arena_attention` takes, checked once (they must outlive the handle; the arena makes a new one when it
+    reallocates)."""
+    return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, row_scores, key_params,
+                                value_params, code_bits, key_offset, recent_keys, recent_values, recent_window, sinks,
+                                heavy, window, age_normalised, score_decay, scale)
+
+
+def native_model(spec: dict):
+    """A model's weights for the native forward pass (``csrc/model.h``): one call runs every layer.
+
+    ``spec``: ``hidden``, ``n_heads``, ``n_kv``, ``head_dim``, ``intermediate``, ``vocab``, ``eps``, ``bf16`` (the
+    compute dtype), ``gelu`` (Gemma's gate), ``embed_scale`` (a float, or None), ``embed`` and ``head`` projections,
+    ``final_norm``, and ``layers``: dicts of the norms ``attn_norm``, ``mlp_norm``, ``q_norm``, ``k_norm``,
+    ``attn_post_norm``, ``mlp_post_norm`` (tensors or None) and the projections ``qkv``, ``o_proj``, ``gate_up``,
+    ``down``. A projection is ``(blocks, types, rows, k, bias or None, float_activations)`` as
+    :func:`gguf_linear` takes them.
+
+    The returned object's ``forward(blocks, isa)`` runs ``blocks``: ``(tokens int64 [T], last_only, arena passes,
+    route)`` each, the last two from ``KVArena.native_pass``; it returns float32 logits ``[rows, vocab]`` (each
+    block's rows, or its last with ``last_only``), ids past the head's rows at -inf.
+    """
+    return _load().NativeModel(spec)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of the rows of ``x [m, n]`` (float32 or bfloat16) times ``weight [n]``, in one op, computed as
     ``torch.nn.functional.rms_norm`` computes it (float32 inside, rounded to ``x``'s dtype)."""
     return _load().rms_norm(x, weight, eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up [m, 2 i]`` holding the two halves side by side, in one op."""
-    return _load().silu_mul(gate_up)
+def gated(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up [m, 2 i]`` holding the two halves side by side, in one op: ``act`` SiLU, or
+    with ``gelu`` GELU with the tanh approximation (Gemma), each step rounded to the dtype as torch's would be."""
+    return _load().gated(gate_up, gelu)

@@ -2,15 +2,16 @@
 // of attention.h, heavy-hitter scores and their per-row snapshots, and the policy's evictions
 // (sparsespec/cache/policy.py: choose_evictions), row by row as the arena's torch path does.
 #include "attention.h"
+#include "parallel.h"
 #include "elementwise.h"
 
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "qmatmul.h"
@@ -376,9 +377,9 @@ void attend_block(int isa, const AttnBlock& b) {
   // another until the block ends; used when the heads share the threads evenly, or (at most as many threads as
   // heads) a head's slots are few, where the waits would cost more than the uneven share. By chunks: every step
   // spread over (head, chunk) items, the threads meeting after each step.
-  const int threads = at::get_num_threads();
+  const int threads = num_threads();
   if (H % threads == 0 || (threads < H && stop < 4096)) {
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
       for (int h = (int)h0; h < (int)h1; ++h)
         for (int i = 0; i < b.T; ++i) {
           head_ranks(h, i);
@@ -392,7 +393,7 @@ void attend_block(int isa, const AttnBlock& b) {
   } else {
     for (int i = 0; i < b.T; ++i) {
       auto each_head = [&](auto&& step) {
-        at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+        parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
           for (int64_t h = h0; h < h1; ++h) step((int)h);
         });
       };
@@ -400,7 +401,7 @@ void attend_block(int isa, const AttnBlock& b) {
       int n_chunks = 0;  // the most any head's row reads (the same in every head unless a policy runs short)
       for (int h = 0; h < H; ++h) n_chunks = std::max(n_chunks, chunks_of(h, i));
       auto each_chunk = [&](auto&& step) {
-        at::parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
+        parallel_for(0, (int64_t)H * n_chunks, 4, [&](int64_t w0, int64_t w1) {
           for (int64_t w = w0; w < w1; ++w) {
             const int h = (int)(w / n_chunks), c = (int)(w % n_chunks);
             if (c < chunks_of(h, i)) step(h, c);
@@ -431,6 +432,113 @@ void attend_block(int isa, const AttnBlock& b) {
         store(b.block_values + at, hd, b.recent_bf16, static_cast<char*>(b.recent_values) + to);
       }
   }
+}
+
+std::string check_arena_pass(const ArenaStorage& a, const ArenaPass& p, int T, int n_heads) {
+  auto str = [](int64_t x) { return std::to_string(x); };
+  if (T < 1 || p.start < 0 || (int64_t)p.start + T > a.cap)
+    return "rows [" + str(p.start) + ", " + str((int64_t)p.start + T) + ") outside the arena's " + str(a.cap) +
+           " slots";
+  if (n_heads < a.n_kv || n_heads % a.n_kv || n_heads / a.n_kv > kAttnMaxGroup)
+    return str(n_heads) + " query heads for " + str(a.n_kv) + " KV heads";
+  // Positions and ranks index the ranks' bitmap, the RoPE tables and the full-precision window's ring.
+  if (p.first_position < 0 || p.visible_before < 0 || p.first < 0)
+    return "first_position, visible_before and first must be >= 0";
+  if (p.per_row && p.budget < 0) return "per_row evictions need a budget";
+  if (p.snapshots < 0 || p.snapshots > T || (p.snapshots && (!a.scores || !a.row_scores ||
+                                                              p.first + p.snapshots > a.row_score_rows)))
+    return "score snapshots of rows past the arena's row_scores";
+  if (a.heavy > 0 && !a.scores) return "a policy with heavy hitters needs scores";
+  const int64_t newest_row = p.in_cache ? (int64_t)p.visible_before + T : p.first_position + T;
+  if (!p.cos || !p.sin || p.table_offset < 0 || (p.in_cache && p.table_offset != 0) ||
+      p.table_offset > (p.in_cache ? 0 : p.first_position) ||
+      p.table_rows + p.table_offset < std::max<int64_t>(newest_row, p.in_cache ? (int64_t)p.start + T : 0))
+    return "the RoPE tables do not cover the block's rows";
+  return "";
+}
+
+void attend_arena_layer(int isa, const ArenaStorage& a, const ArenaPass& p, int layer, int n_heads, int T,
+                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16,
+                        float* lse) {
+  const int hd = a.hd;
+  const long layer_slots = (long)a.n_kv * a.cap;
+  const long entry_bytes = a.code_bits ? code_bytes(hd, a.code_bits) : (long)hd * (a.bf16 ? 2 : 4);
+  AttnBlock b;
+  b.n_kv = a.n_kv;
+  b.group = n_heads / a.n_kv;
+  b.hd = hd;
+  b.T = T;
+  b.cap = a.cap;
+  b.bf16 = a.bf16;
+  b.keys = static_cast<char*>(a.keys) + layer * layer_slots * entry_bytes;
+  b.values = static_cast<char*>(a.values) + layer * layer_slots * entry_bytes;
+  if (a.code_bits) {
+    const long layer_params = layer_slots * param_halves(hd, a.code_group);
+    b.code_bits = a.code_bits;
+    b.code_group = a.code_group;
+    b.key_params = a.key_params + layer * layer_params;
+    b.value_params = a.value_params + layer * layer_params;
+    if (a.key_offset) b.key_offset = a.key_offset + (long)layer * a.n_kv * hd;
+  }
+  std::vector<float> block_keys, block_values;
+  if (a.recent_window > 0) {
+    const long layer_ring = (long)a.n_kv * a.recent_slots * hd * (a.recent_bf16 ? 2 : 4);
+    b.recent_keys = static_cast<char*>(a.recent_keys) + layer * layer_ring;
+    b.recent_values = static_cast<char*>(a.recent_values) + layer * layer_ring;
+    b.recent_bf16 = a.recent_bf16;
+    b.recent_window = a.recent_window;
+    b.recent_slots = a.recent_slots;
+    block_keys.resize((std::size_t)a.n_kv * T * hd);
+    block_values.resize(block_keys.size());
+    b.block_keys = block_keys.data();
+    b.block_values = block_values.data();
+  }
+  b.positions = a.positions + layer * layer_slots;
+  b.evicted_at = a.evicted_at + layer * layer_slots;
+  if (a.scores) b.scores = a.scores + layer * layer_slots;
+  if (p.snapshots > 0) {
+    b.row_stride = (long)a.n_layers * layer_slots;
+    b.row_scores = a.row_scores + p.first * b.row_stride + layer * layer_slots;
+    b.snapshot_rows = p.snapshots;
+  }
+  b.start = p.start;
+  b.first = p.first;
+  b.visible_before = p.visible_before;
+  b.first_position = p.first_position;
+  b.per_row = p.per_row;
+  b.budget = p.budget;
+  b.sinks = a.sinks;
+  b.heavy = a.heavy;
+  b.window = a.window;
+  b.age_normalised = a.age_normalised;
+  b.score_decay = a.score_decay;
+  b.scale = a.scale;
+  if (p.in_cache) {
+    b.cos = p.cos;
+    b.sin = p.sin;
+  }
+  std::vector<float> q_rotated((std::size_t)n_heads * T * hd);
+  StageRows st;
+  st.n_heads = n_heads;
+  st.n_kv = a.n_kv;
+  st.hd = hd;
+  st.T = T;
+  st.q = q;
+  st.k = k;
+  st.v = v;
+  st.bf16_keys = bf16_keys;
+  st.cos = p.cos;
+  st.sin = p.sin;
+  st.table_offset = p.table_offset;
+  st.in_cache = p.in_cache;
+  st.q_rotated = q_rotated.data();
+  stage_rows(st, b);
+  b.q = q_rotated.data();
+  std::vector<float> out_f(out_bf16 ? (std::size_t)T * n_heads * hd : 0);
+  b.out = out_bf16 ? out_f.data() : static_cast<float*>(out);
+  b.lse = lse;
+  attend_block(isa, b);
+  for (std::size_t i = 0; i < out_f.size(); ++i) static_cast<uint16_t*>(out)[i] = float_to_bf16(out_f[i]);
 }
 
 }  // namespace sparsespec

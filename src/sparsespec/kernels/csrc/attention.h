@@ -39,6 +39,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "elementwise.h"
 
@@ -183,5 +184,57 @@ struct StageRows {
 };
 
 void stage_rows(const StageRows& st, const AttnBlock& b);
+
+// One KV arena's memory for all its layers, and its policy (cache/arena.py): what stays the same from pass to pass.
+// Per layer as AttnBlock describes one: keys, values [L, n_kv, cap, hd] (float32, bfloat16, or codes with params
+// [L, n_kv, cap, hd / code_group, 2]); key_offset [L, n_kv, hd] or null; positions, evicted_at, scores
+// [L, n_kv, cap] (scores null without heavy hitters); row_scores [row_score_rows, L, n_kv, cap] or null; the
+// full-precision ring [L, n_kv, recent_slots, hd] or null (recent_window 0).
+struct ArenaStorage {
+  int n_layers = 0, n_kv = 0, cap = 0, hd = 0;
+  void* keys = nullptr;
+  void* values = nullptr;
+  bool bf16 = false;
+  int code_bits = 0, code_group = 0;
+  uint16_t* key_params = nullptr;
+  uint16_t* value_params = nullptr;
+  const float* key_offset = nullptr;
+  int64_t* positions = nullptr;
+  int32_t* evicted_at = nullptr;
+  float* scores = nullptr;
+  float* row_scores = nullptr;
+  int row_score_rows = 0;
+  void* recent_keys = nullptr;
+  void* recent_values = nullptr;
+  bool recent_bf16 = false;
+  int recent_window = 0, recent_slots = 0;
+  int sinks = 0, heavy = 0, window = 0;
+  bool age_normalised = false;
+  float score_decay = 1.0f, scale = 1.0f;
+};
+
+// What KVArena.attend works out once for a block, the same in every layer: the rows' slots, their first in-flight
+// row and position, what they see, how the policy evicts (per_row, budget -1: the full cache), how many rows keep
+// score snapshots, and the RoPE tables [table_rows, hd] (row p - table_offset serves position, or in the in-cache
+// mode rank, p).
+struct ArenaPass {
+  int start = 0, first = 0, visible_before = 0, snapshots = 0, budget = -1;
+  int64_t first_position = 0;
+  bool per_row = false, in_cache = false;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t table_rows = 0, table_offset = 0;
+};
+
+// The reason a block of T rows of n_heads query heads cannot run `pass` over `arena`, or "" (checked before
+// attend_arena_layer touches memory).
+std::string check_arena_pass(const ArenaStorage& arena, const ArenaPass& pass, int T, int n_heads);
+
+// The block's rows entering layer `layer` of the arena and attending over it (stage_rows, then attend_block):
+// q [n_heads, T, hd], k, v [n_kv, T, hd] float32 before RoPE (bf16_keys: the keys came in as bfloat16);
+// out [T, n_heads * hd] float32, or bfloat16 when out_bf16; lse [T, n_heads] each row's log-sum-exps, or null.
+void attend_arena_layer(int isa, const ArenaStorage& arena, const ArenaPass& pass, int layer, int n_heads, int T,
+                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16,
+                        float* lse);
 
 }  // namespace sparsespec

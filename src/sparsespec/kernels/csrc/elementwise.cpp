@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "elementwise.h"
+#include "parallel.h"
 
 namespace sparsespec {
 namespace {
@@ -41,6 +42,14 @@ inline float exp_poly(float x) {
 
 inline float silu(float g) { return g / (1.0f + exp_poly(-g)); }
 
+// GELU with the tanh approximation, as torch computes it in float32: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
+// x^3))).
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  const float inner = kBeta * (x + kKappa * (x * x * x));
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
 // Nearest bfloat16, ties to even (finite values and infinities; a NaN stays a NaN unless its payload is only in
 // the low 16 bits), branch-free.
 inline uint16_t narrow(float x) {
@@ -66,6 +75,40 @@ void silu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16
     float* y = static_cast<float*>(out);
     for (int j = 0; j < n; ++j) y[j] = silu(g[j]) * u[j];
   }
+}
+
+namespace {
+
+void gelu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16) {
+  if (bf16) {
+    const uint16_t* g = static_cast<const uint16_t*>(gate);
+    const uint16_t* u = static_cast<const uint16_t*>(up);
+    uint16_t* y = static_cast<uint16_t*>(out);
+    for (int j = 0; j < n; ++j)
+      y[j] = narrow(bf16_to_float(narrow(gelu_tanh(bf16_to_float(g[j])))) * bf16_to_float(u[j]));
+  } else {
+    const float* g = static_cast<const float*>(gate);
+    const float* u = static_cast<const float*>(up);
+    float* y = static_cast<float*>(out);
+    for (int j = 0; j < n; ++j) y[j] = gelu_tanh(g[j]) * u[j];
+  }
+}
+
+}  // namespace
+
+void gated_rows(const void* gate_up, int64_t m, int64_t inner, bool bf16, bool gelu, void* out) {
+  const char* src = static_cast<const char*>(gate_up);
+  char* dst = static_cast<char*>(out);
+  const std::size_t elt = bf16 ? 2 : 4;
+  constexpr int64_t kSpan = 2048;  // elements per task
+  const int64_t spans = (inner + kSpan - 1) / kSpan;
+  parallel_for(0, m * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / spans, j0 = task % spans * kSpan, n = std::min(kSpan, inner - j0);
+      const char* gate = src + (r * 2 * inner + j0) * elt;
+      (gelu ? gelu_mul_span : silu_mul_span)(gate, gate + inner * elt, dst + (r * inner + j0) * elt, (int)n, bf16);
+    }
+  });
 }
 
 }  // namespace sparsespec

@@ -11,6 +11,17 @@ namespace sparsespec {
 // torch's silu and mul do); elementwise.cpp.
 void silu_mul_span(const void* gate, const void* up, void* out, int n, bool bf16);
 
+// The gated activation of the decoder's MLP over rows: gate_up [m, 2 i] holds each row's gate and up halves side
+// by side; out [m, i] = act(gate) * up, act SiLU or (gelu) GELU with the tanh approximation, float32 or bfloat16
+// (each step rounded to bfloat16 as torch's activation and mul round them). Rows and spans split across the team.
+void gated_rows(const void* gate_up, int64_t m, int64_t inner, bool bf16, bool gelu, void* out);
+
+// RMS norm of each row of x [m, n] (float32 or bfloat16) times weight [n] (float32 or bfloat16), as torch's fused
+// rms_norm computes it: in float32, y = x * (1 / sqrt(mean(x^2) + eps)) * weight, the squares summed in 8 lanes
+// in a fixed order; rounded once to x's dtype (norm.cpp). Rows split across the team.
+void rms_norm_rows(const void* x, int64_t m, int64_t n, bool bf16, const void* weight, bool weight_bf16, float eps,
+                   void* out);
+
 // x rounded to the nearest bfloat16 (ties to even), as a float.
 inline float round_bf16(float x) {
   uint32_t bits;

@@ -3,8 +3,8 @@
 // dequantized, rotated and attended. Each KV head is one task; a head's steps run in a fixed order, whatever the
 // number of pages, so a row reads the same bits in a verification block as in an autoregressive step.
 #include "recall.h"
+#include "parallel.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ void recall_row(const RecallRow& r) {
   const int half = hd / 2, groups = hd / r.code_group;
   const int n_pages = r.total / P;
   const int stored_pages = r.extra ? r.extra_start / P : n_pages;
-  at::parallel_for(0, r.n_kv, 1, [&](int64_t h0, int64_t h1) {
+  parallel_for(0, r.n_kv, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> bounds(n_pages), key(hd), rotated(hd), value(hd), logits, sums(G), q((std::size_t)G * hd);
     std::vector<float> recalled((std::size_t)G * hd);
     std::vector<int> chosen(n_pages), read, by_position;
