@@ -174,9 +174,13 @@ def _generate(args: argparse.Namespace) -> int:
                   "activations": target.activations, **stats.to_dict()}
         result.update(policy=cache.policy.name, budget=stats.budget, positions=cache.positions,
                       kv_dtype=cache.kv_dtype, load_seconds=round(load_seconds, 3), peak_rss_bytes=peak_rss_bytes())
-        if draft is not None:
+        if draft is not None and draft.model is not None:
             result.update(draft="self" if draft.is_self else draft.model.name, draft_policy=draft.cache.policy.name,
                           draft_budget=draft.cache.policy.budget, draft_kv_dtype=draft.cache.kv_dtype)
+        elif draft is not None:
+            result.update(draft="ngram")
+        if draft is not None:
+            result.update(draft_ngram=draft.ngram is not None)
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")

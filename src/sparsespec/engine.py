@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
+from .ngram import NgramDrafter, NgramIndex, NgramOptions
 from .passes import Pass, Program, run_alone
 from .sampling import SamplingParams, seeded_generator
 from .speculative import (
@@ -228,21 +229,29 @@ class RunStats:
                 target_passes=s.target_passes,
                 draft_target_cost_ratio=round(s.draft_target_cost_ratio, 4),
                 gamma=self.final_gamma,
+                drafted=s.drafted,
+                accepted=s.accepted,
+                ngram_rounds=s.ngram_rounds,
+                ngram_drafted=s.ngram_drafted,
+                ngram_accepted=s.ngram_accepted,
             )
         return out
 
 
 @dataclass(frozen=True)
 class DraftOptions:
-    """The draft side of speculative decoding: a model (or the target itself), its cache, and γ."""
+    """The draft side of speculative decoding: a draft model (or the target itself) with its cache and γ, and
+    proposals from n-gram matches in the text already seen (``ngram.py``); either may be absent (``model`` None:
+    n-gram drafting alone; ``ngram`` None: the model alone)."""
 
-    model: LoadedModel
-    cache: CacheOptions
-    gamma: int | str  # an integer ≥ 1 or "auto"
+    model: LoadedModel | None
+    cache: CacheOptions | None
+    gamma: int | str | None  # an integer ≥ 1 or "auto" (None without a model)
     is_self: bool = False
     # An integer γ drafts only while that is measured faster than the target alone (greedy decoding; sampled text
     # must not depend on timings): speculative.DraftWhilePaying.
     while_paying: bool = False
+    ngram: NgramOptions | None = None
 
 
 # The most draft tokens a round may propose: a verification pass stages γ + 1 rows in both arenas, and acceptance
@@ -294,7 +303,7 @@ class Session:
         *,
         capacity: int | None = None,
     ) -> None:
-        if draft is not None and not draft.is_self:
+        if draft is not None and draft.model is not None and not draft.is_self:
             check_same_vocabulary(
                 target.tokenizer, draft.model.tokenizer, target.config.vocab_size, draft.model.config.vocab_size
             )
@@ -305,11 +314,19 @@ class Session:
         self.arenas: list[KVArena] = []  # the target's, then the draft's
         self._text: list[int] = []  # the text; each arena holds its tokens [origin, origin + arena.next_position)
         self._origins: list[int] = []  # per arena: 0, except a draft that restarted from the end of what it missed
+        # n-gram proposals (ngram.py): their index of the text, and what they learned of acceptance and costs
+        self._ngram: NgramDrafter | None = None
 
     @property
     def _gamma_cap(self) -> int:
+        """The most tokens a round proposes: the draft model's γ (its largest with ``auto``), or n-gram proposals'."""
         gamma = self.draft.gamma
-        return AdaptiveGamma().gamma_max if gamma == "auto" else gamma
+        model = 0 if self.draft.model is None else AdaptiveGamma().gamma_max if gamma == "auto" else gamma
+        return max(model, self.draft.ngram.max_tokens if self.draft.ngram is not None else 0)
+
+    @property
+    def _drafts_with_a_model(self) -> bool:
+        return self.draft is not None and self.draft.model is not None
 
     @property
     def held_tokens(self) -> int:
@@ -341,13 +358,15 @@ class Session:
             arena.reset()
         self._origins = [0] * len(self.arenas)
         self._text = []
+        if self._ngram is not None:
+            self._ngram.forget()
 
     def _models(self) -> list[LoadedModel]:
-        return [self.target] if self.draft is None else [self.target, self.draft.model]
+        return [self.target, self.draft.model] if self._drafts_with_a_model else [self.target]
 
     def _prepare_arenas(self, total: int) -> None:
         """Arenas that can take a run of ``total`` tokens, keeping the current ones when they can."""
-        caches = [self.cache] if self.draft is None else [self.cache, self.draft.cache]
+        caches = [self.cache, self.draft.cache] if self._drafts_with_a_model else [self.cache]
         fits = all(
             (not arena.policy.is_full or arena.max_tokens >= total)
             and arena.max_block >= min(self.cache.prefill_chunk, total)
@@ -395,7 +414,7 @@ class Session:
             raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens}).")
         total = len(prompt_ids) + max_new_tokens
         check_fits_context(self.target, self.cache, total, "The prompt plus --max-new-tokens")
-        if self.draft is not None:
+        if self._drafts_with_a_model:
             check_fits_context(
                 self.draft.model, self.draft.cache, total, "The prompt plus --max-new-tokens (for the draft)"
             )
@@ -453,8 +472,8 @@ class Session:
         finally:
             if tokens is not None:
                 tokens.close()
-            if stats.speculative is not None:  # a draft that restarted holds the text from a later token on
-                self._origins[1] += stats.speculative.draft_origin_shift
+            if stats.speculative is not None and self._drafts_with_a_model:  # a draft that restarted holds the
+                self._origins[1] += stats.speculative.draft_origin_shift  # text from a later token on
             stats.kv_cache_bytes = self.kv_cache_bytes
             stats.kv_peak_bytes = sum(arena.peak_nbytes for arena in self.arenas)
             stats.evicted_tokens = self.evicted_tokens - evicted_before
@@ -472,22 +491,35 @@ class Session:
             )
             return
         gamma = self.draft.gamma
-        if gamma == "auto":
+        draft_model = self.draft.model.model if self.draft.model is not None else None
+        if draft_model is None:
+            gamma = None
+        elif gamma == "auto":
             # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
-            fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, self.draft.model.model)
+            fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, draft_model)
             gamma = AdaptiveGamma(cost_ratio=fixed)
         elif self.draft.while_paying and sampling.greedy:
-            cost = weight_cost_ratio(self.target.model, self.draft.model.model)
+            cost = weight_cost_ratio(self.target.model, draft_model)
             gamma = DraftWhilePaying(gamma, start_drafting=cost < STARTS_PLAIN_AT_COST)
+        ngram = None
+        if self.draft.ngram is not None:  # the whole text: a conversation's earlier turns too
+            if self._ngram is None:
+                model_cost = 0.5 if draft_model is None else weight_cost_ratio(self.target.model, draft_model)
+                options = self.draft.ngram
+                self._ngram = NgramDrafter(NgramIndex(options.min_n, options.max_n), options, model_cost=model_cost)
+            ngram = self._ngram
+            ngram.timed = sampling.greedy  # sampled text must not depend on timings
+            ngram.follow(self._text)
         stats.speculative = SpeculativeStats()
         try:
             yield from speculative_steps(
-                self.target.model, self.arenas[0], self.draft.model.model, self.arenas[1], suffix,
-                max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
+                self.target.model, self.arenas[0], draft_model, self.arenas[1] if draft_model is not None else None,
+                suffix, max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
                 eos_ids=eos_ids, prefill_chunk=chunk, stats=stats.speculative, on_prefilled=on_prefilled,
+                ngram=ngram,
             )
         finally:
-            stats.final_gamma = gamma if isinstance(gamma, int) else gamma.gamma
+            stats.final_gamma = gamma if gamma is None or isinstance(gamma, int) else gamma.gamma
 
 
 def run_generation(

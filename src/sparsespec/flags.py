@@ -139,10 +139,28 @@ def cache_options(args: argparse.Namespace, prefix: str = ""):
                         recent_window, retention, retention_tokens, getattr(args, f"{prefix}recall_pages", None))
 
 
+# --draft's value that drafts from n-gram matches in the text alone (no draft model).
+NGRAM_DRAFT = "ngram"
+
+
 def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    """``sparsespec generate``'s draft flags: ``--draft``, ``--draft-weights``, ``--draft-vocab``, ``--gamma`` and
-    the draft's cache flags (``--draft-policy`` …)."""
-    parser.add_argument("--draft", default=None, help="draft model for speculative decoding, or 'self'")
+    """``sparsespec generate``'s draft flags: ``--draft``, ``--draft-weights``, ``--draft-vocab``, ``--gamma``, the
+    draft's cache flags (``--draft-policy`` …) and n-gram drafting's (``--draft-ngram``, ``--ngram-*``)."""
+    from .ngram import DEFAULT_MAX_N, DEFAULT_MAX_TOKENS, DEFAULT_MIN_N
+
+    parser.add_argument("--draft", default=None,
+                        help=f"speculative decoding: a draft model, 'self' (the target's own weights with a small "
+                        f"cache), or '{NGRAM_DRAFT}' (proposals from n-gram matches in the text so far, no draft "
+                        "model)")
+    parser.add_argument("--draft-ngram", choices=("on", "off"), default=None,
+                        help="with a draft model: also propose from n-gram matches in the text so far, taking them "
+                        "in the rounds where they are expected to pay more (default: on)")
+    parser.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                        help=f"n-gram drafting: the shortest suffix matched (default: {DEFAULT_MIN_N})")
+    parser.add_argument("--ngram-max", type=int, default=None, metavar="N",
+                        help=f"n-gram drafting: the longest suffix matched (default: {DEFAULT_MAX_N})")
+    parser.add_argument("--ngram-tokens", type=int, default=None, metavar="N",
+                        help=f"n-gram drafting: the most tokens one round proposes (default: {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--draft-weights", choices=WEIGHT_CHOICES, default=None,
                         help="the draft's weight format (default: as --weights)")
     parser.add_argument("--draft-vocab", type=int, default=None,
@@ -154,40 +172,64 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_draft_flags(args: argparse.Namespace) -> None:
-    """Raise :class:`UserError` for draft flags that would do nothing: any of them without ``--draft``, and
-    ``--draft-weights`` / ``--draft-vocab`` with ``--draft self`` (which drafts with the target's own weights)."""
+    """Raise :class:`UserError` for draft flags that would do nothing: any of them without ``--draft``,
+    ``--draft-weights`` / ``--draft-vocab`` with ``--draft self`` (which drafts with the target's own weights), the
+    draft model's flags with ``--draft ngram`` (which has no draft model), and the n-gram flags with
+    ``--draft-ngram off``."""
     if not args.draft:
         reject_without(draft_flags_given(args), "--draft")
     elif args.draft == "self" and (args.draft_weights is not None or args.draft_vocab is not None):
         raise UserError("--draft self drafts with the target's own weights and head; drop --draft-weights and "
                         "--draft-vocab.")
+    elif args.draft == NGRAM_DRAFT:
+        model_flags = [flag for flag in draft_flags_given(args) if flag not in NGRAM_FLAGS]
+        reject_without(model_flags, "a draft model", f" (--draft {NGRAM_DRAFT} drafts from the text alone)")
+        if args.draft_ngram == "off":
+            raise UserError(f"--draft {NGRAM_DRAFT} drafts from n-gram matches alone; drop --draft-ngram off.")
+    if args.draft_ngram == "off":
+        reject_without([flag for flag in draft_flags_given(args) if flag in NGRAM_FLAGS[1:]], "n-gram drafting",
+                       " (--draft-ngram off)")
+
+
+# The n-gram drafting flags (draft_flags_given names them so).
+NGRAM_FLAGS = ("--draft-ngram", "--ngram-min", "--ngram-max", "--ngram-tokens")
 
 
 def draft_settings(args: argparse.Namespace):
-    """``(draft CacheOptions, γ, while paying)`` from the flags, or None without ``--draft``: checked before anything
-    loads. Without ``--gamma``: γ = :data:`DEFAULT_GAMMA` while drafting pays (``DraftOptions.while_paying``)."""
+    """``(draft CacheOptions or None, γ or None, while paying, NgramOptions or None)`` from the flags, or None
+    without ``--draft``: checked before anything loads. Without ``--gamma``: γ = :data:`DEFAULT_GAMMA` while
+    drafting pays (``DraftOptions.while_paying``). n-gram proposals are on unless ``--draft-ngram off``."""
     from .engine import parse_gamma
+    from .ngram import NgramOptions
 
     if not args.draft:
         return None
-    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None
+    sizes = {name: value for name, value in (("min_n", args.ngram_min), ("max_n", args.ngram_max),
+                                             ("max_tokens", args.ngram_tokens)) if value is not None}
+    ngram = NgramOptions(**sizes) if args.draft_ngram != "off" else None
+    if args.draft == NGRAM_DRAFT:
+        return None, None, False, ngram
+    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None, ngram
 
 
 def load_draft(args: argparse.Namespace, target, dtype, settings):
-    """The ``DraftOptions`` of ``--draft`` (None without one): ``target`` itself for ``self``, else the draft model
-    loaded in ``--draft-weights``, its head cut to ``--draft-vocab`` ids; ``settings`` from :func:`draft_settings`."""
+    """The ``DraftOptions`` of ``--draft`` (None without one): n-gram proposals alone for ``ngram``, ``target``
+    itself for ``self``, else the draft model loaded in ``--draft-weights``, its head cut to ``--draft-vocab`` ids;
+    ``settings`` from :func:`draft_settings`."""
     from .engine import DraftOptions
     from .loading.load import load_model
 
     if settings is None:
         return None
-    cache, gamma, while_paying = settings
+    cache, gamma, while_paying, ngram = settings
+    if args.draft == NGRAM_DRAFT:
+        return DraftOptions(None, None, None, ngram=ngram)
     if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True, while_paying=while_paying)
+        return DraftOptions(target, cache, gamma, is_self=True, while_paying=while_paying, ngram=ngram)
     model = load_model(args.draft, dtype, args.draft_weights, role="draft", share_tokenizer=target.tokenizer)
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma, while_paying=while_paying)
+    return DraftOptions(model, cache, gamma, while_paying=while_paying, ngram=ngram)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:
@@ -196,8 +238,9 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
     Their defaults are all None, so "set" means "not None".
     """
     names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent", "retention",
-             "retention_tokens", "recall_pages"]
+             "retention_tokens", "recall_pages", "ngram"]
     given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
+    given += [f"--ngram-{n}" for n in ("min", "max", "tokens") if getattr(args, f"ngram_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:
         given.insert(0, "--gamma")
     return given
@@ -217,7 +260,9 @@ def prefetch_models(args: argparse.Namespace) -> None:
     from .loading.tensor_cache import prefetch_stored_models
 
     draft_weights = getattr(args, "draft_weights", None) or args.weights
-    prefetch_stored_models([args.model, getattr(args, "draft", None)], args.dtype, [args.weights, draft_weights])
+    draft = getattr(args, "draft", None)
+    prefetch_stored_models([args.model, None if draft == NGRAM_DRAFT else draft], args.dtype,
+                           [args.weights, draft_weights])
 
 
 # More threads than this many per core only queue for the cores (each pass's barriers then wait on the slowest).

@@ -30,6 +30,7 @@ from .cache.arena import KVArena
 from .errors import UserError
 from .generate import prefill_steps
 from .model import Transformer
+from .ngram import NgramDrafter
 from .passes import Program, forward_pass, run_alone
 from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
@@ -143,6 +144,9 @@ class AdaptiveGamma:
         g = max(range(1, self.gamma_max + 1), key=lambda g: speculative_speedup(alpha, g, c))
         return g, speculative_speedup(alpha, g, c)
 
+    def skip_round(self) -> None:
+        """A round this controller did not choose (an n-gram proposal took it): nothing to learn from it."""
+
     def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
         """Record one round: ``drafted`` proposals, ``accepted`` of them, the draft's seconds in the round (catch-up
         passes included) and the target pass's seconds; then choose the next round's γ."""
@@ -226,6 +230,10 @@ class DraftWhilePaying:
     def drafting(self) -> bool:
         return self.gamma > 0
 
+    def skip_round(self) -> None:
+        """A round this controller did not choose (an n-gram proposal took it): not counted in either mode."""
+        self._last = self._clock()
+
     def update(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
         """Record one round (``drafted`` proposals, ``accepted`` of them; the seconds are not used: the clock
         times whole rounds) and choose the next round's γ."""
@@ -295,6 +303,10 @@ class SpeculativeStats:
     draft_restarts: int = 0  # times the draft emptied its cache to read only the end of what it missed
     # Text tokens those restarts dropped from the start of the draft's cache: it holds the text from this far on.
     draft_origin_shift: int = 0
+    # Rounds whose proposals came from n-gram matches (ngram.py), and their share of drafted / accepted.
+    ngram_rounds: int = 0
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -357,18 +369,19 @@ def speculative_tokens(target: Transformer, target_cache: KVArena, draft: Transf
 def speculative_steps(
     target: Transformer,
     target_cache: KVArena,
-    draft: Transformer,
-    draft_cache: KVArena,
+    draft: Transformer | None,
+    draft_cache: KVArena | None,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
-    gamma: int | AdaptiveGamma | DraftWhilePaying,
+    gamma: int | AdaptiveGamma | DraftWhilePaying | None,
     generator: torch.Generator | None = None,
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
     stats: SpeculativeStats | None = None,
     on_prefilled: Callable[[], None] | None = None,
+    ngram: NgramDrafter | None = None,
 ) -> Program:
     """The program of speculative decoding: up to ``max_new_tokens`` new tokens (stops after an EOS id).
 
@@ -377,28 +390,41 @@ def speculative_steps(
     :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target
     itself (self-speculation) with its own arena. ``on_prefilled`` is called once the prompt is read (so callers
     can time decoding over the span that produces every new token).
+
+    ``ngram`` (``ngram.py``): proposals from the text already seen, whose index holds the text up to the end of
+    ``prompt_ids`` (the tokens generated are added to it); a round takes them whenever it expects them to pay (the
+    draft model, if any, then sits the round out and reads its tokens later), and the draft model (``draft``,
+    ``gamma``; None for n-gram drafting alone) the others. Their proposals are point masses, so rejection sampling
+    stays exact.
     """
     if isinstance(gamma, int) and gamma < 1:
         raise UserError(f"--gamma must be at least 1 (got {gamma}).")
-    controlled = not isinstance(gamma, int)
-    gamma_cap = gamma.gamma_max if controlled else gamma
-    if target_cache.max_inflight < target_inflight_rows(gamma_cap):
+    if draft is None and ngram is None:
+        raise ValueError("speculative decoding needs a draft model or n-gram proposals")
+    controlled = gamma is not None and not isinstance(gamma, int)
+    gamma_cap = 0 if draft is None else gamma.gamma_max if controlled else gamma
+    proposal_cap = max(gamma_cap, ngram.options.max_tokens if ngram is not None else 0)
+    if target_cache.max_inflight < target_inflight_rows(proposal_cap):
         raise ValueError("the target arena cannot hold a verification block of this γ")
-    if draft_cache.max_inflight < draft_inflight_rows(gamma_cap):
+    if draft is not None and draft_cache.max_inflight < draft_inflight_rows(gamma_cap):
         raise ValueError("the draft arena cannot hold the rows this γ keeps in flight")
     stats = stats if stats is not None else SpeculativeStats()
     eos = set(eos_ids)
     *context, last = prompt_ids
     yield from prefill_steps(target, target_cache, context, prefill_chunk)
-    yield from prefill_steps(draft, draft_cache, context, prefill_chunk, draft=True)
+    if draft is not None:
+        yield from prefill_steps(draft, draft_cache, context, prefill_chunk, draft=True)
     if on_prefilled is not None:
         on_prefilled()
     target_pending = [last]  # accepted tokens the target has not been fed yet
     draft_pending = [last]  # the same for the draft (two after a fully accepted round, more after γ = 0 rounds)
     generated = 0
     while generated < max_new_tokens:
-        g = gamma.gamma if controlled else gamma
-        g = min(g, max_new_tokens - generated - 1)
+        left = max_new_tokens - generated - 1
+        g = 0 if draft is None else min(gamma.gamma if controlled else gamma, left)
+        proposal = ngram.propose(g)[:left] if ngram is not None else []
+        if proposal:
+            g = 0  # the draft model sits this round out: the n-gram proposals are expected to pay more
 
         # 1. Draft γ proposals; they stay in flight in the draft's arena. A draft that sat out rounds (γ = 0)
         #    first reads the accepted tokens it missed, as prompt chunks; after more than CATCH_UP_TOKENS it empties
@@ -431,6 +457,11 @@ def speculative_steps(
             feed = drafts[-1:]
         draft_fed = len(draft_pending) + g - 1 if g else 0
         draft_seconds = time.perf_counter() - started
+        if proposal:  # point masses: q(x) = 1 for each proposed token
+            drafts = proposal
+            if not sampling.greedy:
+                vocab = target.config.vocab_size
+                q = [torch.nn.functional.one_hot(torch.tensor(x), vocab).float() for x in drafts]
 
         # 2. One target pass over the pending token(s) and all proposals.
         started = time.perf_counter()
@@ -440,6 +471,12 @@ def speculative_steps(
         else:
             accepted, next_token = _accept(warp(logits[len(target_pending) - 1 :], sampling), q, drafts, generator)
         target_seconds = time.perf_counter() - started
+        if ngram is not None:
+            ngram.observe_pass(target_seconds, len(target_pending) + len(drafts))
+            if proposal:
+                ngram.update(len(drafts), accepted)
+            else:
+                ngram.observe_model_round(g, accepted, draft_seconds)
 
         # 3. Commit what was accepted; roll back the rest. An accepted EOS ends the run, so the tokens after it
         # are neither yielded nor committed: the arenas then hold only the text this generator yielded.
@@ -451,21 +488,30 @@ def speculative_steps(
         kept = min(draft_fed, len(draft_pending) + len(emitted) - 1)
         if draft_fed:  # else the draft sat the round out: nothing in flight
             draft_cache.commit(kept)
-        draft_pending = stream[kept:]
+        draft_pending = stream[kept:] if draft is not None else []
 
         stats.target_passes += 1
         stats.draft_passes += g + catch_up_passes
-        stats.drafted += g
+        stats.drafted += len(drafts)
         stats.accepted += accepted
         stats.draft_seconds += draft_seconds
         stats.target_seconds += target_seconds
-        stats.gammas.append(g)
+        stats.gammas.append(len(drafts))
+        if proposal:
+            stats.ngram_rounds += 1
+            stats.ngram_drafted += len(drafts)
+            stats.ngram_accepted += accepted
         if controlled:
-            gamma.update(g, accepted, draft_seconds, target_seconds)
+            if proposal:
+                gamma.skip_round()
+            else:
+                gamma.update(g, accepted, draft_seconds, target_seconds)
 
         for token in emitted:
             generated += 1
             stats.new_tokens += 1
+            if ngram is not None:
+                ngram.index.append(token)
             yield token
             if token in eos or generated >= max_new_tokens:
                 return

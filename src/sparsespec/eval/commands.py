@@ -541,7 +541,7 @@ def _check_needle_args(args: argparse.Namespace):
     longest = max(setup.lengths) + args.max_new_tokens
     target = _model_shapes(args.model)
     check_fits_context(target, cache, longest, "The longest prompt (--lengths) plus --max-new-tokens")
-    if draft is not None:
+    if draft is not None and draft[0] is not None:  # a draft model (not n-gram drafting alone)
         draft_model = target if args.draft == "self" else _model_shapes(args.draft)
         check_fits_context(draft_model, draft[0], longest,
                            "The longest prompt (--lengths) plus --max-new-tokens (for the draft)")
@@ -568,10 +568,15 @@ def run_needle(args: argparse.Namespace) -> int:
 
     context = {"model": target.name, **cache_fields(cache), "draft": None}
     model = target.name
-    if draft is not None:
+    if draft is not None and draft.model is not None:
         context.update(draft="self" if draft.is_self else draft.model.name, gamma_setting=draft.gamma,
                        draft_cache=cache_fields(draft.cache)["cache"])
         model += f" with draft {context['draft']}"
+    elif draft is not None:
+        context.update(draft="ngram")
+        model += " with n-gram drafts"
+    if draft is not None:
+        context.update(draft_ngram=draft.ngram is not None)
     try:
         out = open(args.out, "a", encoding="utf-8") if args.out else None
     except OSError as exc:

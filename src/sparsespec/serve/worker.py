@@ -100,8 +100,10 @@ class Metrics:
         "reused_prompt_tokens_total": "prompt tokens resumed from the cache instead of read again",
         "generated_tokens_total": "tokens generated",
         "evicted_tokens_total": "KV entries evicted (per layer and head) by the target's cache",
-        "drafted_tokens_total": "tokens proposed by the draft",
+        "drafted_tokens_total": "tokens proposed by the draft (model and n-gram proposals)",
         "accepted_tokens_total": "draft tokens the target accepted",
+        "ngram_drafted_tokens_total": "tokens proposed from n-gram matches in the text (part of drafted_tokens_total)",
+        "ngram_accepted_tokens_total": "n-gram proposals the target accepted",
         "target_passes_total": "target forward passes of speculative decoding",
         "engine_steps_total": "passes the engine ran (each over the rows of every request it served at once)",
         "batch_rows_total": "rows those passes ran (over engine_steps_total: rows per step)",
@@ -276,7 +278,7 @@ class EngineWorker:
                 f"the model's context of {self.context} tokens, and the server runs with --no-evict-overflow."
             )
         check_fits_context(self.target, self.cache, total, "The prompt plus max_tokens")
-        if self.draft is not None:
+        if self.draft is not None and self.draft.model is not None:
             check_fits_context(self.draft.model, self.draft.cache, total, "The prompt plus max_tokens (for the draft)")
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
@@ -402,7 +404,8 @@ class EngineWorker:
         if stats.speculative is not None:
             s = stats.speculative
             self.metrics.add(drafted_tokens_total=s.drafted, accepted_tokens_total=s.accepted,
-                             target_passes_total=s.target_passes)
+                             target_passes_total=s.target_passes, ngram_drafted_tokens_total=s.ngram_drafted,
+                             ngram_accepted_tokens_total=s.ngram_accepted)
         self.metrics.set(last_tokens_per_second=stats.tokens_per_s,
                          kv_cache_bytes=sum(slot.session.kv_cache_bytes for slot in self.slots))
 
@@ -425,5 +428,7 @@ def extension(worker: EngineWorker, result: JobResult) -> dict:
     if result.stats.speculative is not None:
         s = result.stats.speculative
         out.update(acceptance_rate=round(s.acceptance_rate, 4),
-                   tokens_per_target_pass=round(s.tokens_per_target_pass, 4), gamma=result.stats.final_gamma)
+                   tokens_per_target_pass=round(s.tokens_per_target_pass, 4), gamma=result.stats.final_gamma,
+                   drafted_tokens=s.drafted, accepted_tokens=s.accepted, ngram_drafted_tokens=s.ngram_drafted,
+                   ngram_accepted_tokens=s.ngram_accepted)
     return out
