@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
+        from .loading.tensor_cache import drop_prefetches
+
+        drop_prefetches()  # a mapping the command began before it found the mistake
         print(f"sparsespec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

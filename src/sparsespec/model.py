@@ -102,7 +102,7 @@ class Transformer:
         self.config = config
         self.dtype = dtype
         self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
-        self.native_ops = kernels.available()  # rms_norm and silu * up as one native op each
+        self.native_ops = kernels.available()  # the native ops, and on native weights the native pass
         self._native = None  # (what it was made of, the native pass's weights or None): native_model
         weights = resolve_format(weights, role)
         self.weights_format = weights

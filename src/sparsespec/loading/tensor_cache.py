@@ -276,8 +276,9 @@ def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: lis
         _start_mover(_map_then_move, (started,), [p.dropped for p in started], name="sparsespec prefetch")
 
 
-def drop_prefetches(folder: Path) -> None:
-    """Forget the background mappings of files in ``folder`` (one model's key folder) that were not taken."""
+def drop_prefetches(folder: Path | None = None) -> None:
+    """Forget the background mappings of files in ``folder`` (one model's key folder; None: every folder) that were
+    not taken."""
     with _prefetches_lock:
-        for file in [f for f in _prefetches if f.parent == folder]:
+        for file in [f for f in _prefetches if folder is None or f.parent == folder]:
             _prefetches.pop(file).dropped.set()
