@@ -23,6 +23,7 @@ import torch
 from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
 
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
+from sparsespec.loading.tokenizer import eos_token_ids
 from sparsespec.ngram import NgramOptions
 from sparsespec.sampling import SamplingParams
 
@@ -78,7 +79,7 @@ REQUESTS = {
 NGRAM_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
 
 
-def ours(target, draft, ids: list[int], tokens: int, mode: str) -> tuple[float, list[int], RunStats]:
+def ours(target, draft, ids: list[int], tokens: int, mode: str, eos: set[int]) -> tuple[float, list[int], RunStats]:
     options = {
         "plain": None,
         "ngram": DraftOptions(None, None, None, ngram=NgramOptions()),
@@ -87,7 +88,7 @@ def ours(target, draft, ids: list[int], tokens: int, mode: str) -> tuple[float, 
     }[mode]
     stats = RunStats()
     out = list(run_generation(target, ids, max_new_tokens=tokens, sampling=SamplingParams(), cache=CacheOptions(),
-                              draft=options, stats=stats))
+                              eos_ids=eos, draft=options, stats=stats))
     return stats.tokens_per_s, out, stats
 
 
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", default="code,edit,prose")
+    parser.add_argument("--engines", default=None,
+                        help="a comma-separated subset of plain, ngram, draft+ngram, draft, llama:<spec type>")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "drafters.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,10 +123,13 @@ def main() -> None:
     draft = load_settled(args.draft, torch.bfloat16, "auto", role="draft", share_tokenizer=target.tokenizer)
     draft.model.limit_vocabulary(32768)
     tokenizer = target.tokenizer
+    eos = eos_token_ids(tokenizer)  # both engines end an answer at its end-of-turn token
     binary = args.llama_bin / "llama-speculative-simple"
     target_file, draft_file = str(fixture_path(args.target)), str(fixture_path(args.draft))
     engines = ["plain", "ngram", "draft+ngram", "draft", "llama:draft-simple",
                *(f"llama:{t}" for t in NGRAM_SPEC_TYPES)]
+    if args.engines:
+        engines = [e for e in engines if e in args.engines.split(",")]
     facts = machine()
     runs: dict[tuple[str, int, str], list[float]] = {}
     for round_index in range(args.rounds):
@@ -141,7 +147,7 @@ def main() -> None:
                         tok_s = llama(binary, target_file, draft_file, text, args.tokens, args.threads,
                                       engine.split(":", 1)[1])
                     else:
-                        tok_s, out, stats = ours(target, draft, ids, args.tokens, engine)
+                        tok_s, out, stats = ours(target, draft, ids, args.tokens, engine, eos)
                         if engine == "plain":
                             plain_tokens = out
                         record.update(tokens=len(out))
@@ -161,14 +167,16 @@ def main() -> None:
         def per_prompt(engine: str) -> list[float]:
             return [median(runs[(kind, p, engine)]) for p in prompts]
 
-        llama_best = [max(median(runs[(kind, p, e)]) for e in engines if e.startswith("llama:")) for p in prompts]
+        llama = [e for e in engines if e.startswith("llama:")]
+        llama_best = [max(median(runs[(kind, p, e)]) for e in llama) for p in prompts] if llama else None
         plain = per_prompt("plain")
         summary = {"bench": "drafters_summary", "kind": kind, "rounds": args.rounds, "tokens": args.tokens}
         for engine in engines:
             values = per_prompt(engine)
             summary[engine] = {"tok_s": round(median(values), 3),
-                               "over_plain": round(median([v / b for v, b in zip(values, plain)]), 3),
-                               "over_llama_best": round(median([v / b for v, b in zip(values, llama_best)]), 3)}
+                               "over_plain": round(median([v / b for v, b in zip(values, plain)]), 3)}
+            if llama_best:
+                summary[engine]["over_llama_best"] = round(median([v / b for v, b in zip(values, llama_best)]), 3)
         emit({**summary, **facts}, args.out)
 
 

@@ -62,9 +62,10 @@ def test_the_drafter_proposes_only_what_is_expected_to_pay():
     index = NgramIndex(1, 2, [1, 2, 3, 4, 5, 1, 2])
     drafter = NgramDrafter(index, NgramOptions(1, 2, 8), timed=False)
     assert index.match() == (2, 1)  # "1 2" ended at position 1
-    assert drafter.propose() == [3]  # α 0.5 and rows at a quarter of a pass: one token pays (1.2x), two less
+    # The prior for a 2-token match, α = 2/3, and rows at a quarter of a pass: two tokens pay most (1.41x).
+    assert drafter.alpha(2) == pytest.approx(2 / 3) and drafter.propose() == [3, 4]
     for _ in range(10):
-        drafter.update(1, 0)  # proposals from 2-token matches rejected at once
+        drafter.update(2, 0)  # proposals from 2-token matches rejected at once
     assert drafter.alpha(2) < 0.1 and drafter.propose() == []
     assert drafter.alpha(1) == 0.5  # matches of another length keep their own record
     for _ in range(30):
@@ -73,7 +74,7 @@ def test_the_drafter_proposes_only_what_is_expected_to_pay():
     assert drafter.alpha(2) > 0.95 and drafter.propose() == [3, 4, 5, 1, 2]
     assert drafter.propose(model_gamma=3) == [3, 4, 5, 1, 2]  # a draft model at the prior α pays less
     timed = NgramDrafter(NgramIndex(1, 2, [1, 2, 3, 4, 5, 1, 2]), NgramOptions(1, 2, 8))
-    for _ in range(5):  # a one-row pass 10 ms, each extra row 30 ms: no proposal pays at α 0.5
+    for _ in range(5):  # a one-row pass 10 ms, each extra row 30 ms: no proposal pays at α 2/3
         timed.observe_pass(0.010, 1)
         timed.observe_pass(0.010 + 0.030 * 3, 4)
     assert timed.row_cost == pytest.approx(3.0) and timed.propose() == []

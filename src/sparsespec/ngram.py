@@ -93,10 +93,10 @@ class NgramIndex:
 
 class _Acceptance:
     """Decayed acceptance counts: each round adds its accepted tokens and its first rejection (speculative
-    decoding's per-token α); a prior of α = 0.5 weighing as two trials."""
+    decoding's per-token α); a prior of α = ``prior`` weighing as two trials."""
 
-    def __init__(self, decay: float):
-        self.decay, self.accepted, self.trials = decay, 1.0, 2.0
+    def __init__(self, decay: float, prior: float = 0.5):
+        self.decay, self.accepted, self.trials = decay, 2.0 * prior, 2.0
 
     def add(self, proposed: int, accepted: int) -> None:
         rejected = 1 if accepted < proposed else 0
@@ -133,9 +133,16 @@ class NgramDrafter:
         self._rows: list[tuple[float, int]] = []  # multi-row passes waiting for t₁
         self._row: float | None = None  # seconds per row past the first
 
+    def _record(self, matched: int) -> _Acceptance:
+        """The acceptance record of matches of ``matched`` tokens; until measured, α = n / (n + 1): a longer match
+        is more likely copied on, and trying it costs only verification rows."""
+        if matched not in self._ngram:
+            self._ngram[matched] = _Acceptance(self.decay, prior=matched / (matched + 1))
+        return self._ngram[matched]
+
     def alpha(self, matched: int) -> float:
         """Acceptance of the tokens proposed from a match of ``matched`` tokens."""
-        return self._ngram.setdefault(matched, _Acceptance(self.decay)).alpha
+        return self._record(matched).alpha
 
     @property
     def row_cost(self) -> float:
@@ -185,7 +192,7 @@ class NgramDrafter:
 
     def update(self, proposed: int, accepted: int) -> None:
         """The last proposal's outcome: ``accepted`` of its ``proposed`` tokens."""
-        self._ngram.setdefault(self._matched, _Acceptance(self.decay)).add(proposed, accepted)
+        self._record(self._matched).add(proposed, accepted)
 
     def observe_model_round(self, proposed: int, accepted: int, seconds: float) -> None:
         """A draft model's round: ``proposed`` tokens (0: none), ``accepted`` of them, its ``seconds``."""
