@@ -99,6 +99,20 @@ void gather_heads(Rows& qkv, long row0, int T, int n, long column, int hd, bool 
   for (std::size_t j = 0; j < out.size(); ++j) out[j] = widen(s.heads_normed.data(), bf16, (long)j);
 }
 
+// s.x += p(input), the branch normed by post_norm first where the model has one (Gemma 3), else the add done by the
+// projection's write-back (model.py's _skip).
+void skip(int isa, const Projection& p, Rows& input, const NormWeight& post_norm, long m, float eps, bool bf16,
+          PassScratch& s) {
+  if (!post_norm.weight) {
+    apply(isa, p, input, m, bf16, s.x.data(), s.x_next, s.padded);
+    std::swap(s.x, s.x_next);
+    return;
+  }
+  apply(isa, p, input, m, bf16, nullptr, s.branch, s.padded);
+  norm(post_norm, s.branch, m, eps, bf16, s.branch_normed);
+  add_into(s.x, s.branch_normed, m, bf16);
+}
+
 std::string check_norm(const NormWeight& w, const char* what) {
   return w.weight ? "" : std::string("the model lacks its ") + what;
 }
@@ -212,26 +226,12 @@ void forward(int isa, const ModelWeights& m, const std::vector<BlockPass>& block
                          s.attn.row(row0), bf16, nullptr);
       row0 += T;
     }
-    if (!w.attn_post_norm.weight) {
-      apply(isa, w.o_proj, s.attn, M, bf16, s.x.data(), s.x_next, s.padded);
-      std::swap(s.x, s.x_next);
-    } else {
-      apply(isa, w.o_proj, s.attn, M, bf16, nullptr, s.branch, s.padded);
-      norm(w.attn_post_norm, s.branch, M, m.eps, bf16, s.branch_normed);
-      add_into(s.x, s.branch_normed, M, bf16);
-    }
+    skip(isa, w.o_proj, s.attn, w.attn_post_norm, M, m.eps, bf16, s);
     norm(w.mlp_norm, s.x, M, m.eps, bf16, s.normed);
     apply(isa, w.gate_up, s.normed, M, bf16, nullptr, s.gate_up, s.padded);
     s.act.shape(M, m.intermediate, bf16);
     gated_rows(s.gate_up.data(), M, m.intermediate, bf16, m.gelu, s.act.data());
-    if (!w.mlp_post_norm.weight) {
-      apply(isa, w.down, s.act, M, bf16, s.x.data(), s.x_next, s.padded);
-      std::swap(s.x, s.x_next);
-    } else {
-      apply(isa, w.down, s.act, M, bf16, nullptr, s.branch, s.padded);
-      norm(w.mlp_post_norm, s.branch, M, m.eps, bf16, s.branch_normed);
-      add_into(s.x, s.branch_normed, M, bf16);
-    }
+    skip(isa, w.down, s.act, w.mlp_post_norm, M, m.eps, bf16, s);
   }
 
   // The rows that get logits, the final norm, the head; ids past the head's rows (a draft's cut) get -inf.
