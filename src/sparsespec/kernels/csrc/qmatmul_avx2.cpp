@@ -202,14 +202,42 @@ void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activation
   }
 }
 
-// Column tiles (qmatmul.h): 8 columns per ymm, a tile as two halves. maddubs sums stay exact in int16 (Q4_K: 8
-// of them, each <= 2 * 15 * 127; Q6_K: 2, each <= 2 * 63 * 127) before madd widens them to int32.
+// Column tiles (qmatmul.h): 8 columns per ymm (column c in 32-bit lane c), a tile as two halves. The integer sums
+// are exact, so they are grouped for the fewest instructions per activation row (an exact sum does not depend on its
+// order); only the float steps follow the canonical order. maddubs sums stay exact in int16 (Q4_K: 8 of them, each
+// <= 2 * 15 * 127; Q6_K: 2, each <= 2 * 63 * 127), and one madd with the columns' scales in both 16-bit halves of
+// each lane widens and scales them at once. The offsets (Q4_K's mins, Q6_K's -32) are one dot per chunk and row of
+// the columns' scales with the row's group sums, by madd over pairs of them (every factor fits int16: |b_g| <= 16 *
+// 127, scales <= 128).
+
+// Both 16-bit halves of each lane set to the lane's int32 value (which fits int16).
+inline __m256i in_both_halves(__m256i v) {
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+// Lane c = (row a's byte c, row b's byte c) as two int16 (8 columns of two rows of a scale table).
+template <bool SIGNED>
+inline __m256i interleave_columns(const uint8_t* a, const uint8_t* b) {
+  const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b));
+  return SIGNED ? _mm256_cvtepi8_epi16(pairs) : _mm256_cvtepu8_epi16(pairs);
+}
+
+// Keeps v in a register here: the compiler otherwise regroups a row's integer sums across the unrolled loop and spills
+// every partial product to the stack (a store and a load per maddubs).
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// Two int16 in one 32-bit word, what madd multiplies by a lane's pair of scales.
+inline int32_t int16_pair(int32_t low, int32_t high) {
+  return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)(uint16_t)high << 16);
+}
+
 template <int TYPE, int MT>
 inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, const Activations& act,
                            __m256 y[MT]) {
   const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const int h32 = 32 * half, h8 = 8 * half;
+  constexpr int n_pairs = TYPE == Q4_K_T16 ? 4 : 8;  // offset pairs per chunk: sub-blocks 2q, 2q + 1 / groups
   __m256 acc[MT], off[MT];
   for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm256_setzero_ps();
   for (int ch = 0; ch < n_chunks; ++ch) {
@@ -217,12 +245,20 @@ inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, 
     const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>() + h32;
     prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
-    __m256i isum[MT], osum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = osum[i] = _mm256_setzero_si256();
+    // The offsets' scales, a pair per lane: Q4_K mn of sub-blocks 2q, 2q + 1; Q6_K sc of groups 2q, 2q + 1.
+    __m256i offset_scales[n_pairs];
+    for (int q = 0; q < n_pairs; ++q) {
+      if constexpr (TYPE == Q4_K_T16)
+        offset_scales[q] = interleave_columns<false>(chunk + 192 + 32 * q + h8, chunk + 192 + 32 * q + 16 + h8);
+      else
+        offset_scales[q] = interleave_columns<true>(chunk + 32 + 32 * q + h8, chunk + 32 + 32 * q + 16 + h8);
+    }
+    __m256i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm256_setzero_si256();
     if constexpr (TYPE == Q4_K_T16) {
       for (int j = 0; j < 8; ++j) {
-        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 64 + 16 * j + h8)));
-        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 192 + 16 * j + h8)));
+        const __m256i sc = in_both_halves(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 64 + 16 * j + h8))));
         __m256i s16[MT];
         for (int i = 0; i < MT; ++i) s16[i] = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
@@ -233,18 +269,16 @@ inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, 
             const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 32 * j + 8 * p;
             s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z0, quad(x)));
             s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z1, quad(x + 4)));
+            in_register(s16[i]);
           }
         }
-        for (int i = 0; i < MT; ++i) {
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(_mm256_madd_epi16(s16[i], ones), sc));
-          const int32_t* b = act.bsum + (long)(r0 + i) * per_row16 + ch * 16 + 2 * j;
-          osum[i] = _mm256_add_epi32(osum[i], _mm256_mullo_epi32(mn, _mm256_set1_epi32(b[0] + b[1])));
-        }
+        for (int i = 0; i < MT; ++i) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], sc));
       }
     } else {  // Q6_K_T16
       const __m256i two = _mm256_set1_epi8(0x30);
       for (int g = 0; g < 16; ++g) {
-        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 32 + 16 * g + h8)));
+        const __m256i sc = in_both_halves(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 32 + 16 * g + h8))));
         const uint8_t* group = pairs + kTileGroupBytes * g;  // pairs already points at this half's 32 bytes
         const __m256i p0 = _mm256_loadu_si256((const __m256i*)group);
         const __m256i p1 = _mm256_loadu_si256((const __m256i*)(group + 64));
@@ -261,20 +295,28 @@ inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, 
           const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(z0, quad(x)), _mm256_maddubs_epi16(z1, quad(x + 4)));
           const __m256i s23 =
               _mm256_add_epi16(_mm256_maddubs_epi16(z2, quad(x + 8)), _mm256_maddubs_epi16(z3, quad(x + 12)));
-          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
-          const int32_t b = act.bsum[(long)(r0 + i) * per_row16 + ch * 16 + g];
-          const __m256i t = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * b));
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(t, sc));
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(s01, sc), _mm256_madd_epi16(s23, sc)));
         }
       }
     }
     for (int i = 0; i < MT; ++i) {
-      const __m256 D = _mm256_set1_ps(act.d256[(long)(r0 + i) * per_row256 + ch]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, D), acc[i]);
+      const long r = r0 + i;
+      const int32_t* b = act.bsum + r * per_row16 + ch * 16;
+      __m256i osum = _mm256_setzero_si256();
+      for (int q = 0; q < n_pairs; ++q) {
+        const int32_t word = TYPE == Q4_K_T16 ? int16_pair(b[4 * q] + b[4 * q + 1], b[4 * q + 2] + b[4 * q + 3])
+                                              : int16_pair(b[2 * q], b[2 * q + 1]);
+        osum = _mm256_add_epi32(osum, _mm256_madd_epi16(offset_scales[q], _mm256_set1_epi32(word)));
+      }
+      const __m256 D = _mm256_set1_ps(act.d256[r * per_row256 + ch]);
       if constexpr (TYPE == Q4_K_T16) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, D), acc[i]);
         const __m256 neg_dmin = _mm256_xor_ps(
             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f));
-        off[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum[i]), _mm256_mul_ps(neg_dmin, D), off[i]);
+        off[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum), _mm256_mul_ps(neg_dmin, D), off[i]);
+      } else {  // isum = sum_g sc_g dot_g - 32 sum_g sc_g b_g
+        const __m256i exact = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(osum, 5));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, D), acc[i]);
       }
     }
   }
@@ -332,6 +374,8 @@ inline void q5_0_tile_half_pass(const uint8_t* tile, int n_chunks, int half, int
   for (int i = 0; i < MT; ++i) y[i] = _mm256_add_ps(acc[i], _mm256_setzero_ps());  // + off (zero), as the scalar path
 }
 
+constexpr int kTileRows = 6;  // activation rows per pass over a half tile (what the 16 ymm registers hold)
+
 template <int TYPE>
 void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                 float* out, long ldo) {
@@ -342,9 +386,12 @@ void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activatio
     for (int half = 0; half < 2; ++half) {
       const int n0 = t * kTileColumns + 8 * half;
       if (n0 + 8 <= n_begin || n0 >= n_end) continue;
-      for (int r = 0; r < act.m; r += 4) {
-        const int rows = act.m - r < 4 ? act.m - r : 4;
-        __m256 y[4];
+      // The rows in groups of at most kTileRows, as even as they go (5 rows: one group, not 4 + 1), each group one
+      // pass over the half tile that decodes its codes once.
+      const int n_groups = (act.m + kTileRows - 1) / kTileRows;
+      for (int group = 0, r = 0; group < n_groups; ++group) {
+        const int rows = (act.m - r + (n_groups - group) - 1) / (n_groups - group);
+        __m256 y[kTileRows];
         auto pass = [&] <int MT>() {
           if constexpr (TYPE == Q5_0_T16) q5_0_tile_half_pass<MT>(tile, n_chunks, half, r, act, y);
           else tile_half_pass<TYPE, MT>(tile, n_chunks, half, r, act, y);
@@ -353,7 +400,9 @@ void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activatio
           case 1: pass.template operator()<1>(); break;
           case 2: pass.template operator()<2>(); break;
           case 3: pass.template operator()<3>(); break;
-          default: pass.template operator()<4>(); break;
+          case 4: pass.template operator()<4>(); break;
+          case 5: pass.template operator()<5>(); break;
+          default: pass.template operator()<6>(); break;
         }
         for (int i = 0; i < rows; ++i) {
           alignas(32) float v[8];
@@ -364,6 +413,7 @@ void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activatio
             out[(long)(r + i) * ldo + n] = bias ? v[c] + bias[n] : v[c];
           }
         }
+        r += rows;
       }
     }
   }
