@@ -8,7 +8,7 @@ activations included); ``--plot`` draws tok/s, KV bytes and peak RSS against con
 
     python benchmarks/bench_arena.py --models smollm2-135m --contexts 1024,4096,8192,16384 --budgets 256,1024
     python benchmarks/bench_arena.py --long-run 100000 --budgets 1024 --weights int4 \
-        --plot benchmarks/results/arena_long_run.png   # flat-RSS generation; RSS and tok/s vs tokens
+        --plot benchmarks/results/bench_arena/arena_long_run.png   # flat-RSS generation; RSS and tok/s vs tokens
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from common import RESULTS_DIR, emit, load_settled, machine
+from common import emit, load_settled, machine, results_dir
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--weights", default="dense", choices=["dense", "int8", "int4"],
                         help="weight format of the projections (default: dense bf16)")
     parser.add_argument("--long-run", type=int, default=0, help="tokens of one long generation (0: context sweep)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "arena.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "arena.jsonl")
     parser.add_argument("--plot", type=Path, default=None,
                         help="draw the context sweep (or, with --long-run, the long run) in --out to this PNG")
     parser.add_argument("--plot-only", action="store_true", help="only redraw --plot from --out")

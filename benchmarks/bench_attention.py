@@ -1,4 +1,6 @@
-"""The arena's decode attention (one row, or a verification block): the native op against the torch fallback, and its
+"""The arena's decode attention: the native op against the torch fallback, per KV dtype, and its effective bandwidth.
+
+The arena's decode attention (one row, or a verification block): the native op against the torch fallback, and its
 effective bandwidth.
 
 Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, machine
+from common import emit, machine, results_dir
 
 from sparsespec import kernels
 from sparsespec.cache import fallback
@@ -176,7 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "attention.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "attention.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     paths = args.paths.split(",")

@@ -1,4 +1,6 @@
-"""How often the default path's greedy chat answers equal the float32 dense reference's, against how often
+"""How often greedy chat answers equal the float32 reference's, ours against llama.cpp's, on the same file and tokens.
+
+How often the default path's greedy chat answers equal the float32 dense reference's, against how often
 llama.cpp's do, on the same file and the same prompt tokens; and the default path's KL from the reference.
 
 For each model and each question of :data:`QUESTIONS` (written for this benchmark): the chat prompt's ids from
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, machine
+from common import emit, fixture_path, machine, results_dir
 
 from sparsespec.engine import CacheOptions, make_arena, run_generation
 from sparsespec.loading.load import load_model
@@ -144,7 +146,7 @@ def main() -> None:
                         help="the compared path's --activations (default: generate's)")
     parser.add_argument("--kv-dtype", choices=("auto", "bf16"), default="auto",
                         help="the compared path's --kv-dtype (default: generate's, the compute dtype)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "chat_fidelity.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "chat_fidelity.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):

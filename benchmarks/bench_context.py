@@ -1,4 +1,6 @@
-"""Decode speed at long context, in the same run: llama.cpp's full cache against sparsespec's full cache and
+"""Decode speed at long context: llama.cpp's full cache against sparsespec's full and budgeted caches, in one run.
+
+Decode speed at long context, in the same run: llama.cpp's full cache against sparsespec's full cache and
 budgeted caches, on the same GGUF file, the same prompt ids (the first N tokens of a corpus text) and threads.
 
 For each context length: the prompt is read (prefill, timed), then ``--new-tokens`` tokens are decoded greedily
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench_llamacpp import common_prefix, llama_greedy, open_llama
-from common import RESULTS_DIR, emit, fixture_path, load_settled, machine
+from common import emit, fixture_path, load_settled, machine, results_dir
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
@@ -70,7 +72,7 @@ def main() -> None:
                         help="comma-separated --recall-pages values, 0 for no cold tier, each run for every "
                              "budgeted cache (default: 0)")
     parser.add_argument("--skip-llamacpp", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "context.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "context.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_settled(args.model, torch.bfloat16, "native")

@@ -10,8 +10,9 @@ default), so only the draft's budget moves acceptance.
     python benchmarks/bench_draft_budget.py --contexts 8192 --draft-budgets 256,1024 --target-budget 1024
     python benchmarks/bench_draft_budget.py --smoke                          # SmolLM2 self-draft, seconds
 
-Prints one JSON line per run (also appended to ``results/draft_budget.jsonl``), then a summary line per context and
-budget: the median over prompts of acceptance, tokens per target pass and speedup over the target alone.
+Prints one JSON line per run (also appended to ``results/bench_draft_budget/draft_budget.jsonl``), then a summary
+line per context and budget: the median over prompts of acceptance, tokens per target pass and speedup over the
+target alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, load_settled, machine
+from common import emit, load_settled, machine, results_dir
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
@@ -72,12 +73,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds' check of the script: SmolLM2 drafting for itself, tiny contexts")
     parser.add_argument("--out", type=Path, default=None,
-                        help="also append the JSON lines here (default: results/draft_budget.jsonl; none with --smoke)")
+                        help="also append the JSON lines here (default: results/bench_draft_budget/draft_budget.jsonl; "
+                             "none with --smoke)")
     args = parser.parse_args()
     if args.smoke:
         args.target, args.draft, args.weights, args.draft_weights = "smollm2-135m", "self", "dense", "dense"
         args.contexts, args.draft_budgets, args.per_kind, args.new_tokens = "64", "16,full", 1, 8
-    out = args.out if args.out is not None else (None if args.smoke else RESULTS_DIR / "draft_budget.jsonl")
+    out = args.out if args.out is not None else (None if args.smoke else results_dir(__file__) / "draft_budget.jsonl")
     torch.set_num_threads(args.threads)
 
     target = load_settled(args.target, torch.bfloat16, args.weights, role="target")

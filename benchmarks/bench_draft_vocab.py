@@ -1,4 +1,6 @@
-"""Speculative decoding with the draft's head over its full vocabulary against ``--draft-vocab N`` (the first N
+"""Speculative decoding with the draft's full head against ``--draft-vocab N``: speed, acceptance, cost ratio.
+
+Speculative decoding with the draft's head over its full vocabulary against ``--draft-vocab N`` (the first N
 token ids), in one run: speed, acceptance and the draft / target cost ratio, then the target alone.
 
     python benchmarks/bench_draft_vocab.py --vocab 32768
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench_llamacpp import bench_prompts, ours_greedy
-from common import RESULTS_DIR, emit, load_settled, machine, median
+from common import emit, load_settled, machine, median, results_dir
 
 from sparsespec.engine import CacheOptions, DraftOptions
 
@@ -27,7 +29,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "draft_vocab.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "draft_vocab.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_settled(args.target, torch.bfloat16, "native")

@@ -1,4 +1,6 @@
-"""Speculation by drafter, on held-out requests of three kinds: code completion, edits whose answer copies code from
+"""Speculation by drafter (n-grams, a draft model, both) on code, edits and prose, against plain decoding and llama.cpp.
+
+Speculation by drafter, on held-out requests of three kinds: code completion, edits whose answer copies code from
 the request, and prose. Ours (1.5B target, greedy, chat template, 2 threads): plain decoding, n-gram drafts alone
 (``--draft ngram``), the 0.5B draft with ``--draft-vocab 32768`` and n-gram drafts (the default with a draft) and
 without them (``--draft-ngram off``); llama.cpp's ``llama-speculative-simple`` on the same files and prompt text:
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
+from common import emit, fixture_path, load_settled, machine, median, results_dir
 
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
 from sparsespec.loading.tokenizer import eos_token_ids
@@ -116,7 +118,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="code,edit,prose")
     parser.add_argument("--engines", default=None,
                         help="a comma-separated subset of plain, ngram, draft+ngram, draft, llama:<spec type>")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "drafters.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "drafters.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_settled(args.target, torch.bfloat16, "auto")

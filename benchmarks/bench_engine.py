@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common import PROSE_PROMPT, RESULTS_DIR, dram_read_bandwidth, emit, load_transformers, machine, median
+from common import PROSE_PROMPT, dram_read_bandwidth, emit, load_transformers, machine, median, results_dir
 from common import load_settled, transformers_decode_tok_s
 
 from sparsespec.engine import CacheOptions, RunStats, run_generation
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--weights", default="dense", help="sparsespec weight format (dense, int8, int4)")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "engine.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

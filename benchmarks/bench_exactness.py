@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, machine
+from common import emit, machine, results_dir
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, run_generation
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "exactness.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "exactness.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

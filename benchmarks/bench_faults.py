@@ -1,4 +1,6 @@
-"""The fault suite: a real ``sparsespec serve`` (and ``sparsespec generate``) probed as an attacker on the same machine,
+"""The fault suite: a real server and CLI probed as an attacker would; each answer, and the server's RSS around it.
+
+The fault suite: a real ``sparsespec serve`` (and ``sparsespec generate``) probed as an attacker on the same machine,
 or a web page in the user's browser, would probe them; each probe's answer, and the server's RSS before and after.
 
 Probes against the server (SmolLM2 by default, 2 slots, an API key from ``$SPARSESPEC_API_KEY``):
@@ -16,7 +18,7 @@ overlaps the next one's data, a duplicate tensor name; ``--gamma 1000000``, ``--
 10**30``, ``--threads 4096``.
 
 Each probe passes when its answer is one clear error of the expected status (no traceback, no plain-text 500, no
-crash). Prints a table and appends JSON lines to ``benchmarks/results/faults.jsonl``.
+crash). Prints a table and appends JSON lines to ``benchmarks/results/bench_faults/faults.jsonl``.
 
     python benchmarks/bench_faults.py [--model smollm2-135m]
 """
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from common import RESULTS_DIR, emit, fixture_path, machine
+from common import emit, fixture_path, machine, results_dir
 
 KEY = "fault-suite-key"
 
@@ -284,7 +286,7 @@ def loader_and_cli_probes(model: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "faults.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "faults.jsonl")
     args = parser.parse_args()
     server = Server(args.model)
     try:

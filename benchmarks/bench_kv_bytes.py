@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from common import RESULTS_DIR
+from common import results_dir
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cli import main as sparsespec_main
@@ -108,7 +108,7 @@ def main() -> int:
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the perplexity sweep (only the --speed-context / --accept-context points)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=str(RESULTS_DIR / "kv_bytes.jsonl"))
+    parser.add_argument("--out", default=str(results_dir(__file__) / "kv_bytes.jsonl"))
     parser.add_argument("--plots", default=None, help="folder for the plots (default: next to --out)")
     parser.add_argument("--dry-run", action="store_true", help="print the sweep commands only")
     parser.add_argument("--replot", action="store_true",

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
+from common import emit, fixture_path, load_settled, machine, median, results_dir
 
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
 from sparsespec.sampling import SamplingParams
@@ -489,7 +489,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: SmolLM2-135M, 16 tokens, one prompt, 128-token perplexity, "
                              "SmolLM2 int4 -> bf16 self-pair for the speculative path")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llamacpp.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "llamacpp.jsonl")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,4 +1,6 @@
-"""sparsespec against llama.cpp's own binaries on one GGUF file: decode speed against ``llama-bench``, rounds
+"""One GGUF file against llama.cpp's own binaries: decode against ``llama-bench`` in alternated rounds, perplexity.
+
+sparsespec against llama.cpp's own binaries on one GGUF file: decode speed against ``llama-bench``, rounds
 alternated, and perplexity by ``llama-perplexity``'s protocol.
 
 * decode: ``llama-bench -p 0 -n N -t T -r 1`` (N tokens from an empty context) against sparsespec's default
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
+from common import emit, fixture_path, load_settled, machine, median, results_dir
 
 from sparsespec.engine import CacheOptions, RunStats, make_arena, run_generation
 from sparsespec.eval.perplexity import streaming_nll
@@ -112,7 +114,7 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips prefill")
     parser.add_argument("--activations", default="auto",
                         help="sparsespec's --activations, or several separated by commas (default: auto)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llamacpp_bin.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "llamacpp_bin.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the native kernels' threads too
     path = fixture_path(args.model)

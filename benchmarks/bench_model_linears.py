@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, load_settled, machine, median
+from common import emit, load_settled, machine, median, results_dir
 
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "model_linears.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "model_linears.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_settled(args.model, torch.bfloat16, "native").model

@@ -1,4 +1,6 @@
-"""A forward pass's fixed cost: each model's pass of ``--rows`` rows against its projections alone, the native pass
+"""A forward pass's fixed cost: a pass of M rows against its projections alone, native against layer by layer.
+
+A forward pass's fixed cost: each model's pass of ``--rows`` rows against its projections alone, the native pass
 (one call for every layer) against the layer-by-layer pass (one native call per op), and a draft's cost against its
 target's.
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, load_settled, machine, median
+from common import emit, load_settled, machine, median, results_dir
 
 
 def pass_seconds(loaded, arena, rows: int, steps: int, native: bool) -> float:
@@ -74,7 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "pass.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "pass.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from sparsespec.engine import CacheOptions, make_arena

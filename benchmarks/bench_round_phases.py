@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench_context import cache_options
-from common import RESULTS_DIR, emit, load_settled, machine
+from common import emit, load_settled, machine, results_dir
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.engine import DraftOptions, RunStats, parse_gamma, run_generation
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--gamma", default="4")
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "round_phases.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "round_phases.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_settled(args.model, torch.bfloat16, "native")

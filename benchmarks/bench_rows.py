@@ -1,4 +1,6 @@
-"""Cost of one whole forward pass against the number of rows it carries (a verification block of M rows), in the
+"""One whole forward pass against its number of rows (a verification block), sparsespec and llama.cpp in one run.
+
+Cost of one whole forward pass against the number of rows it carries (a verification block of M rows), in the
 same run for sparsespec (native weights) and llama.cpp, on the same GGUF file and thread count.
 
 For each M in ``--rows``: the model has read a ``--context``-token prefix; one pass feeds M more tokens and is
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, fixture_path, load_settled, machine, median
+from common import emit, fixture_path, load_settled, machine, median, results_dir
 
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-llamacpp", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "rows.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "rows.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_settled(args.model, torch.bfloat16, "native")

@@ -1,8 +1,10 @@
-"""The server's cost, its long-chat behaviour and its load, through the real ``openai`` client against
+"""The server: its cost against ``generate``, long chats, and several chats at once against llama.cpp's servers.
+
+The server's cost, its long-chat behaviour and its load, through the real ``openai`` client against
 ``sparsespec serve``.
 
-Each measurement is a JSON line (appended to ``results/serve.jsonl``; ``results/serve_concurrent.jsonl`` for the
-load modes):
+Each measurement is a JSON line (appended to ``results/bench_serve/serve.jsonl``;
+``results/bench_serve/serve_concurrent.jsonl`` for the load modes):
 
 - ``overhead``: streamed decode tok/s through the API against the engine called as ``sparsespec generate`` calls
   it, in this same run (same prompt, flags and tokens; the server is idle while the engine runs here);
@@ -48,7 +50,7 @@ The server runs as a subprocess so that its RSS is its own. Run on an idle machi
     python benchmarks/bench_serve.py --modes concurrent --model qwen2.5-coder-0.5b --threads 2
     python benchmarks/bench_serve.py --modes aiperf --model qwen2.5-coder-0.5b --threads 2 --concurrency 4
     python benchmarks/bench_serve.py --modes soak --model qwen2.5-coder-0.5b --threads 2
-    python benchmarks/bench_serve.py --plot-only           # redraw results/serve_concurrent.png
+    python benchmarks/bench_serve.py --plot-only           # redraw results/bench_serve/serve_concurrent.png
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from common import PROSE_PROMPT, RESULTS_DIR, emit, fixture_path, machine
+from common import PROSE_PROMPT, emit, fixture_path, machine, results_dir
 
 from sparsespec.engine import CacheOptions, RunStats, run_generation
 from sparsespec.loading.fetch import corpus_text_path
@@ -763,11 +765,11 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true",
                         help="only redraw the concurrent mode's PNG from its JSONL (--out), then exit")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSONL to append to (default: results/serve.jsonl, or results/serve_concurrent.jsonl "
-                             "for concurrent and soak)")
+                        help="JSONL to append to (default: results/bench_serve/serve.jsonl, or "
+                             "results/bench_serve/serve_concurrent.jsonl for concurrent and soak)")
     args = parser.parse_args()
-    args.load_out = args.out or RESULTS_DIR / "serve_concurrent.jsonl"
-    args.out = args.out or RESULTS_DIR / "serve.jsonl"
+    args.load_out = args.out or results_dir(__file__) / "serve_concurrent.jsonl"
+    args.out = args.out or results_dir(__file__) / "serve.jsonl"
     args.load_tokens = args.max_tokens or 128
     args.max_tokens = args.max_tokens or 64
     if args.plot_only:

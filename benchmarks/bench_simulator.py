@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from common import PROSE_PROMPT, RESULTS_DIR, emit, load_settled, loadavg, machine, median
+from common import PROSE_PROMPT, emit, load_settled, loadavg, machine, median, results_dir
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.edge import load_profile, predict_autoregressive, predict_speculative
@@ -286,14 +286,15 @@ def main() -> None:
                         help="a draft model's weight format (default: as --weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None,
-                        help="also append the JSON lines here (default: results/simulator.jsonl; none with --quick)")
+                        help="also append the JSON lines here (default: results/bench_simulator/simulator.jsonl; "
+                             "none with --quick)")
     parser.add_argument("--plot", type=Path, default=None,
-                        help="predicted against measured tok/s as a PNG (default: results/simulator.png; none with "
-                             "--quick)")
+                        help="predicted against measured tok/s as a PNG (default: "
+                             "results/bench_simulator/simulator.png; none with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = args.new_tokens or (16 if args.quick else 64)
-    out = args.out if args.out is not None else (None if args.quick else RESULTS_DIR / "simulator.jsonl")
+    out = args.out if args.out is not None else (None if args.quick else results_dir(__file__) / "simulator.jsonl")
     configs = quick_configs(args.small) if args.quick else full_configs(args.target, args.draft, args.small)
     if args.configs:
         wanted = set(args.configs.split(","))
@@ -351,7 +352,7 @@ def main() -> None:
         records.append(record)
         emit(record, out)
         gc.collect()
-    plot = args.plot if args.plot is not None else (None if args.quick else RESULTS_DIR / "simulator.png")
+    plot = args.plot if args.plot is not None else (None if args.quick else results_dir(__file__) / "simulator.png")
     if plot and records:
         plot_predictions(records, plot, f"{device.name} profile, {args.weights} weights, {machine()['date']}")
         print(f"wrote {plot}", file=sys.stderr)

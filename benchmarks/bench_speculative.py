@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS_DIR, emit, load_settled, load_transformers, machine, transformers_decode_tok_s
+from common import emit, load_settled, load_transformers, machine, results_dir, transformers_decode_tok_s
 
 from sparsespec.cache.policy import make_policy
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, parse_gamma, run_generation
@@ -68,7 +68,7 @@ def main() -> None:
                              "autoregressive baseline always runs; at long context 'sparse' saves its slow prefills)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' assisted generation")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "speculative.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "speculative.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -16,7 +16,8 @@ time (process start to exit) and its peak resident memory (the child's ``ru_maxr
   created under this process's own: v2 ``memory.max`` or v1 ``memory.limit_in_bytes``), sparsespec and the
   baseline; a process over the cap is killed by the kernel (exit 137 / signal 9).
 
-Writes ``results/startup.jsonl`` (one line per run, then a summary) and ``results/startup.png``.
+Writes ``results/bench_startup/startup.jsonl`` (one line per run, then a summary) and
+``results/bench_startup/startup.png``.
 
 Usage::
 
@@ -33,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS_DIR, emit, fixture_path, machine
+from common import emit, fixture_path, machine, results_dir
 
 DEFAULT_LLAMA_BIN = "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "def fib(n):"
@@ -139,7 +140,7 @@ def main() -> int:
     parser.add_argument("--baseline-cache", default="/tmp/sparsespec-baseline-tensors",
                         help="the baseline's tensor cache (default: %(default)s)")
     parser.add_argument("--cap", action="store_true", help="also run the pair under a memory cap")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "startup.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "startup.jsonl")
     args = parser.parse_args()
     for binary in ("llama-simple", "llama-speculative-simple"):
         if not Path(args.llama_bin, binary).is_file():

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS_DIR, emit, machine, median
+from common import emit, machine, median, results_dir
 
 
 def measure(model: str, activations: str, steps: int, runs: int, threads: int) -> dict:
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-src", default=None, help="another checkout's src folder, run as 'baseline'")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's model: print its measure
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "step_glue.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "step_glue.jsonl")
     args = parser.parse_args()
     steps_for = {"smollm2-135m": 120, "gemma3-270m": 100, "qwen2.5-coder-0.5b": 60}
     if args.one:

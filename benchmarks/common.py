@@ -18,6 +18,12 @@ from sparsespec.loading.fixtures import MODEL_FIXTURES
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
+
+def results_dir(script: str) -> Path:
+    """Where a script's records and plots go: ``results/<script's name>/`` (pass ``__file__``), one folder per script
+    so that every file in it is that script's output."""
+    return RESULTS_DIR / Path(script).stem
+
 # ~130 tokens of plain prose, written for these benchmarks.
 PROSE_PROMPT = (
     "The lighthouse keeper had kept a log for thirty-one years, and in all that time he had never missed a night. "

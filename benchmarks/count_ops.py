@@ -1,4 +1,6 @@
-"""Operations one decode step runs, by where they come from (attention/arena, linears, the rest of the model): torch
+"""Operations one decode step runs (torch operations and native calls), by where they come from.
+
+Operations one decode step runs, by where they come from (attention/arena, linears, the rest of the model): torch
 operations, counted with a ``TorchDispatchMode``, and calls of the native ops (``sparsespec.kernels``: functions of
 the extension module, outside the dispatcher; each counts as one operation, the allocations inside it not at all):
 the per-step overhead a native layer loop would remove.

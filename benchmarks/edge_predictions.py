@@ -6,8 +6,8 @@ device's SRAM), ``speculative`` (draft model, full target cache) and ``combined`
 the acceptance measured on this machine (``--acceptance``, per-token α) and the best γ for that device. The
 weights are the GGUF files' own blocks (the engine's native format: their bytes by block type from the headers;
 no weights are loaded). Prints a Markdown table and appends one JSON line per row to ``--out``
-(results/edge_predictions.jsonl); ``--readme`` prints only the README's table (the 1.5B with the 0.5B draft at
-8k tokens) and writes nothing.
+(results/edge_predictions/edge_predictions.jsonl); ``--readme`` prints only the README's table (the 1.5B with the
+0.5B draft at 8k tokens) and writes nothing.
 
     python benchmarks/edge_predictions.py                    # all packaged devices except host
     python benchmarks/edge_predictions.py --devices host     # this machine's calibrated profile
@@ -21,7 +21,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS_DIR, machine
+from common import machine, results_dir
 
 from sparsespec.edge import load_profile
 from sparsespec.edge.commands import SimulateOptions, native_streamed_bytes, simulate
@@ -46,7 +46,7 @@ def main() -> None:
                         help="per-token acceptance α (default: what the 0.5B draft reached on code and prose here)")
     parser.add_argument("--gamma", type=int, default=DEFAULT_GAMMA,
                         help="γ of the speculative columns (default: %(default)s, the engine's)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "edge_predictions.jsonl")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "edge_predictions.jsonl")
     parser.add_argument("--readme", action="store_true", help="print only the README's table, write nothing")
     args = parser.parse_args()
     devices = args.devices.split(",") if args.devices else [n for n in list_profiles() if n != "host"]

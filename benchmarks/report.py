@@ -1,4 +1,4 @@
-"""Markdown tables from the JSON lines in ``benchmarks/results/`` (pasted into RESULTS.md).
+"""Markdown tables from the JSON lines in ``benchmarks/results/<script>/`` (pasted into RESULTS.md).
 
     python benchmarks/report.py engine|arena|speculative|simulator [--since "2026-11-30 07:20"]
     python benchmarks/report.py ppl --sweep sweep_ppl_qwen [--span 8192:16384]
@@ -24,8 +24,17 @@ RESULTS = Path(__file__).parent / "results"
 SINCE = ""  # set from --since
 
 
+def results_file(name: str) -> Path:
+    """``results/<script>/<name>.jsonl``: each script writes into a folder of its own, and the names are unique across
+    the folders, so a table names its file alone."""
+    found = sorted(RESULTS.glob(f"*/{name}.jsonl"))
+    if len(found) != 1:
+        raise SystemExit(f"{name}.jsonl: {len(found)} files under {RESULTS} (expected one)")
+    return found[0]
+
+
 def rows(name: str) -> list[dict]:
-    path = RESULTS / f"{name}.jsonl"
+    path = results_file(name)
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in records if not SINCE or r.get("date", "") >= SINCE]
 
@@ -182,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", choices=["engine", "arena", "speculative", "simulator", "ppl", "kv-bytes", "kv-speed"])
     parser.add_argument("--sweep", default=None,
-                        help="for ppl / kv-bytes / kv-speed: the sweep file's name in results/ (default: "
+                        help="for ppl / kv-bytes / kv-speed: the sweep file's name under results/ (default: "
                              "sweep_ppl_smollm2 / kv_bytes / kv_bytes_speed)")
     parser.add_argument("--span", default=None, metavar="START:END",
                         help="for ppl: only token positions START..END-1 (multiples of the sweep's --ppl-window)")
