@@ -12,10 +12,10 @@ from .errors import UserError
 
 ACTIVATION_CHOICES = ("auto", "int8", "float")
 # Under --activations auto, native models of at most this many parameters (projections and head) multiply their
-# GGUF blocks with float activations, larger ones quantize the activations to 8 bits. Measured (RESULTS.md, "Float
-# activations for small models"): SmolLM2-135M's greedy chat answers equal the float32 reference's 15 / 24 times
-# with float activations against 8 / 24 with 8-bit ones (llama.cpp 12 / 24), for about 7% of its decode speed;
-# the Qwen2.5 0.5B and 1.5B answer 22 / 24 with 8-bit activations already, and their products are most of a step.
+# GGUF blocks with float activations, larger ones quantize the activations to 8 bits. A small model's greedy chat
+# answers follow the float32 reference's much more often with float activations, for a small share of its decode
+# speed; the Qwen2.5 0.5B and 1.5B follow it with 8-bit activations already, and their products are most of a step:
+# benchmarks/RESULTS.md#small-model-numerics
 FLOAT_ACTIVATIONS_MAX_PARAMETERS = 200_000_000
 
 

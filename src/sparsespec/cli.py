@@ -100,8 +100,9 @@ def peak_rss_bytes() -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``generate``, its weights' move into huge pages (``loading/huge_pages.py``) held from the start until the
     first token is out, and for the whole run where fresh huge pages prove slow to get: beside torch's import,
-    the first pass or decoding, such a move slowed each (a start of the 1.5B took 2.8-3.2 s instead of 1.4-1.5 s
-    on the 2-vCPU Intel host)."""
+    the first pass or decoding, such a move slows each of them, up to several-fold:
+    benchmarks/history/serving-and-footprint.md#stored-models-mapped-moved-into-huge-pages-only-where-that-is-quick-or-the-machine-idles-2026-12-06-late-morning
+    """
     from .loading.huge_pages import hold_slow_moves, pause_moves, release_slow_moves, resume_moves
 
     pause_moves()
@@ -306,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The ``sparsespec`` console script: :func:`main`, then an exit that skips tearing the interpreter down.
 
-    Freeing a loaded model's objects one by one at exit took 0.25 s of the 1.5B's 2 s start-to-first-token run
-    (``generate -n 1``); the command's output is flushed and its files are closed by then, and nothing in sparsespec
+    Freeing a loaded model's objects one by one at exit took a noticeable share of a short run's time:
+    benchmarks/history/source-notes.md#cli-exit
+    The command's output is flushed and its files are closed by then, and nothing in sparsespec
     registers exit handlers. ``python -m sparsespec.cli`` and callers of :func:`main` exit normally.
     """
     code = main()

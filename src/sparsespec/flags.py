@@ -15,14 +15,15 @@ WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
 RETENTION_CHOICES = ("auto", "query", "off")  # as cache/retention.py's RETENTION_MODES
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-# The draft's hybrid cache when no --draft-policy / --draft-budget is given: the knee of the measured acceptance
-# (benchmarks/RESULTS.md, draft budget): 64 entries lost prose at 1k context (0.24 against 0.59), more than 256
-# gained nothing at 1k-8k and cost draft time.
+# The draft's hybrid cache when no --draft-policy / --draft-budget is given: the knee of the measured acceptance.
+# Fewer entries lost acceptance on prose at short context; more gained nothing at the contexts measured and cost
+# draft time:
+# benchmarks/history/speculative.md#draft-budget-against-context-bench_draft_budgetpy
 DEFAULT_DRAFT_BUDGET = 256
-# Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair
-# (benchmarks/RESULTS.md, "Two serial costs off every native call"): as fast or faster on 6 of 7 short prompts
-# (code, prose, chat; alternated round by round), and on 8k prose a median 2.68x llama.cpp against 2.46x. Without
-# --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhilePaying).
+# Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair: as fast or
+# faster on most short prompts (code, prose, chat) and on long prose:
+# benchmarks/history/source-notes.md#default-gamma
+# Without --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhilePaying).
 DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 

@@ -25,17 +25,16 @@ Kernel facts for the torch CPU weight-only kernels (torch 2.13, x86 AVX-512 buil
 * Both kernels take a 2-D, row-contiguous activation ``x2d [M, K]`` and require the scales (int8) or
   the scales-and-zeros table (int4) to have exactly the dtype of ``x2d``; the output has that dtype.
   float32, bfloat16 and float16 are accepted.
-* Only the bfloat16 path is vectorised. With float32 activations both kernels fall back to scalar code:
-  for an 8960x1536 weight (2 threads) a 1-row call takes about 4.5 ms (int8) and 10 ms (int4), versus
-  0.45 ms and 0.21 ms with bfloat16 activations and 2.8 ms for a float32 ``F.linear``; the cost grows
-  linearly with the number of rows. ``kernel_dtype=torch.bfloat16`` lets a float32 model use the fast
-  path (activations are rounded to bfloat16 for the matmul only).
+* Only the bfloat16 path is vectorised. With float32 activations both kernels fall back to scalar code, many
+  times slower than with bfloat16 activations or a float32 ``F.linear``, and the cost grows linearly with the
+  number of rows. ``kernel_dtype=torch.bfloat16`` lets a float32 model use the fast path (activations are rounded
+  to bfloat16 for the matmul only). Measured:
+  benchmarks/history/source-notes.md#linear-float32-activations
 * Both kernels accumulate in float32 and round the result once to the output dtype.
 * Both kernels work on blocks of 4 activation rows and dequantize the weights again for every block,
-  so a multi-row call costs more than a 1-row call (2 threads, bfloat16, 8960x1536 and 1536x8960:
-  int8 stays within 1.15x up to 4 rows, then 1.6-1.7x at 5 and 1.8-2.1x at 8; int4 is 1.2x / 1.45x /
-  1.65x at 2 / 3 / 4 rows and 3.0-3.3x at 5 to 8), whereas a bfloat16 ``F.linear`` costs within 1.15x
-  of a 1-row call up to 8 rows.
+  so a multi-row call costs more than a 1-row call, and more again past each block of 4 rows (int4 more than int8),
+  whereas a bfloat16 ``F.linear`` costs about what a 1-row call does up to 8 rows. Measured:
+  benchmarks/history/source-notes.md#linear-multi-row-cost
 """
 
 from __future__ import annotations
@@ -262,24 +261,12 @@ class Int4Linear(_QuantizedLinear):
     dtype. The matmul is ``torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, packed, group_size,
     scales_and_zeros)``.
 
-    Group size: default 64, chosen from measurements on 8960x1536 and 1536x8960 weights (bfloat16
-    activations, 2 threads, weights streamed from memory; ``benchmarks/bench_linear.py``):
-
-    ==========  =====================  =====================  ===========  ==============
-    group size  rel. RMS error, Gauss  rel. RMS error, t(4)   bytes vs 64  1-row call, ms
-    ==========  =====================  =====================  ===========  ==============
-    32          0.079                  0.094                  1.11         0.20-0.21
-    64          0.090                  0.118                  1.00         0.19-0.22
-    128         0.100                  0.145                  0.94         0.19-0.21
-    256         0.109                  0.176                  0.92         0.18-0.22
-    ==========  =====================  =====================  ===========  ==============
-
-    The call time hardly depends on the group size (differences are within run-to-run noise, about
-    5%), so the choice is error against memory. Each halving of the group cuts the error on
-    heavier-tailed weights (closer to real LLM weights than Gaussian ones) by about a fifth. 64 takes
-    most of that gain over 128 (19% less error for 6% more bytes); 32 gains another 20% but its
-    scale/zero table adds a quarter to the code bytes (11% more than 64). ``group_size=32`` remains
-    available where accuracy matters more than memory.
+    Group size: default 64. The call time hardly depends on the group size, so the choice is error against
+    memory: each halving of the group cuts the error on heavy-tailed weights (closer to real LLM weights than
+    Gaussian ones) by about a fifth, and 64 takes most of that gain over 128 for few more bytes, where 32's
+    scale/zero table adds a quarter to the code bytes. ``group_size=32`` remains available where accuracy matters
+    more than memory. Measured (``benchmarks/bench_linear.py``):
+    benchmarks/history/source-notes.md#linear-int4-group-size
 
     ``in_features`` that are not a multiple of the group size use the largest accepted group size
     (32, 64, 128, 256) not above the requested one that divides it (e.g. 576 with 128 -> 64); if even 32
@@ -553,19 +540,9 @@ def auto_format(role: str) -> str:
     output; a target takes the fastest format whose logits stay within a KL divergence of 0.01 nats/token of
     the float32 model on real text (its output *is* the text).
 
-    Measured (Qwen2.5-Coder 0.5B draft -> 1.5B target, bf16 compute, 2 threads, full cache, 64 greedy tokens,
-    gamma 4; KL on 256 tokens of Hamlet):
-
-    * Forward time of the 1.5B, 1 row / 5 rows (a gamma-4 verification): dense 114 / 122 ms, int8 61 / 103 ms,
-      int4 31 / 90 ms. Of the 0.5B, 1 row: dense 41 ms, int8 20 ms, int4 14 ms.
-    * Draft format at equal target (dense 1.5B): acceptance 0.80-0.82 (dense), 0.76-0.80 (int8), 0.76-0.80
-      (int4); speculative decode 12.5 / 17.5 / 20.3 tok/s. int4 costs at most 0.04 of acceptance and gives the
-      fastest rounds -> draft: int4.
-    * Target format (with the int4 draft): AR / speculative decode, tok/s: dense 6.6 / 20.3, int8 15.9 / 24.2,
-      int4 29.3 / 22-28 (the int4 kernel's multi-row cost eats the gain of speculation).
-    * Quality, KL(float32 || format): int8 0.003 (0.5B) and 0.005 (SmolLM2-135M), int4 (group 32) 0.098 and
-      0.072, bfloat16 dense 0.001; 1.5B, KL(bf16 || format): int8 0.007, int4 0.058. int4 misses the bound by
-      6-10x; int8 is the fastest format within it and halves the target's weight memory -> target: int8.
+    Hence draft: int4 (the fastest rounds, for a small loss of acceptance) and target: int8 (int4's logits miss the
+    bound several times over; int8 is the fastest format within it and halves the target's weight memory). Measured:
+    benchmarks/history/source-notes.md#linear-auto-format
 
     Use ``dense`` (``bf16``) for a target whose output must be the unquantized model's.
     """
@@ -589,10 +566,10 @@ def resolve_format(fmt: str, role: str = "target") -> str:
 # int4 group size models use (``Int4Linear``'s own default stays 64). GGUF files store their weights in blocks
 # of 32 (Q4_0 / Q4_1 / Q5_x / Q8_0 blocks, the 32-weight sub-blocks of Q4_K / Q5_K), each an affine grid of its
 # own; a group of 32 lines up with those blocks, so re-quantizing a Q4_1 block with its own min and max
-# reproduces its grid up to the bfloat16 rounding of scale and zero. Measured KL divergence of the logits from
-# the float32 model on 256 tokens of Hamlet, all projections and the head in int4 (group 32 / 64 / 128):
-# SmolLM2-135M (Q4_1) 0.072 / 0.476 / 0.526, Qwen2.5-Coder-0.5B (Q5_0, Q4_K, Q6_K) 0.098 / 0.140 / 0.205, for
-# 11% more int4 bytes than group 64 and no measurable change in kernel time.
+# reproduces its grid up to the bfloat16 rounding of scale and zero. It also keeps the logits several times closer
+# to the float32 model's than groups of 64 or 128 do, for a few percent more int4 bytes and no measurable change in
+# kernel time:
+# benchmarks/history/source-notes.md#linear-model-int4-group
 MODEL_INT4_GROUP_SIZE = 32
 
 
@@ -600,7 +577,7 @@ def default_linear_options(fmt: str, dtype: torch.dtype) -> dict:
     """Options a model passes to :func:`make_linear` unless told otherwise.
 
     Quantized formats run their kernel in bfloat16 whatever the compute dtype: it is the only vectorised
-    path (float32 activations are 10-50x slower, see the module notes), and rounding activations to
+    path (float32 activations are many times slower, see the module notes), and rounding activations to
     bfloat16 (relative error 2^-9) is small next to the weight quantization error. int4 uses groups of
     :data:`MODEL_INT4_GROUP_SIZE`.
     """

@@ -2,8 +2,9 @@
 
 Temperature 0 means greedy: the warped distribution is one-hot on the argmax, and speculative verification with
 one-hot distributions reduces to "accept iff argmax". The decode loops take the argmax directly
-(:func:`next_token`, :func:`greedy_tokens`): a draw from a one-hot distribution over a 150k vocabulary costs ~3 ms
-on a small CPU, torch's argmax 0.1 ms a row and numpy's 0.01 ms.
+(:func:`next_token`, :func:`greedy_tokens`): a draw from a one-hot distribution over a large vocabulary costs far
+more than an argmax, and numpy's argmax less than torch's:
+benchmarks/history/source-notes.md#sampling-argmax
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The argmax of each row of ``logits: [rows, vocab]`` (the first index of the largest value, as
-    ``torch.argmax``), through numpy on the CPU: torch's CPU argmax reads a 150k-entry row at about 6 GB/s, a tenth
-    of numpy's speed, which is 0.1 ms per row of every decode step."""
+    ``torch.argmax``), through numpy on the CPU: torch's CPU argmax reads a row several times slower than numpy's,
+    a cost paid on every row of every decode step:
+    benchmarks/history/source-notes.md#sampling-numpy-argmax"""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).tolist()
     return logits.detach().float().numpy().argmax(axis=-1).tolist()  # float(): a no-op on the float32 logits

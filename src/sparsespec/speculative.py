@@ -15,7 +15,7 @@ autoregressive decoding with the same cache policy defines (and greedy output is
 is exact where a row's logits do not depend on how many rows the pass holds: native weights with the native
 attention op (the default configuration, bfloat16 included) and float32 compute with dense weights (the tests prove
 both). In bfloat16 the torch weight formats' multi-row passes round differently from 1-row passes, so near-ties can
-flip (measured: 124/128 and 128/128 greedy tokens equal on two prompts, int8 target, int4 draft).
+flip (measured: benchmarks/history/source-notes.md#speculative-torch-formats).
 """
 
 from __future__ import annotations

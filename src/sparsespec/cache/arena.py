@@ -49,10 +49,10 @@ ever reaches ``budget + staging``. Quantized keys in the ``in-cache`` mode are s
 with the key and stays in. The full cache, where the two modes coincide, stores keys rotated (``original``) except
 int4 keys of a model with a key bias (``in-cache``).
 
-int4 arenas also keep the most recent entries in full precision (``quant.RECENT_WINDOW``, 32 positions; measured in
-benchmarks/RESULTS.md): every row is kept, besides its codes, in the compute dtype (keys as the arena stores them
-before quantizing: rotated in the original mode, else unrotated with the key bias in) in a ring of ``recent_slots``
-entries per layer and KV head, at ``position % recent_slots``::
+int4 arenas also keep the most recent entries in full precision (``quant.RECENT_WINDOW``, 32 positions;
+``quant.py`` says why): every row is kept, besides its codes, in the compute dtype (keys as the arena stores them
+before quantizing: rotated in the original mode, else unrotated with the key bias in) in a ring of
+``recent_slots`` entries per layer and KV head, at ``position % recent_slots``::
 
     recent_keys, recent_values   [n_layers, n_kv_heads, recent_slots, head_dim]   the compute dtype
 
@@ -180,8 +180,9 @@ class KVArena:
         # With nothing ever evicted, ranks inside the cache equal true positions: the modes coincide, and the full
         # cache rotates each key once, when it is written (original), unless its keys are int4 and the model has a
         # key bias: only keys stored before RoPE can be stored without the bias, and int4 keys with it in fail
-        # (quant.py), so those take the in-cache mode, which rotates every key at every step (1.3x the attention's
-        # time at 8k entries; int8 keys keep the bias, at +0.4% perplexity).
+        # (quant.py), so those take the in-cache mode, which rotates every key at every step (a cost in the attention's
+        # time at long context; int8 keys keep the bias, at a small cost in perplexity):
+        # benchmarks/history/source-notes.md#arena-full-cache-int4-keys
         if policy.is_full:
             positions = "in-cache" if key_offset is not None and kv_dtype == "int4" else "original"
         check_key_storage(policy, positions, kv_dtype, key_offset is not None)

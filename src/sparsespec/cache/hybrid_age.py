@@ -8,10 +8,9 @@ position + 1`` (each row attends to itself and to every earlier kept token) — 
 attention instead. The score stored in the arena is still the plain sum, so commit, rollback and the per-row
 snapshots are unchanged; only the ranking at eviction time differs.
 
-Measured (``benchmarks/bench_kv_bytes.py``, qwen2.5-coder-1.5b, 16,384 tokens of Paradise Lost, in-cache
-positions, 64-token chunks; full cache 67.63): at 1024 entries perplexity +4.7% against ``hybrid``'s +7.3%, at 480
-entries +8.2% against +12.6%; on SmolLM2 over 8,192 tokens the two tie (+3.7% against +3.8% at 1024 entries), so
-``hybrid`` stays the default policy.
+It reads better than ``hybrid`` on the 1.5B over a long text but ties with it on SmolLM2, so ``hybrid`` stays the
+default policy. Measured:
+benchmarks/history/kv-cache.md#kv-cache-at-equal-bytes-int8-entries-and-age-normalised-heavy-hitters-bench_kv_bytespy
 """
 
 from __future__ import annotations

@@ -16,26 +16,24 @@ self-contained — a key's codes depend on that key alone — so the arena's evi
 remain moves of single slots, and a token's stored key is the same whether it was written in a prefill chunk, a
 decode step or a verification block (which speculative decoding's exactness needs). Per-channel scales would be
 shared by a group of tokens that eviction breaks up. The price of per-token keys is the outlier channels of keys,
-which widen a group's range. Measured on SmolLM2-135M's keys and values over 512 tokens of Hamlet (relative
-round-trip error ‖x − x̂‖/‖x‖, keys | values): int8 in groups of 32 channels 0.60% | 0.48% (perplexity +0.2% over
-the float32 cache); int4 in groups of 32 10.1% | 8.2% (+9.5%), in groups of 16 7.4% | 6.7% (+1.2%); per channel
-over 32 tokens (KIVI's keys) int4 would be 3.7% | 7.4%. Hence int8 groups of 32 and int4 groups of 16.
+which widen a group's range; groups of 32 channels keep int8's error small, and int4 needs groups of 16. Hence
+int8 groups of 32 and int4 groups of 16. Measured:
+benchmarks/history/source-notes.md#quant-group-sizes
 
 Keys can be stored minus a fixed offset per layer, head and channel (``KVStore``'s ``offset``; the arena passes the
 model's key bias there): ``x - offset`` is quantized and the offset added back when the entry is read. Qwen2's key
 bias reaches ±354 in a few channels of layer 0 (±111 in layer 1, at most ±13 in layers 2, 10 and 27), and every key
 carries it, so a group holding one such channel has a step of ``r / 255`` ≈ 2.8 for all its channels; without the
-bias the keys' ranges are those of the tokens themselves. Measured on qwen2.5-coder-1.5b over 2,048 tokens of
-Paradise Lost, nothing evicted, against the bfloat16 cache (benchmarks/RESULTS.md, "Quantized keys stored without
-the key bias"): int8 keys alone +0.8% with the bias in, −0.4% with it out; int8 keys and values with the bias out
-−0.6%, int4 +0.8%, where with the bias in int4 fails (perplexity over 1,000 over 16k tokens).
+bias the keys' ranges are those of the tokens themselves: taking it out makes int8 keys as good as bfloat16 ones,
+and int4 keys usable at all. Measured:
+benchmarks/history/source-notes.md#quant-key-bias
+and benchmarks/history/kv-cache.md#quantized-keys-stored-without-the-key-bias-2026-12-01
 
 int4 arenas keep their 32 most recent positions in full precision as well (``RECENT_WINDOW``; the arena's ring,
-``arena.py``): the most recent entries are the ones attention weighs most, and 4 bits cost there. Measured on
-qwen2.5-coder-1.5b over 16,384 tokens of Paradise Lost at equal bytes, the ring's included (benchmarks/RESULTS.md,
-"The full-precision window built"): perplexity 69.79 against plain int4's 70.29 at half the bytes of a bf16
-1024-entry cache, 68.97 against 69.76 at its bytes. int8 entries cost nothing against bfloat16 at equal entries, so
-they have none by default.
+``arena.py``): the most recent entries are the ones attention weighs most, and 4 bits cost there; at equal bytes,
+the ring's included, the window lowers int4's perplexity. int8 entries cost nothing against bfloat16 at equal
+entries, so they have none by default. Measured:
+benchmarks/history/kv-cache.md#the-full-precision-window-built-int4s-newest-positions-in-the-arena-and-the-native-op-2026-12-03
 
 Round-trip bound (tested): for a group with minimum ``m`` and range ``r``,
 ``|x - dequantize(quantize(x))| ≤ s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the

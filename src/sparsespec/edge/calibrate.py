@@ -389,7 +389,8 @@ def random_native_weight(kind: str, out_features: int, in_features: int, seed: i
 def in_engine_memory(blobs: list):
     """Copies of the byte tensors ``blobs`` in one mapping of the memory the engine's weights stream from
     (:func:`~sparsespec.loading.huge_pages.anonymous_memory`: huge pages), each 64-byte aligned; their rates are
-    the engine's (decoding ran 10-20% faster from it than from one allocation per tensor)."""
+    the engine's (decoding runs faster from it than from one allocation per tensor:
+    benchmarks/history/decode.md#weights-in-huge-pages-native-decoding-10-20-faster-2026-12-05-evening)."""
     import torch
 
     from ..loading.huge_pages import anonymous_memory

@@ -14,7 +14,8 @@ and the engine keeps to its torch weight formats. ``SPARSESPEC_KERNELS`` set to 
 instead of the best (A/B runs: the matmul's results are the same bit for bit, the attention's to float rounding, and
 ``scalar`` also loads the weights in rows rather than column tiles, which sum in another order).
 
-Ops (functions of the extension module, called here: not through the torch dispatcher, which costs ~1 µs a call):
+Ops (functions of the extension module, called here: not through the torch dispatcher, which adds a fixed cost to
+every call; benchmarks/history/source-notes.md#kernels-dispatcher):
 
 * ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
   weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
@@ -128,7 +129,8 @@ def _import_finished_build(folder: Path):
     """The extension in ``folder`` when a finished build left it there, else None.
 
     The folder's name keys these sources, toolchain and location (:func:`_build_dir`), so a library in it is current:
-    importing it directly skips importing the builder and its up-to-date check (~0.1 s of every start)."""
+    importing it directly skips importing the builder and its up-to-date check, a cost every start would pay:
+    benchmarks/history/source-notes.md#kernels-direct-import"""
     import importlib.machinery
     import importlib.util
 

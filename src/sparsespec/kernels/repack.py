@@ -5,9 +5,9 @@ Q8_0, 256 for the K-quants). The kernels read each row as chunks of 256 weights:
 form the vector units load at once (the K-quants' packed 6-bit scales spread to bytes; the per-block fp16 scales of
 the 32-weight formats side by side), then 64-code quarters with the codes' low nibbles together and their high bits
 as bit planes. Every code and scale keeps its value: dequantizing the repacked weight gives exactly the GGUF's own
-dequantized weight. Bytes per weight equal the file's, but for two small additions: the K-quants' spread scales
-(4 bytes per 256 weights, +2.8% on Q4_K) and a full-size scale section in a row's last, partial chunk (SmolLM2's
-576-wide rows: +2%).
+dequantized weight. Bytes per weight equal the file's, but for two small additions of a few percent: the
+K-quants' spread scales (4 bytes per 256 weights) and a full-size scale section in a row's last, partial chunk
+(in rows whose width is not a multiple of 256). Figures: benchmarks/history/source-notes.md#repack-overhead
 """
 
 from __future__ import annotations

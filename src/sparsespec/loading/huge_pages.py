@@ -1,12 +1,14 @@
 """The memory the engine's weights stream from: transparent huge pages, reached without making a start wait.
 
 Native decoding reads every weight once per step, and reads it faster from private anonymous memory in 2 MiB
-pages than from 4 KiB pages (fewer TLB misses, hardware prefetch that runs across a whole page): on the 2-vCPU
-Intel AMX host, the 1.5B decoded 23.2 tok/s from anonymous huge pages, 21.7 from its stored file mapped
-(mostly in huge page-cache folios) and 16.9 from anonymous 4 KiB pages (medians of 3 alternated runs). But a
-fresh huge page can be slow to get: on a virtual machine that hands free memory back to its host, each one is
-faulted in from the host, and filling the 1.5B's 1.1 GB took 3.2-4.8 s of kernel time whenever the process
-started more than a few seconds after the last (0.33 s back to back; 4 KiB pages 0.42 s; mapping the file 0.05 s).
+pages than from 4 KiB pages (fewer TLB misses, hardware prefetch that runs across a whole page): fastest from
+anonymous huge pages, a little slower from its stored file mapped (mostly in huge page-cache folios), slowest from
+anonymous 4 KiB pages. But a fresh huge page can be slow to get: on a virtual machine that hands free memory back
+to its host, each one is faulted in from the host, and filling a model's weights that way takes seconds of kernel
+time whenever the process starts more than a few seconds after the last, where back to back, in 4 KiB pages or by
+mapping the file it takes a fraction of a second. Measured in
+benchmarks/history/serving-and-footprint.md#stored-models-mapped-moved-into-huge-pages-only-where-that-is-quick-or-the-machine-idles-2026-12-06-late-morning
+and benchmarks/history/source-notes.md#huge-pages-rates
 
 So a stored model is memory-mapped (``tensor_cache.read_tensor_file``: the model can run at once, on the page
 cache's pages), and :func:`move_into_huge_pages` then moves the mapping's pages, one huge page at a time, into
@@ -17,13 +19,12 @@ always does: the store is replaced by renaming a new file over it, never rewritt
 under a running model stops its move (a model that then reads a page past the file's end gets SIGBUS, as with any
 mapped file).
 
-Where fresh huge pages are that slow, a move beside the model's first pass slowed it from 0.15 s to 0.45-1.25 s,
-one beside torch's import slowed the import too (a start of the 1.5B: 2.8-3.2 s against 1.4-1.5 s), and one beside
-decoding halved it for its 5-8 s: a 128-token run took longer than copying before the first token had. So
-``generate`` holds the moves (:func:`pause_moves`) until its first token is out, and where the moves find fresh huge
-pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run (:func:`hold_slow_moves`): it decodes
-from the mapped file, 7-15% slower than from huge pages but from the start. ``serve`` holds slow moves while it
-has requests and ``chat`` while it answers, so they run while those wait.
+Where fresh huge pages are that slow, a move beside the model's first pass, beside torch's import or beside
+decoding slows each of them, up to several-fold (a short run then takes longer than copying before the first token
+did; same sections). So ``generate`` holds the moves (:func:`pause_moves`) until its first token is out, and where
+the moves find fresh huge pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run
+(:func:`hold_slow_moves`): it decodes from the mapped file, a little slower than from huge pages but from the
+start. ``serve`` holds slow moves while it has requests and ``chat`` while it answers, so they run while those wait.
 
 This module does not import torch (the mapping starts before torch's import).
 """
@@ -43,8 +44,10 @@ MADV_POPULATE_READ = 22
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 THP_SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
 
-# Fresh huge pages are "slow" here when the moves so far took this long per GB (after SLOW_AFTER_BYTES moved): 0.3
-# s back to back on the 2-vCPU Intel host, 3.2-4.8 s where its host had taken the memory back.
+# Fresh huge pages are "slow" here when the moves so far took this long per GB (after SLOW_AFTER_BYTES moved): a
+# bound between the rate of moves back to back and the rate where the host had taken the memory back, which lie
+# about an order of magnitude apart:
+# benchmarks/history/serving-and-footprint.md#stored-models-mapped-moved-into-huge-pages-only-where-that-is-quick-or-the-machine-idles-2026-12-06-late-morning
 SLOW_SECONDS_PER_GB = 1.5
 SLOW_AFTER_BYTES = 8 << 20
 

@@ -135,7 +135,8 @@ def load_model(
                   "writable?); the next start builds them again.", file=sys.stderr)
         elif file is not None:
             # Run on the stored copy, as every later start does: its weights move into huge pages (huge_pages.py),
-            # which decoded 10-20% faster here than the built tensors' memory.
+            # which decode faster than the built tensors' memory:
+            # benchmarks/history/decode.md#weights-in-huge-pages-native-decoding-10-20-faster-2026-12-05-evening
             stored = load_model_tensors(file, dtype, fmt)
             if stored is not None:
                 config, model = stored

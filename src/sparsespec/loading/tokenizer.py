@@ -2,10 +2,11 @@
 
 A model's tokenizer is built once with ``transformers`` (from the GGUF file's metadata, or from a Hugging Face
 folder) and stored next to its tensors (``load.py``); every later start reads that copy with :class:`Tokenizer`
-alone, without importing ``transformers`` (about 1.5 s of a start, measured on the 1.5B). Both give the same ids,
-text and chat prompts: the stored copy is the backend tokenizer ``transformers`` built, and the chat template is
+alone, without importing ``transformers``, whose import is a large share of a start. Both give the same ids, text
+and chat prompts: the stored copy is the backend tokenizer ``transformers`` built, and the chat template is
 rendered the way ``transformers`` renders it (a sandboxed Jinja environment, its ``tojson`` and helper functions,
-the named special tokens as variables).
+the named special tokens as variables). Start-up measured:
+benchmarks/history/serving-and-footprint.md#start-up-without-transformers-the-weights-read-while-torch-imports-2026-12-05
 """
 
 from __future__ import annotations

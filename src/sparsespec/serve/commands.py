@@ -41,14 +41,15 @@ def load_engine(args: argparse.Namespace, options):
 
 
 # ----------------------------------------------------------------------------------------------------- serve
-# Requests decoded together by default. On the 2-core benchmark host four 128-token chats at once ran at 3.0x one
-# chat's aggregate speed, the fourth's first text as soon as the first's; eight at 4.6x, but each first text twice
-# as late (benchmarks/RESULTS.md, "Several users at once").
+# Requests decoded together by default: four chats at once multiply the aggregate speed while each first text comes
+# about as soon as one chat's; eight gain more but make each first text wait:
+# benchmarks/history/serving-and-footprint.md#several-users-at-once-batched-serving-against-llama-server-2026-12-05
 DEFAULT_PARALLEL = 4
 # Prompt rows per pass in serve (generate and chat read 512): a prompt joining the others is read in chunks, each in
-# a pass with their decode rows, so the chunk is how long they wait between two tokens. A 4,000-token prompt joining
-# a chat on the 0.5B: the chat's text came every 1.4-1.5 s with 512-row chunks, every 0.4 s with 128, and the prompt
-# took as long to read (bench_serve.py --modes join; benchmarks/RESULTS.md, "Several users at once").
+# a pass with their decode rows, so the chunk is how long they wait between two tokens. Smaller chunks keep a
+# running chat's text coming several times as often while a long prompt joins, and the prompt takes as long to read
+# (bench_serve.py --modes join):
+# benchmarks/history/serving-and-footprint.md#several-users-at-once-batched-serving-against-llama-server-2026-12-05
 SERVE_PREFILL_CHUNK = 128
 
 

@@ -43,7 +43,8 @@ class ServerState:
     gives the engine the process's main thread and runs the HTTP server beside it. That placement is for speed:
     torch's OpenMP workers spin between parallel regions only while the process has no more OpenMP masters than
     cores, and an engine thread beside the main thread's own pool made every kernel call wait for its workers to
-    wake (SmolLM2 decoded at 0.87x of ``generate`` through the API, one linear took 4x as long).
+    wake (decoding through the API ran slower than ``generate``):
+    benchmarks/history/decode.md#native-kernels-third-pass-q4_k--q6_k-in-column-tiles-and-the-servers-engine-thread
     """
 
     def __init__(self, load: Callable[[], EngineWorker], on_failure: Callable[[BaseException], None] | None = None,

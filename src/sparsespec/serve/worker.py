@@ -33,8 +33,9 @@ log = logging.getLogger("sparsespec.serve")
 
 # The first text of a job goes to the event loop at once; after that at most once per interval, with every piece
 # decoded meanwhile. Each hand-over wakes the event loop's thread, which then competes with the engine's threads
-# for the cores: once per token it cost a fast model ~10% of its speed, once per 25 ms it costs nothing
-# measurable, and a model slower than 40 tok/s still hands over every token as it comes.
+# for the cores: once per token it cost a fast model a noticeable share of its speed, once per interval it costs
+# nothing measurable, and a model slower than one token per interval still hands over every token as it comes:
+# benchmarks/history/decode.md#native-kernels-third-pass-q4_k--q6_k-in-column-tiles-and-the-servers-engine-thread
 TEXT_INTERVAL_SECONDS = 0.025
 
 

@@ -1,6 +1,7 @@
 // Matmul on the repacked GGUF blocks with float activations: the weights are dequantized in registers and multiply
 // the activations as they are, where qmatmul.h quantizes the activations to 8 bits first: the arithmetic of a float32
-// model with the file's weights, for a few percent of a small model's decode speed (SmolLM2: 7%, RESULTS.md).
+// model with the file's weights, for a few percent of a small model's decode speed where the host multiplies floats
+// at AVX-512's width (more on AVX2): benchmarks/RESULTS.md#small-model-numerics
 //
 // Row layout only (qmatmul.h's chunks of 256 inputs; the column-tile types are not read here). Canonical
 // arithmetic, which every instruction set reproduces bit for bit (so a result never depends on the instruction

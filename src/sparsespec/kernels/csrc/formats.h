@@ -198,11 +198,11 @@ constexpr int tile_chunk_bytes_of() {
   return TYPE == Q4_K_T16 ? 320 + 2048 : TYPE == Q6_K_T16 ? 288 + 16 * 192 : 32 + 4 * 64 + 64;
 }
 // Multi-row passes compute long enough per chunk that the hardware prefetcher alone leaves the memory idle part of
-// the time, so each chunk asks for the bytes this far ahead of it (the whole 1.5B on AVX-512, 5 rows: 60 -> 42 ms,
-// 8 rows: 95 -> 47 ms; 2 to 16 KiB ahead measured alike; RESULTS.md, sixth pass). The AVX-512 column tiles' one-row
-// passes leave it to the hardware prefetcher: there the requests slowed the 1.5B's projections by 11-17% and its
-// decode by a quarter on an Intel AMX host (the row layouts' one-row passes need them: SmolLM2's float path 55-60%
-// slower without; RESULTS.md, "One-row tile passes without software prefetch").
+// the time, so each chunk asks for the bytes this far ahead of it (distances of a few KiB measured alike):
+// benchmarks/history/decode.md#native-kernels-sixth-pass-each-chunk-asks-for-its-bytes-ahead-and-the-whole-side-by-side-run-again-2026-12-02
+// The AVX-512 column tiles' one-row passes leave it to the hardware prefetcher: there the requests slowed the
+// projections and the decode (the row layouts' one-row passes need them: SmolLM2's float path is slower without):
+// benchmarks/history/decode.md#one-row-tile-passes-without-software-prefetch-2026-12-06-morning
 constexpr int kPrefetchBytes = 4096;
 
 // Asks for the `bytes` bytes that start kPrefetchBytes past `at`, one request per cache line.
