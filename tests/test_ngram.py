@@ -16,7 +16,7 @@ from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, Session
 from sparsespec.errors import UserError
-from sparsespec.ngram import NgramDrafter, NgramIndex, NgramOptions
+from sparsespec.ngram import NgramDrafter, NgramIndex, NgramOptions, SharedTexts
 from sparsespec.sampling import SamplingParams, sample
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
@@ -186,6 +186,48 @@ def test_a_wrong_rule_for_point_masses_is_caught(monkeypatch):
     assert chi_square_p(ngram_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) < 0.01
 
 
+def naive_shared_match(texts: list[tuple[str | None, list[int]]], text: list[int], salt, min_n: int, max_n: int,
+                       limit: int) -> tuple[int, list[int]]:
+    """The longest suffix of ``text`` found in the texts of ``salt`` (newest text, then latest place, first)."""
+    for n in range(min(max_n, len(text)), min_n - 1, -1):
+        suffix = text[len(text) - n :]
+        for owner, tokens in reversed(texts):
+            if owner != salt:
+                continue
+            for end in range(len(tokens) - 2, n - 2, -1):
+                if tokens[end - n + 1 : end + 1] == suffix:
+                    return n, tokens[end + 1 : end + 1 + limit]
+    return 0, []
+
+
+@pytest.mark.parametrize("capacity", [40, 400])
+def test_shared_texts_match_what_a_naive_scan_finds_within_their_capacity(capacity):
+    rng = random.Random(capacity)
+    shared = SharedTexts(capacity, 2, 5)
+    kept: list[tuple[str | None, list[int]]] = []
+    for _ in range(30):
+        salt = rng.choice([None, "a", "b"])
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(3, 30))]
+        shared.add(tokens, salt)
+        kept.append((salt, tokens))
+        while sum(len(t) for _, t in kept) > capacity:
+            kept.pop(0)
+        assert shared.tokens_held == sum(len(t) for _, t in kept) <= capacity
+        for _ in range(5):
+            text = [rng.randrange(5) for _ in range(rng.randrange(1, 8))]
+            salt = rng.choice([None, "a", "b"])
+            assert shared.match(text, salt, 6) == naive_shared_match(kept, text, salt, 2, 5, 6)
+
+
+def test_shared_texts_are_matched_only_within_one_salt():
+    shared = SharedTexts(100, 2, 4)
+    shared.add([1, 2, 3, 4, 5], "alice")
+    assert shared.match([9, 2, 3], "alice", 4) == (2, [4, 5])
+    assert shared.match([9, 2, 3], "bob", 4) == (0, []) and shared.match([9, 2, 3], None, 4) == (0, [])
+    with pytest.raises(UserError, match="from 1 to"):
+        SharedTexts(0)
+
+
 # ----------------------------------------------------------------------------------------- sessions, CLI
 def test_a_conversation_drafts_from_its_earlier_turns(smollm2_default):
     """The second turn resumes the first: its index goes on from the first turn's text (and what it learned), so
@@ -202,6 +244,33 @@ def test_a_conversation_drafts_from_its_earlier_turns(smollm2_default):
     list(session.run(second, max_new_tokens=24, sampling=SamplingParams(), stats=stats))
     assert stats.reused_tokens > 0 and session._ngram.index is indexed  # extended, not rebuilt
     assert stats.speculative.ngram_accepted > 0
+
+
+def test_sessions_draft_greedily_from_other_requests_text_of_their_salt(smollm2_default):
+    """A second conversation asking what a first one asked drafts the first one's answer from the shared texts
+    (greedy: the answer is plain decoding's); another salt, or sampling, never draws on them."""
+    tokenizer = smollm2_default.tokenizer
+    prompt = tokenizer.encode("The list of primes below thirty: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29. Again:")
+    plain = list(Session(smollm2_default, CacheOptions(), capacity=2048).run(prompt, max_new_tokens=24,
+                                                                             sampling=SamplingParams()))
+    shared = SharedTexts()
+
+    def conversation(salt, sampling=SamplingParams()):
+        session = Session(smollm2_default, CacheOptions(), DraftOptions(None, None, None, ngram=NgramOptions()),
+                          capacity=2048)
+        session.shared_texts, session.salt = shared, salt
+        stats = RunStats()
+        out = list(session.run(prompt, max_new_tokens=24, sampling=sampling, seed=1, stats=stats))
+        return out, stats.speculative
+
+    first, first_stats = conversation("alice")
+    assert first == plain and first_stats.ngram_shared_drafted == 0 and shared.tokens_held == len(prompt) + len(first)
+    second, second_stats = conversation("alice")
+    assert second == plain and second_stats.ngram_shared_accepted > 0
+    other, other_stats = conversation("bob")
+    assert other == plain and other_stats.ngram_shared_drafted == 0
+    _, sampled_stats = conversation("alice", SamplingParams(temperature=0.8))
+    assert sampled_stats.ngram_shared_drafted == 0
 
 
 def test_generate_with_ngram_drafts_equals_plain_decoding(capsys, smollm2_path):

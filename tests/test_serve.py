@@ -130,6 +130,24 @@ def test_self_speculation_through_the_api_equals_generate(smollm2_f32, capsys):
     assert extension["acceptance_rate"] > 0 and extension["tokens_per_target_pass"] > 1
 
 
+def test_a_conversation_drafts_from_another_conversations_answer_of_its_salt(smollm2_default):
+    """Greedy n-gram drafting matches finished requests' text across conversations, within one cache_salt."""
+    from sparsespec.ngram import NgramOptions
+
+    draft = DraftOptions(None, None, None, ngram=NgramOptions())
+    with live_server(lambda: EngineWorker(smollm2_default, CacheOptions(), draft, parallel=2)) as (url, _):
+        c = client(url)
+        messages = [{"role": "user", "content": QUESTION}]
+        first, second = chat(c, messages, 24), chat(c, messages, 24)
+        salted = chat(c, messages, 24, extra_body={"cache_salt": "another client"})
+        assert first.choices[0].message.content == second.choices[0].message.content
+        assert salted.choices[0].message.content == first.choices[0].message.content
+        assert first.model_extra["sparsespec"]["ngram_shared_drafted_tokens"] == 0
+        assert second.model_extra["sparsespec"]["ngram_shared_accepted_tokens"] > 0
+        assert salted.model_extra["sparsespec"]["ngram_shared_drafted_tokens"] == 0
+        assert settled_metric(url, "ngram_shared_accepted_tokens_total") > 0
+
+
 # ------------------------------------------------------------------------------------ several users at once
 QUESTIONS = (QUESTION, "Name three colours.", "Write one sentence about the sea.")
 
@@ -484,6 +502,8 @@ def test_serve_command_starts_answers_and_stops(smollm2_path, tmp_path):
     (["--threads", "100000"], "--threads must be from 1 to"),
     (["--gamma", "1000000", "--draft", "self"], "--gamma must be from 1 to 64"),
     (["--recall-pages", "100000", "--budget", "256"], "--recall-pages must be from 1 to 1024"),
+    (["--ngram-shared-tokens", "4096"], "--ngram-shared-tokens does nothing without n-gram drafting"),
+    (["--draft", "ngram", "--ngram-shared-tokens", "-1"], "--ngram-shared-tokens must be from 0 to 1048576"),
 ])
 def test_serve_flags_that_do_nothing_or_are_wrong_fail_before_loading(flags, message, capsys):
     assert main(["serve", "--model", "smollm2-135m", *flags]) == 2

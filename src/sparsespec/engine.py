@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
-from .ngram import NgramDrafter, NgramIndex, NgramOptions
+from .ngram import NgramDrafter, NgramIndex, NgramOptions, SharedTexts
 from .passes import Pass, Program, run_alone
 from .sampling import SamplingParams, seeded_generator
 from .speculative import (
@@ -316,6 +316,10 @@ class Session:
         self._origins: list[int] = []  # per arena: 0, except a draft that restarted from the end of what it missed
         # n-gram proposals (ngram.py): their index of the text, and what they learned of acceptance and costs
         self._ngram: NgramDrafter | None = None
+        # Other sessions' text that greedy runs also draft from (a server's, ngram.SharedTexts), and the salt of the
+        # request running: each run leaves its text there under that salt, and matches only text of that salt.
+        self.shared_texts: SharedTexts | None = None
+        self.salt: str | None = None
 
     @property
     def _gamma_cap(self) -> int:
@@ -360,6 +364,12 @@ class Session:
         self._text = []
         if self._ngram is not None:
             self._ngram.forget()
+
+    def _share(self, text: list[int], reuse: int) -> None:
+        """Leave a finished run's text in the shared texts: what it read and wrote past what it resumed from (with
+        the n-gram before, so that matches across the seam are kept)."""
+        if self.shared_texts is not None and self._ngram is not None:
+            self.shared_texts.add(text[max(reuse - self._ngram.options.max_n, 0) :], self.salt)
 
     def _models(self) -> list[LoadedModel]:
         return [self.target, self.draft.model] if self._drafts_with_a_model else [self.target]
@@ -451,6 +461,7 @@ class Session:
                 try:
                     item = tokens.send(reply)
                 except StopIteration:
+                    self._share(text, reuse)
                     return
                 if isinstance(item, Pass):
                     reply = yield item
@@ -465,6 +476,8 @@ class Session:
         except GeneratorExit:
             if not at_token:  # closed while waiting for a pass: an arena may hold rows in flight
                 self._text = []
+            else:
+                self._share(text, reuse)
             raise
         except BaseException:  # an error or Ctrl-C inside a pass may leave an arena mid-block: never resume from it
             self._text = []
@@ -509,6 +522,8 @@ class Session:
                 self._ngram = NgramDrafter(NgramIndex(options.min_n, options.max_n), options, model_cost=model_cost)
             ngram = self._ngram
             ngram.timed = sampling.greedy  # sampled text must not depend on timings
+            # ... nor on other conversations: only greedy runs, whose output no proposal changes, draft from them
+            ngram.shared, ngram.salt = (self.shared_texts if sampling.greedy else None), self.salt
             ngram.follow(self._text)
         stats.speculative = SpeculativeStats()
         try:

@@ -13,10 +13,15 @@ How many tokens to propose is chosen each round (:class:`NgramDrafter`): the acc
 matches of the same length (decayed counts; a long match is more often copied on than a short one) and a
 verification row's cost relative to a one-row pass give the expected speed-up of each length, and the best one is proposed only when that beats the target decoding alone, and beats the round a draft
 model would make (its own measured acceptance and cost per proposal) where there is one.
+
+A server's sessions may also draft from one another's text (:class:`SharedTexts`: the last requests' prompts and
+answers, bounded in tokens, matched only within one ``cache_salt``), for greedy decoding only: there any proposal
+leaves the output unchanged, while a sampled answer must stay a function of its seed and its own conversation.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -29,6 +34,10 @@ MAX_N = 64  # the longest suffix the index may be asked to match
 # A verification row's cost relative to a one-row pass, assumed until passes are timed (and always at temperature
 # above 0, where choices must not depend on timings: sampled text stays a function of the seed).
 DEFAULT_ROW_COST = 0.25
+# Tokens of earlier requests a server keeps for drafting (``SharedTexts``; serve's --ngram-shared-tokens): each
+# token indexes up to max_n - min_n + 1 n-grams, about a kilobyte with the defaults.
+DEFAULT_SHARED_TOKENS = 16384
+MAX_SHARED_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,63 @@ class NgramIndex:
         return self.tokens[end + 1 : end + 1 + limit] if n else []
 
 
+class SharedTexts:
+    """Earlier requests' text that a server's sessions draft from: the newest ``capacity`` tokens (whole texts are
+    dropped oldest first), each text kept with the ``cache_salt`` of the request that left it and matched only for
+    requests with the same salt, so that a client cannot tell from the speed of its answers what a client with
+    another salt wrote (as vLLM's prefix cache).
+
+    ``match(text, salt, limit)`` gives ``(n, continuation)``: the longest suffix of ``text`` (``max_n`` down to
+    ``min_n`` tokens) found in the stored texts of ``salt`` and up to ``limit`` tokens that followed its most recent
+    occurrence, or ``(0, [])``.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_SHARED_TOKENS, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N):
+        if not 1 <= capacity <= MAX_SHARED_TOKENS:
+            raise UserError(f"shared n-gram text must hold from 1 to {MAX_SHARED_TOKENS} tokens (got {capacity}).")
+        self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
+        self._texts: OrderedDict[int, tuple[str | None, list[int]]] = OrderedDict()  # by age, oldest first
+        self._next_id = 0
+        self.tokens_held = 0
+        # (salt, n-gram) -> (text id, index of the n-gram's last token in that text); a continuation always follows
+        self._last_end: dict[tuple, tuple[int, int]] = {}
+
+    def _ngrams(self, tokens: list[int]):
+        """``(n-gram, end)`` of every n-gram that has a continuation in ``tokens``, in order."""
+        for end in range(len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                yield tuple(tokens[end - n + 1 : end + 1]), end
+
+    def add(self, tokens, salt: str | None) -> None:
+        """Keep ``tokens`` (its newest ``capacity`` at most) for later matches by requests with ``salt``."""
+        tokens = [int(t) for t in tokens][-self.capacity :]
+        if len(tokens) <= self.min_n:
+            return
+        text_id, self._next_id = self._next_id, self._next_id + 1
+        self._texts[text_id] = (salt, tokens)
+        self.tokens_held += len(tokens)
+        for ngram, end in self._ngrams(tokens):
+            self._last_end[(salt, ngram)] = (text_id, end)
+        while self.tokens_held > self.capacity:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        text_id, (salt, tokens) = self._texts.popitem(last=False)
+        self.tokens_held -= len(tokens)
+        for ngram, _ in self._ngrams(tokens):
+            key = (salt, ngram)
+            if self._last_end.get(key, (None,))[0] == text_id:  # a newer text's occurrence stays
+                del self._last_end[key]
+
+    def match(self, text: list[int], salt: str | None, limit: int) -> tuple[int, list[int]]:
+        for n in range(min(self.max_n, len(text)), self.min_n - 1, -1):
+            hit = self._last_end.get((salt, tuple(text[len(text) - n :])))
+            if hit is not None:
+                text_id, end = hit
+                return n, self._texts[text_id][1][end + 1 : end + 1 + limit]
+        return 0, []
+
+
 class _Acceptance:
     """Decayed acceptance counts: each round adds its accepted tokens and its first rejection (speculative
     decoding's per-token α); a prior of α = ``prior`` weighing as two trials."""
@@ -119,13 +185,20 @@ class NgramDrafter:
     further row ``r`` are estimated (decaying averages). With ``timed`` False the row cost stays
     :data:`DEFAULT_ROW_COST` and a draft model's cost is ``model_cost`` (sampling: choices must not depend on
     timings).
+
+    With ``shared`` set (a server's :class:`SharedTexts`) a longer match in other requests' text of the same
+    ``salt`` is proposed from instead (``from_shared`` says where the last proposal came from); its acceptance is
+    learned apart from the own text's.
     """
 
     def __init__(self, index: NgramIndex, options: NgramOptions = NgramOptions(), timed: bool = True,
                  decay: float = 0.8, model_cost: float = 0.5):
         self.index, self.options, self.timed, self.decay = index, options, timed, decay
-        self._ngram: dict[int, _Acceptance] = {}  # by the length of the match proposed from
-        self._matched = 0  # the match length of the last proposal
+        self.shared: SharedTexts | None = None
+        self.salt: str | None = None
+        # by (whether the match was in the shared texts, the length of the match proposed from)
+        self._ngram: dict[tuple[bool, int], _Acceptance] = {}
+        self._matched = (False, 0)  # the same of the last proposal
         self._model = _Acceptance(decay)
         self._model_cost = model_cost  # a draft model's seconds per proposal over t₁ (measured when timed)
         self._model_seconds: float | None = None  # per proposal
@@ -133,16 +206,22 @@ class NgramDrafter:
         self._rows: list[tuple[float, int]] = []  # multi-row passes waiting for t₁
         self._row: float | None = None  # seconds per row past the first
 
-    def _record(self, matched: int) -> _Acceptance:
-        """The acceptance record of matches of ``matched`` tokens; until measured, α = n / (n + 1): a longer match
-        is more likely copied on, and trying it costs only verification rows."""
-        if matched not in self._ngram:
-            self._ngram[matched] = _Acceptance(self.decay, prior=matched / (matched + 1))
-        return self._ngram[matched]
+    def _record(self, matched: int, shared: bool = False) -> _Acceptance:
+        """The acceptance record of matches of ``matched`` tokens (in the shared texts or the own); until measured,
+        α = n / (n + 1): a longer match is more likely copied on, and trying it costs only verification rows."""
+        key = (shared, matched)
+        if key not in self._ngram:
+            self._ngram[key] = _Acceptance(self.decay, prior=matched / (matched + 1))
+        return self._ngram[key]
 
-    def alpha(self, matched: int) -> float:
+    def alpha(self, matched: int, shared: bool = False) -> float:
         """Acceptance of the tokens proposed from a match of ``matched`` tokens."""
-        return self._record(matched).alpha
+        return self._record(matched, shared).alpha
+
+    @property
+    def from_shared(self) -> bool:
+        """Whether the last proposal came from the shared texts."""
+        return self._matched[0]
 
     @property
     def row_cost(self) -> float:
@@ -151,10 +230,10 @@ class NgramDrafter:
             return DEFAULT_ROW_COST
         return max(self._row, 0.0) / self._single
 
-    def expected_speedup(self, length: int, matched: int) -> float:
+    def expected_speedup(self, length: int, matched: int, shared: bool = False) -> float:
         """Speed of a round proposing ``length`` tokens from a match of ``matched`` over a plain step's: the
         proposals cost nothing to make, only their rows in the verification pass."""
-        return speculative_speedup(self.alpha(matched), length, self.row_cost)
+        return speculative_speedup(self.alpha(matched, shared), length, self.row_cost)
 
     def model_speedup(self, gamma: int) -> float:
         """The same for a draft model's round of ``gamma`` proposals (1 for a plain step)."""
@@ -167,14 +246,20 @@ class NgramDrafter:
 
     def propose(self, model_gamma: int = 0) -> list[int]:
         matched, end = self.index.match()
+        limit = self.options.max_tokens
+        candidates = self.index.tokens[end + 1 : end + 1 + limit] if matched else []
+        shared = False
+        if self.shared is not None:
+            n, continuation = self.shared.match(self.index.tokens, self.salt, limit)
+            if n > matched:
+                matched, candidates, shared = n, continuation, True
         if not matched:
             return []
-        candidates = self.index.tokens[end + 1 : end + 1 + self.options.max_tokens]
-        gains = [self.expected_speedup(length, matched) for length in range(1, len(candidates) + 1)]
+        gains = [self.expected_speedup(length, matched, shared) for length in range(1, len(candidates) + 1)]
         best = max(range(len(gains)), key=gains.__getitem__)
         if gains[best] <= 1.0 or gains[best] < self.model_speedup(model_gamma):
             return []
-        self._matched = matched
+        self._matched = (shared, matched)
         return candidates[: best + 1]
 
     def follow(self, text: list[int]) -> None:
@@ -192,7 +277,8 @@ class NgramDrafter:
 
     def update(self, proposed: int, accepted: int) -> None:
         """The last proposal's outcome: ``accepted`` of its ``proposed`` tokens."""
-        self._record(self._matched).add(proposed, accepted)
+        shared, matched = self._matched
+        self._record(matched, shared).add(proposed, accepted)
 
     def observe_model_round(self, proposed: int, accepted: int, seconds: float) -> None:
         """A draft model's round: ``proposed`` tokens (0: none), ``accepted`` of them, its ``seconds``."""

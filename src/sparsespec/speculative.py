@@ -307,6 +307,9 @@ class SpeculativeStats:
     ngram_rounds: int = 0
     ngram_drafted: int = 0
     ngram_accepted: int = 0
+    # Of those, the proposals matched in other requests' text (a server's shared texts, ngram.SharedTexts).
+    ngram_shared_drafted: int = 0
+    ngram_shared_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -501,6 +504,9 @@ def speculative_steps(
             stats.ngram_rounds += 1
             stats.ngram_drafted += len(drafts)
             stats.ngram_accepted += accepted
+            if ngram.from_shared:
+                stats.ngram_shared_drafted += len(drafts)
+                stats.ngram_shared_accepted += accepted
         if controlled:
             if proposal:
                 gamma.skip_round()

@@ -8,6 +8,7 @@ import threading
 import time
 
 from ..errors import UserError
+from ..ngram import DEFAULT_SHARED_TOKENS, MAX_SHARED_TOKENS
 from .guard import API_KEY_ENV
 
 
@@ -68,6 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                         help="the longest prompt taken, in tokens (default: the model's context, or 2^20 where a "
                         "budget with in-cache positions lets a conversation outgrow it)")
+    parser.add_argument("--ngram-shared-tokens", type=int, default=None, metavar="N",
+                        help="tokens of finished requests that greedy n-gram drafting also matches, per cache_salt "
+                             f"(0: each conversation drafts from its own text only; default: {DEFAULT_SHARED_TOKENS})")
     parser.add_argument("--max-body-bytes", default="8MiB", metavar="SIZE",
                         help="the largest request body read, in bytes or with a KiB / MiB suffix (default: "
                         "%(default)s)")
@@ -81,6 +85,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                         help="let web pages at ORIGIN (e.g. http://localhost:3000; '*' for any) call the server "
                         "and read its answers (repeatable); without it requests from web pages are refused")
+
+
+def check_shared_ngram_tokens(given: int | None, draft_setup) -> int:
+    """``--ngram-shared-tokens`` checked against its range and the draft settings (``flags.draft_settings``: a
+    tuple whose last item is the n-gram options, or None); the default where not given."""
+    if given is None:
+        return DEFAULT_SHARED_TOKENS
+    if not 0 <= given <= MAX_SHARED_TOKENS:
+        raise UserError(f"--ngram-shared-tokens must be from 0 to {MAX_SHARED_TOKENS} (got {given}).")
+    if given and (draft_setup is None or draft_setup[-1] is None):
+        raise UserError("--ngram-shared-tokens does nothing without n-gram drafting (--draft ngram, or a draft "
+                        "model with --draft-ngram on).")
+    return given
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -100,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_worker_options(options[0], args.queue_size, args.no_evict_overflow, args.parallel, args.max_prompt_tokens)
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be from 0 to 65535 (got {args.port}).")
+    shared_ngram_tokens = check_shared_ngram_tokens(args.ngram_shared_tokens, options[1])
     max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
     if max_body < 1024:
         raise UserError(f"--max-body-bytes must be at least 1 KiB (got {max_body} bytes).")
@@ -115,7 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
         target, cache, draft = load_engine(args, options)
         print(f"sparsespec: {target.name} loaded; serving.", file=sys.stderr, flush=True)
         return EngineWorker(target, cache, draft, parallel=args.parallel, queue_size=args.queue_size,
-                            no_evict_overflow=args.no_evict_overflow, max_prompt_tokens=args.max_prompt_tokens)
+                            no_evict_overflow=args.no_evict_overflow, max_prompt_tokens=args.max_prompt_tokens,
+                            shared_ngram_tokens=shared_ngram_tokens)
 
     # The engine takes this (the main) thread, the HTTP server a thread beside it (see ServerState).
     state = ServerState(load, background=False)

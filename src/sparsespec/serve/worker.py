@@ -26,6 +26,7 @@ from ..generate import TextStream
 from ..loading.huge_pages import hold_slow_moves, release_slow_moves
 from ..loading.load import LoadedModel
 from ..loading.tokenizer import eos_token_ids
+from ..ngram import DEFAULT_SHARED_TOKENS, SharedTexts
 from ..passes import Batch, Running
 from ..sampling import SamplingParams
 
@@ -105,6 +106,8 @@ class Metrics:
         "accepted_tokens_total": "draft tokens the target accepted",
         "ngram_drafted_tokens_total": "tokens proposed from n-gram matches in the text (part of drafted_tokens_total)",
         "ngram_accepted_tokens_total": "n-gram proposals the target accepted",
+        "ngram_shared_drafted_tokens_total": "n-gram proposals matched in other requests' text (part of the above)",
+        "ngram_shared_accepted_tokens_total": "of those, the ones the target accepted",
         "target_passes_total": "target forward passes of speculative decoding",
         "engine_steps_total": "passes the engine ran (each over the rows of every request it served at once)",
         "batch_rows_total": "rows those passes ran (over engine_steps_total: rows per step)",
@@ -199,7 +202,9 @@ class EngineWorker:
 
     ``no_evict_overflow``: refuse a request that would run past the model's context even where the budgeted cache
     (with in-cache positions) could go on by evicting. ``max_prompt_tokens``: the longest prompt taken (None: the
-    model's context where a run must fit it, else :data:`UNBOUNDED_MAX_PROMPT_TOKENS`).
+    model's context where a run must fit it, else :data:`UNBOUNDED_MAX_PROMPT_TOKENS`). ``shared_ngram_tokens``: how
+    many tokens of finished requests greedy n-gram drafting matches across conversations (0: none; see
+    ``ngram.SharedTexts``).
     """
 
     def __init__(
@@ -212,6 +217,7 @@ class EngineWorker:
         queue_size: int = 16,
         no_evict_overflow: bool = False,
         max_prompt_tokens: int | None = None,
+        shared_ngram_tokens: int = DEFAULT_SHARED_TOKENS,
     ) -> None:
         check_worker_options(cache, queue_size, no_evict_overflow, parallel, max_prompt_tokens)
         self.target = target
@@ -223,6 +229,12 @@ class EngineWorker:
             max_prompt_tokens = self.context if self._bounded_by_context else UNBOUNDED_MAX_PROMPT_TOKENS
         self.max_prompt_tokens = max_prompt_tokens
         self.slots = [_Slot(Session(target, cache, draft, capacity=self.context)) for _ in range(parallel)]
+        # Requests' text that greedy n-gram drafting matches across conversations (ngram.SharedTexts; per salt)
+        self.shared_texts = None
+        if draft is not None and draft.ngram is not None and shared_ngram_tokens > 0:
+            self.shared_texts = SharedTexts(shared_ngram_tokens, draft.ngram.min_n, draft.ngram.max_n)
+            for slot in self.slots:
+                slot.session.shared_texts = self.shared_texts
         self.eos_ids = frozenset(eos_token_ids(target.tokenizer))
         self.metrics = Metrics()
         self.metrics.set(slots=parallel)
@@ -348,6 +360,7 @@ class EngineWorker:
         if slot.salt != request.cache_salt:
             slot.session.reset()  # another salt's text is never resumed from
             slot.salt = request.cache_salt
+        slot.session.salt = request.cache_salt  # and n-gram drafting matches only that salt's shared text
         seed = request.seed if request.seed is not None else random.getrandbits(63)
         program = slot.session.steps(
             request.prompt_ids, max_new_tokens=request.max_tokens, sampling=request.sampling, seed=seed,
@@ -406,7 +419,9 @@ class EngineWorker:
             s = stats.speculative
             self.metrics.add(drafted_tokens_total=s.drafted, accepted_tokens_total=s.accepted,
                              target_passes_total=s.target_passes, ngram_drafted_tokens_total=s.ngram_drafted,
-                             ngram_accepted_tokens_total=s.ngram_accepted)
+                             ngram_accepted_tokens_total=s.ngram_accepted,
+                             ngram_shared_drafted_tokens_total=s.ngram_shared_drafted,
+                             ngram_shared_accepted_tokens_total=s.ngram_shared_accepted)
         self.metrics.set(last_tokens_per_second=stats.tokens_per_s,
                          kv_cache_bytes=sum(slot.session.kv_cache_bytes for slot in self.slots))
 
@@ -431,5 +446,6 @@ def extension(worker: EngineWorker, result: JobResult) -> dict:
         out.update(acceptance_rate=round(s.acceptance_rate, 4),
                    tokens_per_target_pass=round(s.tokens_per_target_pass, 4), gamma=result.stats.final_gamma,
                    drafted_tokens=s.drafted, accepted_tokens=s.accepted, ngram_drafted_tokens=s.ngram_drafted,
-                   ngram_accepted_tokens=s.ngram_accepted)
+                   ngram_accepted_tokens=s.ngram_accepted, ngram_shared_drafted_tokens=s.ngram_shared_drafted,
+                   ngram_shared_accepted_tokens=s.ngram_shared_accepted)
     return out
