@@ -26,6 +26,10 @@ Each measurement is a JSON line (appended to ``results/bench_serve/serve.jsonl``
   at each C over its C = 1 and the plot ``serve_concurrent.png`` next to the JSONL (``--plot-only`` redraws it).
   ``--baseline-src DIR`` adds ``sparsespec serve`` as the source tree DIR has it (e.g. a worktree of an earlier
   commit, with its own default slots) to the alternation: the before/after of a change in the same run.
+- ``repeat`` (not in the default modes): each held-out request of ``bench_drafters.py`` (code, edits, prose) sent
+  twice with one ``cache_salt``, to ``sparsespec serve --draft ngram`` drafting across conversations (the default)
+  and with ``--ngram-shared-tokens 0``, alternated for ``--rounds`` rounds (a salt per round, so that each starts
+  with nothing shared): the repeat's decode tok/s on each, and per kind the medians' ratio (``--max-tokens``, 128);
 - ``aiperf`` (not in the default modes; needs NVIDIA's ``aiperf`` load generator, ``--aiperf PATH``): for each C,
   ``--rounds`` runs of ``aiperf profile`` (``--aiperf-requests`` synthetic streamed chats of
   ``--aiperf-prompt-tokens`` tokens, C in flight) against each server, alternated round by round. aiperf runs
@@ -176,13 +180,17 @@ class Server:
     def rss_mb(self) -> float:
         return psutil.Process(self.process.pid).memory_info().rss / 2**20
 
-    def stream(self, *, messages=None, prompt=None, max_tokens: int) -> dict:
-        """One greedy streamed request; client-side times and the server's usage and extension object."""
+    def stream(self, *, messages=None, prompt=None, max_tokens: int, salt: str | None = None) -> dict:
+        """One greedy streamed request (with ``cache_salt`` ``salt``); client-side times and the server's usage and
+        extension object."""
         tally = StreamTally(chat=messages is not None)
+        options = request_options(max_tokens)
+        if salt is not None:
+            options["extra_body"] = {"cache_salt": salt}
         if messages is not None:
-            chunks = self.client.chat.completions.create(messages=messages, **request_options(max_tokens))
+            chunks = self.client.chat.completions.create(messages=messages, **options)
         else:
-            chunks = self.client.completions.create(prompt=prompt, **request_options(max_tokens))
+            chunks = self.client.completions.create(prompt=prompt, **options)
         for chunk in chunks:
             tally.add(chunk)
         return tally.result()
@@ -193,6 +201,41 @@ class Server:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+def bench_repeat(args, base: dict) -> None:
+    """A request asked again by another client of the same salt: decode tok/s of the repeat with n-gram drafting
+    across conversations (the default) against each conversation drafting from its own text only."""
+    from bench_drafters import REQUESTS
+
+    servers = {"shared": Server(args, "--draft", "ngram"),
+               "own_text": Server(args, "--draft", "ngram", "--ngram-shared-tokens", "0")}
+    runs: dict[tuple[str, int, str], list[float]] = {}
+    try:
+        for round_index in range(args.rounds):
+            order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+            for kind, prompts in REQUESTS.items():
+                for p, text in enumerate(prompts):
+                    messages = [{"role": "user", "content": text}]
+                    for name in order:
+                        salt = f"round {round_index}"  # each round starts with nothing shared
+                        first = servers[name].stream(messages=messages, max_tokens=args.load_tokens, salt=salt)
+                        again = servers[name].stream(messages=messages, max_tokens=args.load_tokens, salt=salt)
+                        if again["text"] != first["text"]:
+                            raise SystemExit(f"{name}: the repeated request's answer differs")
+                        runs.setdefault((kind, p, name), []).append(again["tok_s"])
+                        emit({"bench": "serve_repeat", **base, "server": name, "kind": kind, "prompt": p,
+                              "round": round_index, "tokens": again["tokens"], "first_tok_s": round(first["tok_s"], 3),
+                              "repeat_tok_s": round(again["tok_s"], 3),
+                              "shared_accepted": again["server"].get("ngram_shared_accepted_tokens")}, args.out)
+    finally:
+        for server in servers.values():
+            server.close()
+    for kind, prompts in REQUESTS.items():
+        ratios = [statistics.median(runs[(kind, p, "shared")]) / statistics.median(runs[(kind, p, "own_text")])
+                  for p in range(len(prompts))]
+        emit({"bench": "serve_repeat_summary", **base, "kind": kind, "rounds": args.rounds,
+              "repeat_shared_over_own_text": [round(r, 3) for r in ratios]}, args.out)
 
 
 def corpus_words(count_tokens: int, tokenizer, start: int = 0) -> str:
@@ -735,7 +778,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=concurrency_levels, default="1,4,8",
                         help="concurrent: numbers of chats sent at once (each server gets as many slots)")
     parser.add_argument("--rounds", type=positive_int, default=3,
-                        help="concurrent: rounds of each engine at each concurrency")
+                        help="concurrent, repeat: rounds of each engine (at each concurrency)")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER),
                         help=f"concurrent: llama.cpp's llama-server binary (default: $LLAMA_SERVER, else "
                              f"{DEFAULT_LLAMA_SERVER})")
@@ -776,7 +819,8 @@ def main() -> None:
         plot_concurrent(args.load_out)
         return
     modes = args.modes.split(",")
-    unknown = set(modes) - {"overhead", "ttft", "long_chat", "side_by_side", "concurrent", "aiperf", "join", "soak"}
+    unknown = set(modes) - {"overhead", "ttft", "long_chat", "side_by_side", "concurrent", "aiperf", "join", "soak",
+                            "repeat"}
     if unknown:
         raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     if args.soak_requests < SOAK_RSS_EVERY:
@@ -813,6 +857,8 @@ def main() -> None:
         bench_join(args, base)
     if "soak" in modes:
         bench_soak(args, base)
+    if "repeat" in modes:
+        bench_repeat(args, base)
 
 
 if __name__ == "__main__":

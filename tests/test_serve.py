@@ -520,3 +520,19 @@ def test_serve_on_a_taken_port_fails_before_loading(capsys, monkeypatch):
         port = taken.getsockname()[1]
         assert main(["serve", "--model", "smollm2-135m", "--port", str(port)]) == 2
     assert f"Could not listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+def test_serve_takes_drafts_without_a_model_name(draft, capsys, monkeypatch):
+    """``--draft ngram`` and ``--draft self`` name no model: the checks before loading let them through."""
+    import sparsespec.serve.server as server
+
+    class Checked(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Checked
+
+    monkeypatch.setattr(server, "ServerState", reached)
+    with pytest.raises(Checked):
+        main(["serve", "--model", "smollm2-135m", "--draft", draft, "--port", "0"])

@@ -102,7 +102,7 @@ def check_shared_ngram_tokens(given: int | None, draft_setup) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve the model over HTTP until interrupted."""
-    from ..flags import prefetch_models
+    from ..flags import NGRAM_DRAFT, prefetch_models
 
     prefetch_models(args)  # first: the stored weights are mapped (and start moving into huge pages) while torch imports
     import uvicorn
@@ -126,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     access = access_from_environment(args.host, args.allow_host, args.cors, args.api_key, max_body)
     _check_port_free(args.host, args.port)  # before the model loads, not a minute after
     resolve_model(args.model)  # a wrong name fails now, not after the port is open
-    if args.draft not in (None, "self"):
+    if args.draft not in (None, "self", NGRAM_DRAFT):  # a draft model's name
         resolve_model(args.draft)
 
     def load() -> EngineWorker:
