@@ -231,96 +231,111 @@ inline int32_t int16_pair(int32_t low, int32_t high) {
   return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)(uint16_t)high << 16);
 }
 
-template <int TYPE, int MT>
-inline void tile_half_pass(const uint8_t* tile, int n_chunks, int half, int r0, const Activations& act,
-                           __m256 y[MT]) {
+// Halves h0 .. h0 + H - 1 of a tile (H = 2: both, so that each 64-byte pair of codes is read in one pass, as a
+// one-row pass streams the weights) against activation rows r0 .. r0 + MT - 1: y[h][i] = half h0 + h, row r0 + i.
+template <int TYPE, int MT, int H>
+inline void tile_pass(const uint8_t* tile, int n_chunks, int h0, int r0, const Activations& act, __m256 y[H][MT]) {
   const long per_row16 = act.k_pad / 16, per_row256 = act.k_pad / kChunk;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const int h32 = 32 * half, h8 = 8 * half;
   constexpr int n_pairs = TYPE == Q4_K_T16 ? 4 : 8;  // offset pairs per chunk: sub-blocks 2q, 2q + 1 / groups
-  __m256 acc[MT], off[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  __m256 acc[H][MT], off[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = off[h][i] = _mm256_setzero_ps();
   for (int ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* chunk = tile + (std::size_t)ch * tile_chunk_bytes_of<TYPE>();
-    const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>() + h32;
     prefetch_ahead(chunk, tile_chunk_bytes_of<TYPE>());
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
-    // The offsets' scales, a pair per lane: Q4_K mn of sub-blocks 2q, 2q + 1; Q6_K sc of groups 2q, 2q + 1.
-    __m256i offset_scales[n_pairs];
-    for (int q = 0; q < n_pairs; ++q) {
-      if constexpr (TYPE == Q4_K_T16)
-        offset_scales[q] = interleave_columns<false>(chunk + 192 + 32 * q + h8, chunk + 192 + 32 * q + 16 + h8);
-      else
-        offset_scales[q] = interleave_columns<true>(chunk + 32 + 32 * q + h8, chunk + 32 + 32 * q + 16 + h8);
-    }
-    __m256i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm256_setzero_si256();
+    __m256i isum[H][MT];
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_setzero_si256();
     if constexpr (TYPE == Q4_K_T16) {
       for (int j = 0; j < 8; ++j) {
-        const __m256i sc = in_both_halves(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 64 + 16 * j + h8))));
-        __m256i s16[MT];
-        for (int i = 0; i < MT; ++i) s16[i] = _mm256_setzero_si256();
+        __m256i sc[H], s16[H][MT];
+        for (int h = 0; h < H; ++h) {
+          sc[h] = in_both_halves(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 64 + 16 * j + 8 * (h0 + h)))));
+          for (int i = 0; i < MT; ++i) s16[h][i] = _mm256_setzero_si256();
+        }
         for (int p = 0; p < 4; ++p) {
-          const __m256i packed = _mm256_loadu_si256((const __m256i*)(pairs + 64 * (4 * j + p)));
-          const __m256i z0 = _mm256_and_si256(packed, low4);
-          const __m256i z1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 32 * j + 8 * p;
-            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z0, quad(x)));
-            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(z1, quad(x + 4)));
-            in_register(s16[i]);
+          for (int h = 0; h < H; ++h) {
+            const uint8_t* pairs = chunk + tile_scale_bytes_of<TYPE>() + 32 * (h0 + h);
+            const __m256i packed = _mm256_loadu_si256((const __m256i*)(pairs + 64 * (4 * j + p)));
+            const __m256i z0 = _mm256_and_si256(packed, low4);
+            const __m256i z1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            for (int i = 0; i < MT; ++i) {
+              const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 32 * j + 8 * p;
+              s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_maddubs_epi16(z0, quad(x)));
+              s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_maddubs_epi16(z1, quad(x + 4)));
+              in_register(s16[h][i]);
+            }
           }
         }
-        for (int i = 0; i < MT; ++i) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], sc));
+        for (int h = 0; h < H; ++h)
+          for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_madd_epi16(s16[h][i], sc[h]));
       }
     } else {  // Q6_K_T16
       const __m256i two = _mm256_set1_epi8(0x30);
       for (int g = 0; g < 16; ++g) {
-        const __m256i sc = in_both_halves(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 32 + 16 * g + h8))));
-        const uint8_t* group = pairs + kTileGroupBytes * g;  // pairs already points at this half's 32 bytes
-        const __m256i p0 = _mm256_loadu_si256((const __m256i*)group);
-        const __m256i p1 = _mm256_loadu_si256((const __m256i*)(group + 64));
-        const __m256i h = _mm256_loadu_si256((const __m256i*)(group + 128));
-        const __m256i z0 = _mm256_or_si256(_mm256_and_si256(p0, low4),
-                                           _mm256_and_si256(_mm256_slli_epi16(h, 4), two));
-        const __m256i z1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), low4),
-                                           _mm256_and_si256(_mm256_slli_epi16(h, 2), two));
-        const __m256i z2 = _mm256_or_si256(_mm256_and_si256(p1, low4), _mm256_and_si256(h, two));
-        const __m256i z3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), low4),
-                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), two));
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 16 * g;
-          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(z0, quad(x)), _mm256_maddubs_epi16(z1, quad(x + 4)));
-          const __m256i s23 =
-              _mm256_add_epi16(_mm256_maddubs_epi16(z2, quad(x + 8)), _mm256_maddubs_epi16(z3, quad(x + 12)));
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(s01, sc), _mm256_madd_epi16(s23, sc)));
+        for (int h = 0; h < H; ++h) {
+          const __m256i sc = in_both_halves(
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(chunk + 32 + 16 * g + 8 * (h0 + h)))));
+          const uint8_t* group = chunk + tile_scale_bytes_of<TYPE>() + 32 * (h0 + h) + kTileGroupBytes * g;
+          const __m256i p0 = _mm256_loadu_si256((const __m256i*)group);
+          const __m256i p1 = _mm256_loadu_si256((const __m256i*)(group + 64));
+          const __m256i hb = _mm256_loadu_si256((const __m256i*)(group + 128));
+          const __m256i z0 = _mm256_or_si256(_mm256_and_si256(p0, low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+          const __m256i z1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+          const __m256i z2 = _mm256_or_si256(_mm256_and_si256(p1, low4), _mm256_and_si256(hb, two));
+          const __m256i z3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), low4),
+                                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = act.q256 + (long)(r0 + i) * act.k_pad + ch * kChunk + 16 * g;
+            const __m256i s01 =
+                _mm256_add_epi16(_mm256_maddubs_epi16(z0, quad(x)), _mm256_maddubs_epi16(z1, quad(x + 4)));
+            const __m256i s23 =
+                _mm256_add_epi16(_mm256_maddubs_epi16(z2, quad(x + 8)), _mm256_maddubs_epi16(z3, quad(x + 12)));
+            isum[h][i] = _mm256_add_epi32(isum[h][i],
+                                          _mm256_add_epi32(_mm256_madd_epi16(s01, sc), _mm256_madd_epi16(s23, sc)));
+          }
         }
       }
     }
-    for (int i = 0; i < MT; ++i) {
-      const long r = r0 + i;
-      const int32_t* b = act.bsum + r * per_row16 + ch * 16;
-      __m256i osum = _mm256_setzero_si256();
+    for (int h = 0; h < H; ++h) {
+      const int h8 = 8 * (h0 + h);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
+      // The offsets' scales, a pair per lane: Q4_K mn of sub-blocks 2q, 2q + 1; Q6_K sc of groups 2q, 2q + 1.
+      __m256i offset_scales[n_pairs];
       for (int q = 0; q < n_pairs; ++q) {
-        const int32_t word = TYPE == Q4_K_T16 ? int16_pair(b[4 * q] + b[4 * q + 1], b[4 * q + 2] + b[4 * q + 3])
-                                              : int16_pair(b[2 * q], b[2 * q + 1]);
-        osum = _mm256_add_epi32(osum, _mm256_madd_epi16(offset_scales[q], _mm256_set1_epi32(word)));
+        if constexpr (TYPE == Q4_K_T16)
+          offset_scales[q] = interleave_columns<false>(chunk + 192 + 32 * q + h8, chunk + 192 + 32 * q + 16 + h8);
+        else
+          offset_scales[q] = interleave_columns<true>(chunk + 32 + 32 * q + h8, chunk + 32 + 32 * q + 16 + h8);
       }
-      const __m256 D = _mm256_set1_ps(act.d256[r * per_row256 + ch]);
-      if constexpr (TYPE == Q4_K_T16) {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, D), acc[i]);
-        const __m256 neg_dmin = _mm256_xor_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f));
-        off[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum), _mm256_mul_ps(neg_dmin, D), off[i]);
-      } else {  // isum = sum_g sc_g dot_g - 32 sum_g sc_g b_g
-        const __m256i exact = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(osum, 5));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, D), acc[i]);
+      for (int i = 0; i < MT; ++i) {
+        const long r = r0 + i;
+        const int32_t* b = act.bsum + r * per_row16 + ch * 16;
+        __m256i osum = _mm256_setzero_si256();
+        for (int q = 0; q < n_pairs; ++q) {
+          const int32_t word = TYPE == Q4_K_T16 ? int16_pair(b[4 * q] + b[4 * q + 1], b[4 * q + 2] + b[4 * q + 3])
+                                                : int16_pair(b[2 * q], b[2 * q + 1]);
+          osum = _mm256_add_epi32(osum, _mm256_madd_epi16(offset_scales[q], _mm256_set1_epi32(word)));
+        }
+        const __m256 D = _mm256_set1_ps(act.d256[r * per_row256 + ch]);
+        if constexpr (TYPE == Q4_K_T16) {
+          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][i]), _mm256_mul_ps(d, D), acc[h][i]);
+          const __m256 neg_dmin = _mm256_xor_ps(
+              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f));
+          off[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum), _mm256_mul_ps(neg_dmin, D), off[h][i]);
+        } else {  // isum = sum_g sc_g dot_g - 32 sum_g sc_g b_g
+          const __m256i exact = _mm256_sub_epi32(isum[h][i], _mm256_slli_epi32(osum, 5));
+          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, D), acc[h][i]);
+        }
       }
     }
   }
-  for (int i = 0; i < MT; ++i) y[i] = _mm256_add_ps(acc[i], off[i]);
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) y[h][i] = _mm256_add_ps(acc[h][i], off[h][i]);
 }
 
 // Q5_0_T16 (qmatmul.h): vector V of a half chunk's codes (inputs 4V .. 4V + 3 of 8 columns) from its pair of
@@ -375,26 +390,42 @@ inline void q5_0_tile_half_pass(const uint8_t* tile, int n_chunks, int half, int
 }
 
 constexpr int kTileRows = 6;  // activation rows per pass over a half tile (what the 16 ymm registers hold)
+constexpr int kBothHalvesRows = 2;  // the most rows a pass over both halves of a tile holds in registers
 
 template <int TYPE>
 void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activations& act, const float* bias,
                 float* out, long ldo) {
   const int n_chunks = k / tile_span_of<TYPE>();
   const std::size_t tb = (std::size_t)n_chunks * tile_chunk_bytes_of<TYPE>();
+  // Passes of up to kBothHalvesRows rows take a K-quant tile's two halves at once (each pair of codes read in one
+  // pass: these passes stream the weights from memory); longer ones a half at a time, for the registers.
+  const bool both = TYPE != Q5_0_T16 && act.m <= kBothHalvesRows;
+  // The rows in groups of at most kTileRows, as even as they go (5 rows: one group, not 4 + 1), each group one pass
+  // over the half tile that decodes its codes once.
+  const int n_groups = (act.m + kTileRows - 1) / kTileRows;
   for (int t = n_begin / kTileColumns; t * kTileColumns < n_end; ++t) {
     const uint8_t* tile = w + (std::size_t)t * tb;
-    for (int half = 0; half < 2; ++half) {
-      const int n0 = t * kTileColumns + 8 * half;
-      if (n0 + 8 <= n_begin || n0 >= n_end) continue;
-      // The rows in groups of at most kTileRows, as even as they go (5 rows: one group, not 4 + 1), each group one
-      // pass over the half tile that decodes its codes once.
-      const int n_groups = (act.m + kTileRows - 1) / kTileRows;
+    for (int h0 = 0; h0 < 2; h0 += both ? 2 : 1) {
+      const int halves = both ? 2 : 1;
+      const int n0 = t * kTileColumns + 8 * h0;
+      if (n0 + 8 * halves <= n_begin || n0 >= n_end) continue;
       for (int group = 0, r = 0; group < n_groups; ++group) {
         const int rows = (act.m - r + (n_groups - group) - 1) / (n_groups - group);
-        __m256 y[kTileRows];
+        __m256 y[2][kTileRows];
         auto pass = [&] <int MT>() {
-          if constexpr (TYPE == Q5_0_T16) q5_0_tile_half_pass<MT>(tile, n_chunks, half, r, act, y);
-          else tile_half_pass<TYPE, MT>(tile, n_chunks, half, r, act, y);
+          if constexpr (TYPE == Q5_0_T16) {
+            q5_0_tile_half_pass<MT>(tile, n_chunks, h0, r, act, y[0]);
+          } else if (both) {
+            if constexpr (MT <= kBothHalvesRows) {
+              __m256 pair[2][MT];
+              tile_pass<TYPE, MT, 2>(tile, n_chunks, 0, r, act, pair);
+              for (int i = 0; i < MT; ++i) y[0][i] = pair[0][i], y[1][i] = pair[1][i];
+            }
+          } else {
+            __m256 one[1][MT];
+            tile_pass<TYPE, MT, 1>(tile, n_chunks, h0, r, act, one);
+            for (int i = 0; i < MT; ++i) y[0][i] = one[0][i];
+          }
         };
         switch (rows) {
           case 1: pass.template operator()<1>(); break;
@@ -404,15 +435,16 @@ void tiles_avx2(const uint8_t* w, int k, int n_begin, int n_end, const Activatio
           case 5: pass.template operator()<5>(); break;
           default: pass.template operator()<6>(); break;
         }
-        for (int i = 0; i < rows; ++i) {
-          alignas(32) float v[8];
-          _mm256_store_ps(v, y[i]);
-          for (int c = 0; c < 8; ++c) {
-            const int n = n0 + c;
-            if (n < n_begin || n >= n_end) continue;
-            out[(long)(r + i) * ldo + n] = bias ? v[c] + bias[n] : v[c];
+        for (int h = 0; h < halves; ++h)
+          for (int i = 0; i < rows; ++i) {
+            alignas(32) float v[8];
+            _mm256_store_ps(v, y[h][i]);
+            for (int c = 0; c < 8; ++c) {
+              const int n = n0 + 8 * h + c;
+              if (n < n_begin || n >= n_end) continue;
+              out[(long)(r + i) * ldo + n] = bias ? v[c] + bias[n] : v[c];
+            }
           }
-        }
         r += rows;
       }
     }
