@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from sparsespec.edge.calibrate import loadavg  # noqa: F401  (the one definition; benchmarks import it from here)
+from sparsespec.edge.calibration.machine import loadavg  # noqa: F401  (the one definition; benchmarks import it from here)
 from sparsespec.loading.fixtures import MODEL_FIXTURES
 
 RESULTS_DIR = Path(__file__).parent / "results"

@@ -15,23 +15,20 @@ from conftest import tiny_config, tiny_model
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec import kernels
-from sparsespec.edge import calibrate as calibrate_module
-from sparsespec.edge.calibrate import (
-    ATTENTION_NARROW_SHAPE,
-    ATTENTION_SHAPE,
-    KIB,
-    MIB,
-    QUICK,
-    add_calibrate_arguments,
-    attention_rates,
-    build_profile,
-    cache_sizes,
-    calibrate,
-    default_output_path,
-    native_streaming,
+from sparsespec.edge.calibration import measure
+from sparsespec.edge.calibration.fits import ProbeTimes, fit_attention_rates, fit_overheads
+from sparsespec.edge.calibration.host_profile import build_profile, default_output_path
+from sparsespec.edge.calibration.machine import cache_sizes, read_machine
+from sparsespec.edge.calibration.measure import calibrate
+from sparsespec.edge.calibration.probes import (
+    file_bytes,
+    probe_config,
+    probe_parts,
     random_native_weight,
-    run_calibrate,
+    time_native_streaming,
 )
+from sparsespec.edge.calibration.settings import ATTENTION_NARROW_SHAPE, ATTENTION_SHAPE, KIB, MIB, QUICK
+from sparsespec.edge.commands import add_calibrate_arguments, run_calibrate
 from sparsespec.edge import list_profiles, load_profile
 from sparsespec.edge.profile import DeviceProfile
 from sparsespec.edge.roofline import forward_pass, kv_bytes_per_token, weight_bytes
@@ -108,12 +105,12 @@ def test_profile_has_every_figure_and_cites_it(calibrated):
 
 
 @pytest.mark.usefixtures("native_kernels")
-def test_native_streaming_times_the_kernels_in_the_files_bytes():
+def test_time_native_streaming_times_the_kernels_in_the_files_bytes():
     """As many layers as make the bytes asked for, counted as the file stores them (a Q4_K weight of [512, 256]
     holds 512 rows of one 144-byte block), and the extra rows' rate from paired passes."""
     shapes = ((512, 256), (256, 512))
     layer_bytes = 512 * 144 + 256 * 2 * 144
-    measured = native_streaming("Q4_K", 3 * layer_bytes, shapes, 3, trials=2)
+    measured = time_native_streaming("Q4_K", 3 * layer_bytes, shapes, 3, trials=2)
     assert measured["working_set_bytes"] == 3 * layer_bytes
     assert measured["bytes_per_s"] == pytest.approx(3 * layer_bytes / measured["one_row_s"])
     assert measured["extra_row_bytes_per_s"] is None or measured["extra_row_bytes_per_s"] > 0
@@ -138,10 +135,10 @@ def test_dram_plateau_takes_the_largest_sizes_when_the_l3_is_reported_too_large(
     """A virtual machine may report its host's L3 (here 480 MiB against a curve up to 8 MiB): the DRAM figure is
     then the two largest sizes' plateau, not a size measured beyond the curve."""
     rates = {256 * KIB: 100e9, 1 * MIB: 60e9, 8 * MIB: 20e9}
-    monkeypatch.setattr(calibrate_module, "read_bandwidth", lambda size, **kw: rates[size])
-    machine = replace(calibrate_module._machine(1, calibrate_module._Progress(1, True)),
+    monkeypatch.setattr(measure, "read_bandwidth", lambda size, **kw: rates[size])
+    machine = replace(read_machine(1),
                       caches={"cpu_l2_per_core": 64 * KIB, "cpu_l3": 480 * MIB})
-    memory = calibrate_module._memory_rates(TINY, machine, calibrate_module._Progress(3, True))
+    memory = measure._memory_rates(TINY, machine, measure._Progress(3, True))
     assert memory.dram_sizes == [1 * MIB, 8 * MIB] and memory.dram == pytest.approx(40e9)
 
 
@@ -231,12 +228,12 @@ def test_two_attention_shapes_separate_the_query_heads_flops_from_each_kv_heads_
         per_entry = 4 * h * hd / flops + kv_heads * hd / reads
         return 1e-5, 1e-5 + per_entry * (entries[1] - entries[0]) * rows
 
-    got_flops, got_reads = attention_rates(seconds(heads), seconds(narrow_heads), entries, rows)
+    got_flops, got_reads = fit_attention_rates(seconds(heads), seconds(narrow_heads), entries, rows)
     assert got_flops == pytest.approx(flops) and got_reads == pytest.approx(reads)
     wide = seconds(heads)
-    assert attention_rates(wide, wide, entries, rows) == (
+    assert fit_attention_rates(wide, wide, entries, rows) == (
         pytest.approx(4 * heads * hd * (entries[1] - entries[0]) * rows / (wide[1] - wide[0])), None)
-    assert attention_rates((1e-5, 1e-5), wide, entries, rows) == (None, None)
+    assert fit_attention_rates((1e-5, 1e-5), wide, entries, rows) == (None, None)
 
 
 def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
@@ -251,13 +248,12 @@ def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
     # about 256 MiB of Q4_K each; the narrow layers' projections alone 15 ms against 12.7 ms at the rate
     for shape, layers, stream_1, around in (((512, 1536, 8, 2, 64), 150, 15e-3, 12e-3),
                                             ((1536, 8192, 12, 2, 128), 11, 14e-3, 3.5e-3)):
-        layer_bytes = sum(calibrate_module.file_bytes("Q4_K", n, k)
-                          for n, k in calibrate_module.probe_parts(shape).values())
-        head_bytes = calibrate_module.file_bytes("Q8_0", 512, shape[0])
+        layer_bytes = sum(file_bytes("Q4_K", n, k)
+                          for n, k in probe_parts(shape).values())
+        head_bytes = file_bytes("Q8_0", 512, shape[0])
         times = {"stream_1": stream_1, "around": around, "evicting": 0.0, "extra_rows": 0.0, "evicting_rows": 0.0}
-        probes.append(calibrate_module._Probe(shape, layers, times, layer_bytes, head_bytes, 512))
-    fit = calibrate_module._fit_overheads(settings, probes, pass_s, 0.0, native, per_vocab, attention, head_reads,
-                                          calibrate_module._Progress(1, quiet=True))
+        probes.append(ProbeTimes(shape, layers, times, layer_bytes, head_bytes, 512))
+    fit = fit_overheads(settings, probes, pass_s, 0.0, native, per_vocab, attention, head_reads)
     assert fit.per_layer_s > 0 and fit.stream_fraction > 0  # the line's own figures, not a fallback
     profile = DeviceProfile(
         name="fit", description="", compute_unit="cpu", memory_bytes=1 << 34, dram_bandwidth=30e9, sram_level="L3",
@@ -267,7 +263,7 @@ def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
         native_stream=native)
     entries = settings.probe_context + settings.probe_steps * settings.probe_rounds // 2
     for p in probes:
-        config = calibrate_module.probe_config(p.layers, p.shape)
+        config = probe_config(p.layers, p.shape)
         weights = {"Q4_K": p.layers * p.layer_bytes, "Q8_0": p.head_bytes}
         cost = forward_pass(config, profile, tokens=1, kv_entries=entries, weights=weights, kv_in_sram=True)
         assert cost.time_s == pytest.approx(p.times["stream_1"] + p.times["around"], rel=1e-6)

@@ -267,7 +267,7 @@ def _register_eval(sub) -> None:
 
 
 def _register_calibrate(sub) -> None:
-    from .edge.calibrate import add_calibrate_arguments, run_calibrate
+    from .edge.commands import add_calibrate_arguments, run_calibrate
 
     p = sub.add_parser("calibrate", help="measure this machine and write the simulator's host profile")
     add_calibrate_arguments(p)

@@ -1,6 +1,6 @@
 """Command-line flags shared by several commands: model, weights, threads and KV cache options.
 
-The command modules (``cli.py``, ``eval/commands.py``, ``edge/calibrate.py`` …) import these; this module imports
+The command modules (``cli.py``, ``eval/commands.py``, ``edge/commands.py`` …) import these; this module imports
 only the core, so commands depend on the core and never on each other.
 """
 

@@ -1,10 +1,14 @@
-"""``sparsespec simulate``: predicted decode speed of a model on a device, from shapes and a device profile only.
+"""The edge commands: ``sparsespec simulate`` and ``sparsespec calibrate``.
 
+``simulate`` predicts the decode speed of a model on a device, from shapes and a device profile only.
 ``add_simulate_arguments`` fills an ``argparse`` (sub)parser; ``run_simulate`` runs the command from the parsed
 arguments and returns the exit status. :func:`simulate` is the same computation on a :class:`ModelConfig` and a
-:class:`DeviceProfile`, returning the report as a plain dictionary (what ``--json`` prints).
+:class:`DeviceProfile`, returning the report as a plain dictionary (what ``--json`` prints). Torch-free; matplotlib is
+imported only when ``--plot`` asks for a figure.
 
-Torch-free; matplotlib is imported only when ``--plot`` asks for a figure.
+``calibrate`` measures this machine (:mod:`sparsespec.edge.calibration`) and writes the ``host`` profile to
+``$SPARSESPEC_HOME/devices/host.json``, or where ``--out`` says. A progress bar and one line per measurement go to
+stderr; ``--json`` prints a JSON summary (profile, curve, raw timings) to stdout.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from typing import Any, Mapping, Sequence
 from ..config import ModelConfig
 from ..errors import UserError
 from ..flags import DEFAULT_DRAFT_BUDGET, DEFAULT_GAMMA, parse_size
-from .profile import DeviceProfile, list_profiles, load_profile
+from .calibration.host_profile import build_profile, default_output_path
+from .calibration.measure import Calibration, calibrate
+from .calibration.settings import FULL, MIB, QUICK
+from .profile import DeviceProfile, list_profiles, load_profile, save_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
     Weights,
@@ -432,4 +439,73 @@ def run_simulate(args: argparse.Namespace) -> int:
         title = f"{model_name}, " + (f"draft: {draft_name}" if draft is not None else "self-speculation")
         path = plot_context_sweep(target, devices, args.plot, options=options, draft=draft, title=title)
         print(f"Wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- calibrate
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``calibrate`` options to ``parser`` and return it."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads to measure with (default: torch's choice, as `generate` uses)")
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help=f"where to write the profile (default: {default_output_path()}, which "
+                             "`simulate --device host` then uses)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes, block types and trials (about a minute; noisier)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
+    return parser
+
+
+def summary(cal: Calibration, profile: DeviceProfile, path: Path) -> dict[str, Any]:
+    """The ``--json`` output: where the profile went, the profile, and every raw measurement."""
+    data = cal.to_dict()
+    data.pop("flags")
+    return {"profile_path": str(path), "profile": profile.to_dict(), "measurements": data}
+
+
+def format_summary(cal: Calibration, profile: DeviceProfile, path: Path) -> str:
+    lines = [
+        f"Wrote {path}",
+        f"  {cal.cpu}, {cal.threads} threads, load average {cal.loadavg_before:.2f} → {cal.loadavg_after:.2f}, "
+        f"{cal.seconds:.1f} s",
+        f"  DRAM read {cal.dram_bandwidth / 1e9:.1f} GB/s; decode streaming {cal.stream_bandwidth / 1e9:.1f} GB/s "
+        f"(efficiency {profile.dram_efficiency:.2f}); L3 {cal.sram_bandwidth / 1e9:.1f} GB/s "
+        f"({profile.sram_bytes / MIB:.0f} MiB, KV fraction {profile.sram_kv_fraction:.3g})",
+        f"  GEMM bf16 {cal.peak_flops['bf16'] / 1e9:.0f} GFLOP/s, fp32 {cal.peak_flops['fp32'] / 1e9:.0f} GFLOP/s; "
+        "torch extra rows "
+        + (f"{cal.extra_row_flops / 1e9:.0f} GFLOP/s" if cal.extra_row_flops else "free"),
+        "  native streaming (GB/s; each extra row): " + ", ".join(
+            f"{kind} {curve['bytes_per_s'] / 1e9:.1f}"
+            + (f" ({curve['extra_row_bytes_per_s'] / 1e9:.0f})" if curve["extra_row_bytes_per_s"] else "")
+            for kind, curve in cal.native_stream.items()),
+        f"  overheads: {cal.overhead_s * 1e3:.3f} ms per pass, {cal.per_layer_overhead_s * 1e6:.1f} µs per layer "
+        f"+ {cal.stream_overhead_fraction:.3f} of the weights' streaming time, "
+        f"{cal.per_row_layer_overhead_s * 1e6:.1f} µs per layer and extra row, "
+        f"{cal.evict_layer_overhead_s * 1e6:.1f} + {cal.evict_row_layer_overhead_s * 1e6:.1f} µs per layer and "
+        "evicting pass + extra row, "
+        f"{cal.per_vocab_overhead_s * 1e9:.2f} ns per vocabulary entry",
+        "  attention: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in cal.attention_flops.items()),
+        "  attention per KV head: " + ", ".join(f"{k} {v / 1e9:.2f} G channels/s"
+                                                 for k, v in cal.attention_head_reads.items()),
+        "  read bandwidth curve: " + ", ".join(
+            f"{p['bytes'] / MIB:g} MiB {p['bytes_per_s'] / 1e9:.0f}" for p in cal.bandwidth_curve) + " (GB/s)",
+    ]
+    return "\n".join(lines)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Run ``sparsespec calibrate`` from parsed arguments; returns the exit status."""
+    settings = QUICK if getattr(args, "quick", False) else FULL
+    settings = getattr(args, "settings", None) or settings  # a CalibrationSettings (tests pass tiny ones)
+    path = Path(args.out).expanduser() if getattr(args, "out", None) else default_output_path()
+    cal = calibrate(settings, threads=getattr(args, "threads", None), quiet=getattr(args, "quiet", False))
+    profile = build_profile(cal, settings)
+    try:
+        save_profile(profile, path)
+    except OSError as exc:
+        raise UserError(f"Cannot write the device profile to {path}: {exc.strerror or exc}.") from None
+    if getattr(args, "json", False):
+        print(json.dumps(summary(cal, profile, path), indent=2))
+    else:
+        print(format_summary(cal, profile, path))
     return 0
