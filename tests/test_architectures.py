@@ -197,7 +197,7 @@ def test_weights_the_kernels_cannot_read_fall_back_to_torch_with_a_note(tmp_path
     note = capsys.readouterr().err.strip().splitlines()
     assert len(note) == 1 and note[0].startswith("sparsespec: note: f32.gguf has weights in F32")
     assert loaded.weights in note[0]
-    with pytest.raises(UserError, match="F32, which the native kernels do not read; use --weights int8, int4 or dense"):
+    with pytest.raises(UserError, match="F32, which the native kernels do not read; use weights int8, int4 or dense"):
         load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=False)
 
 

@@ -373,7 +373,7 @@ def test_invalid_flags(capsys, flags, words):
     [
         (["--draft-budget", "2"], ["budget of 2"]),
         (["--draft-policy", "lru"], ["unknown cache policy", "'lru'"]),
-        (["--draft-window", "-1", "--draft-budget", "16"], ["--window", "negative"]),
+        (["--draft-window", "-1", "--draft-budget", "16"], ["--draft-window", "negative"]),
     ],
     ids=["budget-2", "policy-lru", "window--1"],
 )

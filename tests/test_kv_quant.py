@@ -178,7 +178,7 @@ def test_without_the_native_kernels_quantized_entries_are_refused_in_one_sentenc
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no C++ compiler found")
     for kv_dtype in ("int8", "int4"):
-        with pytest.raises(UserError, match=rf"--kv-dtype {kv_dtype} entries are written and read by the native "
+        with pytest.raises(UserError, match=rf"kv_dtype {kv_dtype} entries are written and read by the native "
                                             r"kernels, which are not available here \(no C\+\+ compiler found\)"):
             KVArena(tiny_config(), make_policy("hybrid", 16), dtype=torch.float32, kv_dtype=kv_dtype)
     for kv_dtype in ("auto", "bf16"):
@@ -223,7 +223,7 @@ def test_int4_keys_that_would_keep_the_key_bias_in_are_refused():
         return KVArena(config, make_policy("hybrid", 24), dtype=torch.float32, max_block=8, positions=positions,
                        kv_dtype=kv_dtype, key_offset=key_offset)
 
-    with pytest.raises(UserError, match="--positions in-cache or int8 keys"):
+    with pytest.raises(UserError, match="positions in-cache or int8 keys"):
         arena("int4", "original", bias)
     assert arena("int4", "in-cache", bias)._keys.offset is not None
     assert arena("int8", "original", bias)._keys.offset is None

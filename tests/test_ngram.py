@@ -15,7 +15,7 @@ from sparsespec import speculative
 from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, Session
-from sparsespec.errors import UserError
+from sparsespec.errors import ConfigError, UserError
 from sparsespec.ngram import NgramDrafter, NgramIndex, NgramOptions, SharedTexts
 from sparsespec.sampling import SamplingParams, sample
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
@@ -83,8 +83,10 @@ def test_the_drafter_proposes_only_what_is_expected_to_pay():
 @pytest.mark.parametrize("options", [dict(min_n=0), dict(min_n=3, max_n=2), dict(max_n=65), dict(max_tokens=0),
                                      dict(max_tokens=65)])
 def test_sizes_out_of_range_are_one_sentence(options):
-    with pytest.raises(UserError, match="--ngram"):
+    """Naming the parameters given (the command line names its flags: test_ngram_flag_mistakes_are_one_sentence)."""
+    with pytest.raises(ConfigError) as info:
         NgramOptions(**options)
+    assert set(options) <= set(info.value.params) and "--" not in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------- exactness

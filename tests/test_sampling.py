@@ -12,7 +12,9 @@ from scipy.stats import chisquare
 from conftest import tiny_model
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
-from sparsespec.errors import UserError
+from sparsespec.errors import ConfigError, user_message
+from sparsespec.flags import PARAMETER_FLAGS
+from sparsespec.serve.worker import SERVER_NAMES
 from sparsespec.generate import generate_tokens
 from sparsespec.sampling import SamplingParams, greedy_tokens, sample, warp
 
@@ -21,19 +23,23 @@ from sparsespec.sampling import SamplingParams, greedy_tokens, sample, warp
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.5), "--temperature must be 0 (greedy) or positive, got -0.5."),
-        (dict(temperature=float("nan")), "--temperature must be 0 (greedy) or positive, got nan."),
-        (dict(top_k=-1), "--top-k must be 0 (off) or a positive number of tokens, got -1."),
-        (dict(top_p=0.0), "--top-p must be in (0, 1], got 0.0."),
-        (dict(top_p=-0.2), "--top-p must be in (0, 1], got -0.2."),
-        (dict(top_p=1.5), "--top-p must be in (0, 1], got 1.5."),
-        (dict(top_p=float("nan")), "--top-p must be in (0, 1], got nan."),
+        (dict(temperature=-0.5), "{} must be 0 (greedy) or positive, got -0.5."),
+        (dict(temperature=float("nan")), "{} must be 0 (greedy) or positive, got nan."),
+        (dict(top_k=-1), "{} must be 0 (off) or a positive number of tokens, got -1."),
+        (dict(top_p=0.0), "{} must be in (0, 1], got 0.0."),
+        (dict(top_p=-0.2), "{} must be in (0, 1], got -0.2."),
+        (dict(top_p=1.5), "{} must be in (0, 1], got 1.5."),
+        (dict(top_p=float("nan")), "{} must be in (0, 1], got nan."),
     ],
 )
 def test_invalid_sampling_params_raise_user_error(kwargs, message):
-    with pytest.raises(UserError) as info:
+    """The library names the parameter it was given; the command line and the server, what their users typed."""
+    (param,) = kwargs
+    with pytest.raises(ConfigError) as info:
         SamplingParams(**kwargs)
-    assert str(info.value) == message
+    assert str(info.value) == message.format(param) and info.value.params == (param,)
+    assert user_message(info.value, PARAMETER_FLAGS) == message.format("--" + param.replace("_", "-"))
+    assert user_message(info.value, SERVER_NAMES) == message.format(param)  # the request's field
 
 
 def test_valid_sampling_params():

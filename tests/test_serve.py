@@ -294,6 +294,9 @@ def test_bad_requests_get_400_error_objects(tiny_server):
         assert status == 400, body
         assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
         assert answer["error"]["param"] == param
+    # The library's parameter, named as the request names it.
+    message = answer["error"]["message"]  # the last case's: past the context
+    assert message.startswith("The prompt plus max_tokens (") and "--" not in message.split(";")[0]
     status, answer = post(url + "/v1/completions",
                           {"prompt": "hi", "max_tokens": 1, "temperature": 0, "unknown_field": [1]})
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"

@@ -8,7 +8,7 @@ choices before torch loads.
 
 from __future__ import annotations
 
-from .errors import UserError
+from .errors import ConfigError
 
 ACTIVATION_CHOICES = ("auto", "int8", "float")
 # Under --activations auto, native models of at most this many parameters (projections and head) multiply their
@@ -22,7 +22,8 @@ FLOAT_ACTIVATIONS_MAX_PARAMETERS = 200_000_000
 def check_activations(choice: str) -> None:
     """Refuse an ``--activations`` value that is not one of :data:`ACTIVATION_CHOICES`."""
     if choice not in ACTIVATION_CHOICES:
-        raise UserError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}, not {choice!r}.")
+        raise ConfigError("{activations} must be one of {choices}, not {value!r}.",
+                          choices=", ".join(ACTIVATION_CHOICES), value=choice)
 
 
 def float_activations_chosen(choice: str, parameters: int) -> bool:

@@ -7,9 +7,10 @@ import json
 import os
 import sys
 
-from .errors import UserError
+from .errors import UserError, user_message
 
 from .flags import (  # the shared flags (also importable from here, as commands registered below do)
+    PARAMETER_FLAGS,
     add_cache_arguments,
     add_draft_arguments,
     add_model_arguments,
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         from .loading.tensor_cache import drop_prefetches
 
         drop_prefetches()  # a mapping the command began before it found the mistake
-        print(f"sparsespec: error: {exc}", file=sys.stderr)
+        print(f"sparsespec: error: {user_message(exc, PARAMETER_FLAGS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nsparsespec: interrupted", file=sys.stderr)

@@ -19,7 +19,7 @@ from .cache.quant import BITS, check_kv_dtype, recent_window_for
 from .cache.recall import recall_for, recalled_entries
 from .cache.retention import retention_for
 from .config import ModelConfig
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .generate import decode_steps, prefill_steps
 from .loading.load import LoadedModel
 from .ngram import NgramDrafter, NgramIndex, NgramOptions, SharedTexts
@@ -63,20 +63,21 @@ class CacheOptions:
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
-            raise UserError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk}).")
+            raise ConfigError("{prefill_chunk} must be at least 1 (got {value}).", value=self.prefill_chunk)
         check_kv_dtype(self.kv_dtype)
         if self.recent_window is not None:
             if self.kv_dtype not in BITS:
-                raise UserError(f"--kv-recent keeps the newest int8 / int4 entries in full precision; with "
-                                f"--kv-dtype {self.kv_dtype} every entry already is, so drop it.")
+                raise ConfigError("{recent_window} keeps the newest int8 / int4 entries in full precision; with "
+                                  "{kv_dtype} {value} every entry already is, so drop it.", value=self.kv_dtype)
             if self.recent_window < 0:
-                raise UserError(f"--kv-recent must be 0 or more (got {self.recent_window}).")
+                raise ConfigError("{recent_window} must be 0 or more (got {value}).", value=self.recent_window)
         retention_for(self.retention, self.policy, self.retention_tokens)
         recall_for(self.recall_pages, self.policy)
 
 
 def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: int, what: str) -> None:
-    """Raise :class:`UserError` when a run would show the model positions beyond its trained context.
+    """Raise :class:`ConfigError` when a run would show the model positions beyond its trained context; ``what``
+    names the tokens counted (``total_tokens``), as a template clause (``"The prompt plus {max_new_tokens}"``).
 
     With ``in-cache`` positions and a budgeted policy, positions are ranks below budget + staging whatever the
     length (:func:`check_in_cache_ranks` checks those against the context).
@@ -84,17 +85,19 @@ def check_fits_context(loaded: LoadedModel, cache: CacheOptions, total_tokens: i
     context = loaded.config.max_position_embeddings
     budget = cache.policy.budget
     if budget is not None and cache.positions == "original" and budget > context and not cache.force_context:
-        raise UserError(f"--budget {budget} exceeds the model's context of {context} tokens.")
+        raise ConfigError("{budget} {value} exceeds the model's context of {context} tokens.", value=budget,
+                          context=context)
     sees_true_positions = cache.policy.is_full or cache.positions == "original"
     if sees_true_positions and total_tokens > context and not cache.force_context:
-        raise UserError(
-            f"{what} ({total_tokens} tokens) exceeds {loaded.name}'s context of {context} tokens; "
-            "shorten it, or use a budgeted policy with --positions in-cache (or --force-context)."
+        raise ConfigError(
+            what + " ({total_tokens} tokens) exceeds {model}'s context of {context} tokens; shorten it, or use a "
+            "budgeted policy with {positions} in-cache (or {force_context}).", total_tokens=total_tokens,
+            model=loaded.name, context=context,
         )
 
 
 def check_in_cache_ranks(loaded: LoadedModel, cache: CacheOptions, staging: int) -> None:
-    """Raise :class:`UserError` when in-cache ranks would pass the model's trained context.
+    """Raise :class:`ConfigError` when in-cache ranks would pass the model's trained context.
 
     A budgeted arena holds up to ``budget + staging`` entries (``staging``: the most rows staged at once, the
     prefill chunk or the rows in flight), and ``in-cache`` positions rank them ``0 … budget + staging − 1``.
@@ -104,15 +107,16 @@ def check_in_cache_ranks(loaded: LoadedModel, cache: CacheOptions, staging: int)
     if cache.positions != "in-cache" or budget is None or cache.force_context:
         return
     if budget + staging > context:
-        raise UserError(
-            f"With --positions in-cache the ranks reach --budget {budget} + {staging} staged rows = "
-            f"{budget + staging}, past {loaded.name}'s context of {context} tokens; lower --budget or the chunk "
-            "(or --force-context).")
+        raise ConfigError(
+            "With {positions} in-cache the ranks reach {budget} {value} + {staging} staged rows = {ranks}, past "
+            "{model}'s context of {context} tokens; lower {budget} or the chunk (or {force_context}).",
+            value=budget, staging=staging, ranks=budget + staging, model=loaded.name, context=context)
     recalled = cache.policy.sinks + recalled_entries(cache.recall_pages) if cache.recall_pages else 0
     if recalled > context:
-        raise UserError(
-            f"With --positions in-cache the {cache.recall_pages} recalled pages take ranks up to {recalled}, past "
-            f"{loaded.name}'s context of {context} tokens; lower --recall-pages (or --force-context).")
+        raise ConfigError(
+            "With {positions} in-cache the {pages} recalled pages take ranks up to {recalled}, past {model}'s "
+            "context of {context} tokens; lower {recall_pages} (or {force_context}).", pages=cache.recall_pages,
+            recalled=recalled, model=loaded.name, context=context)
 
 
 def arena_staging(cache: CacheOptions, max_tokens: int, max_inflight: int) -> int:
@@ -128,20 +132,22 @@ def sized_policy(name: str, sinks: int | None, config, dtype, kv_dtype: str, kv_
     ``kv_bytes`` bytes of keys and values in ``kv_dtype`` (the figure ``kv_cache_bytes`` reports): the most entries
     that fit, split by the policy's defaults (``sinks`` as given)."""
     if name == "full":
-        raise UserError("--kv-bytes sets a budget; the full cache has none (choose a budgeted --policy).")
+        raise ConfigError("{kv_bytes} sets a budget; the full cache has none (choose a budgeted {policy}).")
     recent_window = recent_window_for(kv_dtype, recent_window)
     budget = KVArena.budget_for_bytes(config, kv_dtype, dtype, kv_bytes, staging, max_inflight, recent_window)
     per_slot = KVArena.bytes_per_slot(config, kv_dtype, dtype) * config.num_hidden_layers * config.num_key_value_heads
     ring = KVArena.ring_slots(recent_window, max_inflight)
     beside = f" beside {ring} full-precision entries" if ring else ""
-    where = (f"--kv-bytes {kv_bytes} holds {max(budget + staging, 0)} slots of {per_slot} bytes ({kv_dtype} keys "
-             f"and values, all layers){beside}, {staging} of them staging")
+    where = ("{kv_bytes} {bytes} holds {slots} slots of {per_slot} bytes ({dtype_name} keys and values, all "
+             "layers){beside}, {staging} of them staging")
+    facts = dict(bytes=kv_bytes, slots=max(budget + staging, 0), per_slot=per_slot, dtype_name=kv_dtype,
+                 beside=beside, staging=staging)
     if budget < 1:
-        raise UserError(f"{where}: no room for a budget.")
+        raise ConfigError(where + ": no room for a budget.", **facts)
     try:
         return make_policy(name, budget, sinks=sinks)
-    except UserError as exc:
-        raise UserError(f"{where}, leaving a budget of {budget}: {exc}") from None
+    except ConfigError as exc:
+        raise exc.after(where + ", leaving a budget of {leaving}: ", leaving=budget, **facts) from None
 
 
 def make_arena(loaded: LoadedModel, cache: CacheOptions, max_tokens: int, max_inflight: int,
@@ -266,9 +272,9 @@ def parse_gamma(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise UserError(f"--gamma must be a positive integer or 'auto' (got {text!r}).") from None
+        raise ConfigError("{gamma} must be a positive integer or 'auto' (got {value!r}).", value=text) from None
     if not 1 <= value <= MAX_GAMMA:
-        raise UserError(f"--gamma must be from 1 to {MAX_GAMMA} (got {value}).")
+        raise ConfigError("{gamma} must be from 1 to {most} (got {value}).", most=MAX_GAMMA, value=value)
     return value
 
 
@@ -421,12 +427,12 @@ class Session:
         if not prompt_ids:
             raise UserError("The prompt is empty; give some text to continue.")
         if max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens}).")
+            raise ConfigError("{max_new_tokens} must be at least 1 (got {value}).", value=max_new_tokens)
         total = len(prompt_ids) + max_new_tokens
-        check_fits_context(self.target, self.cache, total, "The prompt plus --max-new-tokens")
+        check_fits_context(self.target, self.cache, total, "The prompt plus {max_new_tokens}")
         if self._drafts_with_a_model:
             check_fits_context(
-                self.draft.model, self.draft.cache, total, "The prompt plus --max-new-tokens (for the draft)"
+                self.draft.model, self.draft.cache, total, "The prompt plus {max_new_tokens} (for the draft)"
             )
         stats = stats if stats is not None else RunStats()
         stats.prompt_tokens = len(prompt_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .activations import ACTIVATION_CHOICES, FLOAT_ACTIVATIONS_MAX_PARAMETERS
-from .errors import UserError
+from .errors import UserError, reworded
 
 WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
@@ -26,6 +26,40 @@ DEFAULT_DRAFT_BUDGET = 256
 # Without --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhilePaying).
 DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
+
+# The library's parameters (errors.ConfigError) as the command line names them, for the sentence the user sees
+# (errors.user_message): the flags defined below that set them. The draft's cache flags and the n-gram flags have
+# tables of their own (DRAFT_CACHE_FLAGS, NGRAM_PARAMETER_FLAGS), used where those settings are read.
+PARAMETER_FLAGS = {
+    "activations": "--activations",
+    "budget": "--budget",
+    "force_context": "--force-context",
+    "gamma": "--gamma",
+    "heavy": "--heavy",
+    "kv_bytes": "--kv-bytes",
+    "kv_dtype": "--kv-dtype",
+    "max_new_tokens": "--max-new-tokens",
+    "policy": "--policy",
+    "positions": "--positions",
+    "prefill_chunk": "--prefill-chunk",
+    "recall_pages": "--recall-pages",
+    "recent_window": "--kv-recent",
+    "retention": "--retention",
+    "retention_tokens": "--retention-tokens",
+    "sinks": "--sinks",
+    "temperature": "--temperature",
+    "threads": "--threads",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "weights": "--weights",
+    "window": "--window",
+}
+# The draft's cache settings are the same parameters, set by the --draft- copies of the cache flags.
+DRAFT_CACHE_FLAGS = {param: "--draft-" + PARAMETER_FLAGS[param][2:] for param in (
+    "policy", "budget", "sinks", "heavy", "window", "kv_dtype", "recent_window", "retention", "retention_tokens",
+    "recall_pages")}
+# NgramOptions' parameters.
+NGRAM_PARAMETER_FLAGS = {"min_n": "--ngram-min", "max_n": "--ngram-max", "max_tokens": "--ngram-tokens"}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
@@ -207,10 +241,13 @@ def draft_settings(args: argparse.Namespace):
         return None
     sizes = {name: value for name, value in (("min_n", args.ngram_min), ("max_n", args.ngram_max),
                                              ("max_tokens", args.ngram_tokens)) if value is not None}
-    ngram = NgramOptions(**sizes) if args.draft_ngram != "off" else None
+    with reworded(NGRAM_PARAMETER_FLAGS):
+        ngram = NgramOptions(**sizes) if args.draft_ngram != "off" else None
     if args.draft == NGRAM_DRAFT:
         return None, None, False, ngram
-    return cache_options(args, "draft_"), parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None, ngram
+    with reworded({**PARAMETER_FLAGS, **DRAFT_CACHE_FLAGS}):
+        cache = cache_options(args, "draft_")
+    return cache, parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None, ngram
 
 
 def load_draft(args: argparse.Namespace, target, dtype, settings):

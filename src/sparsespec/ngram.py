@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .speedup import speculative_speedup
 
 # The shortest and longest suffixes looked up, and the most tokens one round may propose (n-gram drafting's
@@ -50,10 +50,10 @@ class NgramOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n <= MAX_N:
-            raise UserError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max <= {MAX_N} "
-                            f"(got {self.min_n} and {self.max_n}).")
+            raise ConfigError("n-gram sizes must satisfy 1 <= {min_n} <= {max_n} <= {most} (got {low} and {high}).",
+                              most=MAX_N, low=self.min_n, high=self.max_n)
         if not 1 <= self.max_tokens <= 64:
-            raise UserError(f"--ngram-tokens must be from 1 to 64 (got {self.max_tokens}).")
+            raise ConfigError("{max_tokens} must be from 1 to 64 (got {value}).", value=self.max_tokens)
 
 
 class NgramIndex:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise UserError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}.")
+            raise ConfigError("{temperature} must be 0 (greedy) or positive, got {value}.", value=self.temperature)
         if self.top_k < 0:
-            raise UserError(f"--top-k must be 0 (off) or a positive number of tokens, got {self.top_k}.")
+            raise ConfigError("{top_k} must be 0 (off) or a positive number of tokens, got {value}.", value=self.top_k)
         if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}.")
+            raise ConfigError("{top_p} must be in (0, 1], got {value}.", value=self.top_p)
 
     @property
     def greedy(self) -> bool:

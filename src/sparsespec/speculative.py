@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .cache.arena import KVArena
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .generate import prefill_steps
 from .model import Transformer
 from .ngram import NgramDrafter
@@ -210,7 +210,7 @@ class DraftWhilePaying:
                  max_stint: int = 2048, clear_margin: float = 1.15, start_drafting: bool = True,
                  clock: Callable[[], float] = time.perf_counter):
         if gamma < 1:
-            raise UserError(f"--gamma must be at least 1 (got {gamma}).")
+            raise ConfigError("{gamma} must be at least 1 (got {value}).", value=gamma)
         self.gamma_max = gamma  # the γ of drafting rounds
         self.gamma = gamma if start_drafting else 0
         self.probe_rounds, self.plain_steps = probe_rounds, plain_steps
@@ -401,7 +401,7 @@ def speculative_steps(
     stays exact.
     """
     if isinstance(gamma, int) and gamma < 1:
-        raise UserError(f"--gamma must be at least 1 (got {gamma}).")
+        raise ConfigError("{gamma} must be at least 1 (got {value}).", value=gamma)
     if draft is None and ngram is None:
         raise ValueError("speculative decoding needs a draft model or n-gram proposals")
     controlled = gamma is not None and not isinstance(gamma, int)

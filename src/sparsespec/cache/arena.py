@@ -80,7 +80,7 @@ import torch
 
 from ..config import ModelConfig
 from .. import kernels
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..rope import Rope
 from . import fallback
 from .policy import CachePolicy
@@ -95,12 +95,12 @@ QUANTIZED_NEEDS_KERNELS = "entries are written and read by the native kernels"  
 
 
 def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bias: bool) -> None:
-    """Raise :class:`UserError` for int4 keys that would keep the model's key bias in: a budgeted cache in the
+    """Raise :class:`ConfigError` for int4 keys that would keep the model's key bias in: a budgeted cache in the
     original mode stores keys rotated, the bias with them, and the bias's large channels widen every group past
     what 4 bits resolve (``quant.py``)."""
     if key_bias and kv_dtype == "int4" and positions == "original" and not policy.is_full:
-        raise UserError("int4 keys in the original position mode keep this model's key bias in, which breaks it "
-                        "(perplexity over 1,000 on qwen2.5-coder-1.5b); use --positions in-cache or int8 keys.")
+        raise ConfigError("int4 keys in the original position mode keep this model's key bias in, which breaks it "
+                          "(perplexity over 1,000 on qwen2.5-coder-1.5b); use {positions} in-cache or int8 keys.")
 
 
 @dataclass(frozen=True)
@@ -233,8 +233,9 @@ class KVArena:
         # The native op serves every KV dtype and policy; fallback.py runs where the kernels are not built.
         self.native_attention = kernels.available()
         if self._keys.bits is not None and not self.native_attention:
-            raise UserError(f"--kv-dtype {kv_dtype} {QUANTIZED_NEEDS_KERNELS}, which are not available here "
-                            f"({kernels.unavailable_reason()}); use --kv-dtype auto or bf16.")
+            raise ConfigError("{kv_dtype} {value} {needs}, which are not available here ({reason}); use {kv_dtype} "
+                              "auto or bf16.", value=kv_dtype, needs=QUANTIZED_NEEDS_KERNELS,
+                              reason=kernels.unavailable_reason())
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from .hybrid_age import age_normalised
 from .hybrid_decay import SCORE_DECAY
 
@@ -85,10 +85,11 @@ def make_policy(
         raise UserError(f"Unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}.")
     for label, value in (("budget", budget), ("sinks", sinks), ("heavy", heavy), ("window", window)):
         if value is not None and value < 0:
-            raise UserError(f"--{label} must not be negative (got {value}).")
+            raise ConfigError("{" + label + "} must not be negative (got {value}).", value=value)
     if name == "full":
         if budget is not None or sinks or heavy or window:
-            raise UserError("Policy 'full' keeps every token; drop --budget/--sinks/--heavy/--window or choose a budgeted policy.")
+            raise ConfigError("Policy 'full' keeps every token; drop {budget}/{sinks}/{heavy}/{window} or choose a "
+                              "budgeted policy.")
         return CachePolicy("full")
 
     uses = {
@@ -101,12 +102,13 @@ def make_policy(
     }[name]
     has_sinks, has_heavy = uses
     if not has_sinks and sinks:
-        raise UserError(f"Policy {name!r} keeps no attention sinks; drop --sinks or choose streaming/hybrid.")
+        raise ConfigError("Policy {name!r} keeps no attention sinks; drop {sinks} or choose streaming/hybrid.",
+                          name=name)
     if not has_heavy and heavy:
-        raise UserError(f"Policy {name!r} keeps no heavy hitters; drop --heavy or choose h2o/hybrid.")
+        raise ConfigError("Policy {name!r} keeps no heavy hitters; drop {heavy} or choose h2o/hybrid.", name=name)
 
     if budget is None and None in (window, *((sinks,) if has_sinks else ()), *((heavy,) if has_heavy else ())):
-        raise UserError(f"Policy {name!r} needs --budget (or all of its --sinks/--heavy/--window sizes).")
+        raise ConfigError("Policy {name!r} needs {budget} (or all of its {sinks}/{heavy}/{window} sizes).", name=name)
 
     s = (sinks if sinks is not None else min(DEFAULT_SINKS, budget or 0)) if has_sinks else 0
     if budget is not None and budget < s + 1:
@@ -122,13 +124,12 @@ def make_policy(
     if w < 1:
         raise UserError(f"Policy {name!r} needs a window of at least 1 token (budget {budget}, sinks {s}, heavy {h}).")
     if budget is not None and s + w > budget:
-        raise UserError(f"--sinks {s} + --window {w} exceed --budget {budget}.")
+        raise ConfigError("{sinks} {s} + {window} {w} exceed {budget} {b}.", s=s, w=w, b=budget)
     if h < 0 or (has_heavy and h == 0):
         raise UserError(f"A budget of {budget} leaves no room for heavy hitters after {s} sinks and a window of {w}.")
     if budget is not None and policy.budget != budget:
-        raise UserError(
-            f"--sinks {s} + --heavy {h} + --window {w} = {policy.budget}, which does not match --budget {budget}."
-        )
+        raise ConfigError("{sinks} {s} + {heavy} {h} + {window} {w} = {total}, which does not match {budget} {b}.",
+                          s=s, h=h, w=w, total=policy.budget, b=budget)
     return policy
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..errors import UserError
+from ..errors import ConfigError
 from ..rope import Rope
 from .policy import CachePolicy
 from .quant import group_size, quantize
@@ -76,15 +76,16 @@ def recalled_entries(pages: int) -> int:
 
 
 def recall_for(pages: int | None, policy: CachePolicy) -> Recall | None:
-    """The recall of ``--recall-pages PAGES`` (None: no cold tier). Raises :class:`UserError` for a page count
+    """The recall of ``recall_pages`` = ``pages`` (None: no cold tier). Raises :class:`ConfigError` for a page count
     below 1 or a policy that evicts nothing."""
     if pages is None:
         return None
     if not 1 <= pages <= MAX_PAGES:
-        raise UserError(f"--recall-pages must be from 1 to {MAX_PAGES} (got {pages}); drop it to keep no cold tier.")
+        raise ConfigError("{recall_pages} must be from 1 to {most} (got {value}); drop it to keep no cold tier.",
+                          most=MAX_PAGES, value=pages)
     if policy.is_full:
-        raise UserError("--recall-pages reads back what a budgeted cache evicted, and the full cache evicts nothing; "
-                        "choose a budgeted --policy or drop --recall-pages.")
+        raise ConfigError("{recall_pages} reads back what a budgeted cache evicted, and the full cache evicts "
+                          "nothing; choose a budgeted {policy} or drop {recall_pages}.")
     return Recall(pages)
 
 

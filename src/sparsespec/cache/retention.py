@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from .policy import CachePolicy, choose_evictions
 
 RETENTION_MODES = ("auto", "query", "off")
@@ -55,8 +55,8 @@ class Retention:
 
     def __post_init__(self) -> None:
         if self.max_held < self.observation_rows:
-            raise UserError(f"--retention-tokens must be at least the {self.observation_rows}-row observation "
-                            f"window (got {self.max_held}).")
+            raise ConfigError("{retention_tokens} must be at least the {rows}-row observation window (got "
+                              "{value}).", rows=self.observation_rows, value=self.max_held)
         if self.observation_rows < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError("retention needs at least one observation row and an odd pool width")
 
@@ -66,19 +66,19 @@ def retention_for(mode: str, policy: CachePolicy, max_held: int | None = None,
     """The retention of ``--retention MODE`` for ``policy``: ``query`` selects at each prompt's end, ``off`` never,
     ``auto`` (the default) wherever the policy can keep the selection (heavy hitters). ``max_held``: see
     :class:`Retention`; None: :data:`DEFAULT_MAX_HELD`, or the model's ``context`` minus the budget where that is
-    less (in-cache ranks must stay inside the context). Raises :class:`UserError` for a mode the policy cannot use,
+    less (in-cache ranks must stay inside the context). Raises :class:`ConfigError` for a mode the policy cannot use,
     or a ``max_held`` without retention."""
     if mode not in RETENTION_MODES:
         raise UserError(f"Unknown retention {mode!r}; choose one of {', '.join(RETENTION_MODES)}.")
     usable = policy.needs_scores
     if mode == "query" and not usable:
         what = "keeps every token" if policy.is_full else "keeps no heavy hitters, so it would evict the selection"
-        raise UserError(f"--retention query chooses what a heavy-hitter cache keeps; policy {policy.name!r} {what} "
-                        "(use h2o or a hybrid policy, or drop --retention).")
+        raise ConfigError("{retention} query chooses what a heavy-hitter cache keeps; policy {name!r} {what} (use "
+                          "h2o or a hybrid policy, or drop {retention}).", name=policy.name, what=what)
     if mode == "off" or not usable:
         if max_held is not None:
-            raise UserError("--retention-tokens does nothing without retention (a heavy-hitter policy with "
-                            "--retention auto or query); drop it.")
+            raise ConfigError("{retention_tokens} does nothing without retention (a heavy-hitter policy with "
+                              "{retention} auto or query); drop it.")
         return None
     if max_held is None:
         max_held = DEFAULT_MAX_HELD if context is None else min(DEFAULT_MAX_HELD, context - policy.budget)

@@ -12,7 +12,7 @@ import torch
 
 from ..activations import check_activations, float_activations_chosen
 from ..config import ModelConfig
-from ..errors import UserError
+from ..errors import ConfigError
 from ..kernels.repack import TILED_TYPES
 from ..linear import NATIVE, default_linear_options, resolve_format
 from ..model import Transformer
@@ -116,8 +116,9 @@ def load_model(
         if not (tried_native and fmt == NATIVE):  # a native store found unusable above is not read again
             file, hit = cached(fmt)
     if activations == "float" and fmt != NATIVE:
-        raise UserError(f"--activations float applies to native weights (a GGUF file's own blocks through the native "
-                        f"kernels); {Path(source.path).name} runs the torch format {fmt} here.")
+        raise ConfigError("{activations} float applies to native weights (a GGUF file's own blocks through the "
+                          "native kernels); {file} runs the torch format {fmt} here.", file=Path(source.path).name,
+                          fmt=fmt)
     if hit is not None:
         config, model = hit
     else:
@@ -202,8 +203,8 @@ def choose_format(source: ModelSource, weights: str, role: str,
     unreadable = ", ".join(sorted(gguf_native_types(source.path)))
     if unreadable:
         if weights == NATIVE:
-            raise UserError(f"{source.path} has weights in {unreadable}, which the native kernels do not read; use "
-                            "--weights int8, int4 or dense.")
+            raise ConfigError("{path} has weights in {unreadable}, which the native kernels do not read; use "
+                              "{weights} int8, int4 or dense.", path=source.path, unreadable=unreadable)
         return torch_auto, (f"{Path(source.path).name} has weights in {unreadable}, which the native kernels do not "
                             f"read; running the torch format {torch_auto}.")
     return NATIVE, None

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
 from ..model import layer_norms
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
@@ -174,8 +174,9 @@ def load_gguf_native(path: Path, dtype: torch.dtype,
                             "the weights do not match the config.")
         kind = t.ggml_type
         if kind not in BLOCK_TYPES:
-            raise UserError(f"{path}: {gguf_name} is stored as {GGMLQuantizationType(kind).name}, which the native "
-                            "kernels do not read; use --weights int8, int4 or dense.")
+            raise ConfigError("{path}: {tensor} is stored as {kind}, which the native kernels do not read; use "
+                              "{weights} int8, int4 or dense.", path=path, tensor=gguf_name,
+                              kind=GGMLQuantizationType(kind).name)
         raw = data(t)
         if config.architecture == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads

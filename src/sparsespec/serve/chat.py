@@ -6,7 +6,8 @@ import sys
 from typing import Callable, TextIO
 
 from ..engine import RunStats, Session
-from ..errors import UserError
+from ..errors import UserError, user_message
+from ..flags import PARAMETER_FLAGS
 from ..generate import stream_text
 from ..loading.huge_pages import hold_slow_moves, release_slow_moves
 from ..loading.tokenizer import eos_token_ids
@@ -131,5 +132,5 @@ class Chat:
                 try:
                     self.answer(text)
                 except UserError as exc:
-                    self.out.write(f"error: {exc}\n")
+                    self.out.write(f"error: {user_message(exc, PARAMETER_FLAGS)}\n")
             self.out.flush()

@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import UserError
+from ..errors import UserError, user_message
 from .guard import UNEXPECTED, Access, BodyTooLarge, Guard, error_body
 from .protocol import (BadRequest, ParsedRequest, PromptLimits, Responses, chat_prompt_ids, parse_body, parse_common,
                        text_prompt_ids)
-from .worker import EngineWorker, Job, QueueFull, extension
+from .worker import SERVER_NAMES, EngineWorker, Job, QueueFull, extension
 
 log = logging.getLogger("sparsespec.serve")
 
@@ -143,7 +143,8 @@ def _api(state: ServerState) -> FastAPI:
         if state.worker is not None:
             return JSONResponse({"status": "ok"})
         if state.error is not None:
-            return JSONResponse({"status": "error", "message": str(state.error)}, status_code=503)
+            message = user_message(state.error, SERVER_NAMES)
+            return JSONResponse({"status": "error", "message": message}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
     @app.get("/metrics")
@@ -193,7 +194,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     except BadRequest as exc:
         return _error(400, str(exc), exc.param)
     except UserError as exc:
-        return _error(400, str(exc))
+        return _error(400, user_message(exc, SERVER_NAMES))
     try:
         job = worker.submit(generation, asyncio.get_running_loop())
     except QueueFull:

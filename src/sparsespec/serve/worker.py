@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import CacheOptions, DraftOptions, RunStats, Session, check_fits_context
-from ..errors import UserError
+from ..errors import UserError, user_message
+from ..flags import PARAMETER_FLAGS
 from ..generate import TextStream
 from ..loading.huge_pages import hold_slow_moves, release_slow_moves
 from ..loading.load import LoadedModel
@@ -38,6 +39,12 @@ log = logging.getLogger("sparsespec.serve")
 # nothing measurable, and a model slower than one token per interval still hands over every token as it comes:
 # benchmarks/history/decode.md#native-kernels-third-pass-q4_k--q6_k-in-column-tiles-and-the-servers-engine-thread
 TEXT_INTERVAL_SECONDS = 0.025
+
+
+# The library's parameters (errors.ConfigError) as the server's user names them: a request's fields for what a
+# request sets (GenerationRequest), the server's start flags for the rest.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
+SERVER_NAMES = {**PARAMETER_FLAGS, **REQUEST_FIELDS}
 
 
 class QueueFull(Exception):
@@ -290,9 +297,10 @@ class EngineWorker:
                 f"The prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                 f"the model's context of {self.context} tokens, and the server runs with --no-evict-overflow."
             )
-        check_fits_context(self.target, self.cache, total, "The prompt plus max_tokens")
+        check_fits_context(self.target, self.cache, total, "The prompt plus {max_new_tokens}")
         if self.draft is not None and self.draft.model is not None:
-            check_fits_context(self.draft.model, self.draft.cache, total, "The prompt plus max_tokens (for the draft)")
+            check_fits_context(self.draft.model, self.draft.cache, total,
+                               "The prompt plus {max_new_tokens} (for the draft)")
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request; raises :class:`QueueFull` when the queue is at its bound."""
@@ -393,7 +401,7 @@ class EngineWorker:
         slot.job, slot.running, slot.last_used = None, None, time.perf_counter()
         if isinstance(error, UserError):
             self.metrics.add(request_errors_total=1)
-            job.emit("error", (400, str(error)))
+            job.emit("error", (400, user_message(error, SERVER_NAMES)))
             return
         if error is not None:  # the server stays up; this request ends with an error
             log.error("generation failed", exc_info=error)

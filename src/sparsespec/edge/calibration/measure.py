@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import UserError
+from ...errors import ConfigError
 from .fits import Overheads, ProbeTimes, fit_attention_rates, fit_overheads, plateau, slope
 from .machine import Machine, loadavg, memory_bytes, read_machine
 from .probes import (
@@ -109,7 +109,7 @@ def calibrate(settings: CalibrationSettings = FULL, *, threads: int | None = Non
     previous_threads = torch.get_num_threads()
     if threads is not None:
         if threads < 1:
-            raise UserError(f"--threads must be at least 1 (got {threads}).")
+            raise ConfigError("{threads} must be at least 1 (got {value}).", value=threads)
         torch.set_num_threads(threads)
     steps = len(settings.sizes) + len(settings.native_types) + 6
     progress = _Progress(steps, quiet)
@@ -348,11 +348,11 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
     return probes
 
 
-def measure_attention_rates(s: CalibrationSettings, raw: dict, progress: _Progress) -> tuple[dict[str, float],
-                                                                                     dict[str, float]]:
-    """FLOP rates and KV-head rates (:func:`~.fits.fit_attention_rates`) of the arena's attention paths, from two cache sizes
-    and two shapes each, at every KV dtype (quantized ones only with the native kernels, which alone store them),
-    the cache read from memory (a buffer of ``flush_bytes`` is read before each call)."""
+def measure_attention_rates(s: CalibrationSettings, raw: dict,
+                            progress: _Progress) -> tuple[dict[str, float], dict[str, float]]:
+    """FLOP rates and KV-head rates (:func:`~.fits.fit_attention_rates`) of the arena's attention paths, from two
+    cache sizes and two shapes each, at every KV dtype (quantized ones only with the native kernels, which alone
+    store them), the cache read from memory (a buffer of ``flush_bytes`` is read before each call)."""
     import torch
 
     from ... import kernels
