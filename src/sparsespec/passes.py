@@ -123,7 +123,7 @@ class Running:
             return
         self.waiting = item
 
-    def give(self, logits: torch.Tensor) -> None:
+    def resume_with(self, logits: torch.Tensor) -> None:
         """Resume the program with the logits of the pass it waited for."""
         self._resume(lambda: self.program.send(logits))
 
@@ -173,6 +173,6 @@ class Batch:
                     running.fail(exc)
             else:
                 for running, out in zip(group, logits):
-                    running.give(out)
+                    running.resume_with(out)
         self.running = [r for r in self.running if not r.finished]
         return rows
