@@ -85,8 +85,8 @@ def ours(target, draft, ids: list[int], tokens: int, mode: str, eos: set[int]) -
     options = {
         "plain": None,
         "ngram": DraftOptions(None, None, None, ngram=NgramOptions()),
-        "draft+ngram": DraftOptions(draft, CacheOptions(), 3, while_paying=True, ngram=NgramOptions()),
-        "draft": DraftOptions(draft, CacheOptions(), 3, while_paying=True),
+        "draft+ngram": DraftOptions(draft, CacheOptions(), 3, only_while_faster=True, ngram=NgramOptions()),
+        "draft": DraftOptions(draft, CacheOptions(), 3, only_while_faster=True),
     }[mode]
     stats = RunStats()
     out = list(run_generation(target, ids, max_new_tokens=tokens, sampling=SamplingParams(), cache=CacheOptions(),

@@ -105,7 +105,7 @@ def main() -> None:
                             paying = gamma == "default"  # generate's default: γ = 3 while drafting pays, measured
                             draft = DraftOptions(draft_model, draft_cache,
                                                  DEFAULT_GAMMA if paying else parse_gamma(gamma),
-                                                 is_self=args.draft == "self", while_paying=paying)
+                                                 is_self=args.draft == "self", only_while_faster=paying)
                         results[gamma] = run(target, ids, args.new_tokens, sampling, cache, draft)
                     base = results[None]
                     common = {"prompt": prompt.id, "kind": prompt.kind, "temperature": temperature,

@@ -207,9 +207,9 @@ def test_a_restarted_draft_resumes_the_next_turn_from_the_text_it_holds(monkeypa
     import sparsespec.engine as engine
 
     loaded = tiny_loaded()
-    monkeypatch.setattr(engine, "DraftWhilePaying", lambda gamma, start_drafting: ScriptedGamma())
+    monkeypatch.setattr(engine, "DraftWhileFaster", lambda gamma, start_drafting: ScriptedGamma())
     draft = DraftOptions(loaded, CacheOptions(make_policy("streaming", 16), prefill_chunk=8), gamma=3, is_self=True,
-                         while_paying=True)
+                         only_while_faster=True)
     session = Session(loaded, CacheOptions(prefill_chunk=8), draft, capacity=512)
     first = prompt(20)
     stats = RunStats()

@@ -17,7 +17,7 @@ from sparsespec.model import Transformer
 from sparsespec.sampling import SamplingParams, sample, warp
 from sparsespec.speculative import (
     AdaptiveGamma,
-    DraftWhilePaying,
+    DraftWhileFaster,
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
@@ -435,7 +435,7 @@ def test_adaptive_gamma_follows_acceptance():
 
 
 class SimulatedClock:
-    """The seconds a :class:`DraftWhilePaying` reads: advanced by the simulated rounds."""
+    """The seconds a :class:`DraftWhileFaster` reads: advanced by the simulated rounds."""
 
     def __init__(self):
         self.now = 0.0
@@ -444,7 +444,7 @@ class SimulatedClock:
         return self.now
 
 
-def paying_decode(controller: DraftWhilePaying, clock: SimulatedClock, n_tokens: int, round_s: float,
+def paying_decode(controller: DraftWhileFaster, clock: SimulatedClock, n_tokens: int, round_s: float,
                   round_tokens: int, plain_s: float = 1.0) -> tuple[float, int]:
     """Drive ``controller`` through ``n_tokens``: a speculative round takes ``round_s`` seconds for
     ``round_tokens`` tokens, a plain step ``plain_s`` for one. Returns the seconds and the tokens drafted rounds
@@ -460,36 +460,36 @@ def paying_decode(controller: DraftWhilePaying, clock: SimulatedClock, n_tokens:
     return clock.now - started, drafted_tokens
 
 
-def test_draft_while_paying_stops_drafting_that_is_slower():
+def test_draft_while_faster_stops_drafting_that_is_slower():
     """Rounds of 3 tokens in 4 s against plain steps of 1 s (drafting at 0.75x): over 2,000 tokens the controller
     drafts only in its probes, and the run takes at most 2% longer than the target alone."""
     clock = SimulatedClock()
-    seconds, drafted = paying_decode(DraftWhilePaying(3, clock=clock), clock, 2000, round_s=4.0, round_tokens=3)
+    seconds, drafted = paying_decode(DraftWhileFaster(3, clock=clock), clock, 2000, round_s=4.0, round_tokens=3)
     assert drafted < 0.05 * 2000
     assert seconds <= 1.02 * 2000
 
 
-def test_draft_while_paying_keeps_drafting_that_pays():
+def test_draft_while_faster_keeps_drafting_that_pays():
     """Rounds of 3 tokens in 2 s (1.5x the target alone): nearly every token comes from drafting rounds, at most 2%
     slower than drafting throughout."""
     clock = SimulatedClock()
-    seconds, drafted = paying_decode(DraftWhilePaying(3, clock=clock), clock, 2000, round_s=2.0, round_tokens=3)
+    seconds, drafted = paying_decode(DraftWhileFaster(3, clock=clock), clock, 2000, round_s=2.0, round_tokens=3)
     assert drafted > 0.95 * 2000
     assert seconds <= 1.02 * 2000 * 2.0 / 3
 
 
-def test_draft_while_paying_resumes_when_drafting_starts_to_pay():
+def test_draft_while_faster_resumes_when_drafting_starts_to_pay():
     """After 500 tokens where drafting clearly did not pay (a plain stint grown to 1,024 tokens), drafting that pays
     is found at the next probe and kept."""
     clock = SimulatedClock()
-    controller = DraftWhilePaying(3, clock=clock)
+    controller = DraftWhileFaster(3, clock=clock)
     paying_decode(controller, clock, 500, round_s=4.0, round_tokens=3)
     assert controller.gamma == 0
     _, drafted = paying_decode(controller, clock, 2000, round_s=1.5, round_tokens=3)
     assert drafted > 0.5 * 2000 and controller.gamma == 3
 
 
-def test_draft_while_paying_changes_speed_not_tokens():
+def test_draft_while_faster_changes_speed_not_tokens():
     """Greedy output with the controller switching between drafting and plain steps (a clock under which drafting
     looks slow, then fast) equals autoregressive decoding, over evicting caches; after its long plain stints the
     draft empties its cache and reads only the last tokens it missed."""
@@ -497,7 +497,7 @@ def test_draft_while_paying_changes_speed_not_tokens():
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, "original", ids, 300)
     clock = SimulatedClock()
-    controller = DraftWhilePaying(3, probe_rounds=2, plain_steps=3, first_stint=8, clock=clock)
+    controller = DraftWhileFaster(3, probe_rounds=2, plain_steps=3, first_stint=8, clock=clock)
     original_update = controller.update
 
     def update(drafted, accepted, draft_s, target_s):  # drafting costs 5 s a round for its first 60 rounds, then 1 s
@@ -516,11 +516,11 @@ def test_draft_while_paying_changes_speed_not_tokens():
     assert switches >= 3 and t_cache.evicted_tokens > 0 and stats.draft_restarts > 0
 
 
-def test_draft_while_paying_can_start_plain():
+def test_draft_while_faster_can_start_plain():
     """A draft as dear as the target (a self-draft) starts with plain steps; drafting is probed only after the first
     stint, and kept when it pays."""
     clock = SimulatedClock()
-    controller = DraftWhilePaying(3, start_drafting=False, clock=clock)
+    controller = DraftWhileFaster(3, start_drafting=False, clock=clock)
     gammas = []
     for _ in range(300):
         gammas.append(controller.gamma)

@@ -28,7 +28,7 @@ from .sampling import SamplingParams, seeded_generator
 from .speculative import (
     AdaptiveGamma,
     STARTS_PLAIN_AT_COST,
-    DraftWhilePaying,
+    DraftWhileFaster,
     SpeculativeStats,
     check_same_vocabulary,
     draft_inflight_rows,
@@ -255,8 +255,8 @@ class DraftOptions:
     gamma: int | str | None  # an integer ≥ 1 or "auto" (None without a model)
     is_self: bool = False
     # An integer γ drafts only while that is measured faster than the target alone (greedy decoding; sampled text
-    # must not depend on timings): speculative.DraftWhilePaying.
-    while_paying: bool = False
+    # must not depend on timings): speculative.DraftWhileFaster.
+    only_while_faster: bool = False
     ngram: NgramOptions | None = None
 
 
@@ -517,9 +517,9 @@ class Session:
             # Sampled text must not depend on timings: at temperature > 0, γ follows a cost ratio from weight bytes.
             fixed = None if sampling.greedy else weight_cost_ratio(self.target.model, draft_model)
             gamma = AdaptiveGamma(cost_ratio=fixed)
-        elif self.draft.while_paying and sampling.greedy:
+        elif self.draft.only_while_faster and sampling.greedy:
             cost = weight_cost_ratio(self.target.model, draft_model)
-            gamma = DraftWhilePaying(gamma, start_drafting=cost < STARTS_PLAIN_AT_COST)
+            gamma = DraftWhileFaster(gamma, start_drafting=cost < STARTS_PLAIN_AT_COST)
         ngram = None
         if self.draft.ngram is not None:  # the whole text: a conversation's earlier turns too
             if self._ngram is None:

@@ -23,7 +23,7 @@ DEFAULT_DRAFT_BUDGET = 256
 # Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair: as fast or
 # faster on most short prompts (code, prose, chat) and on long prose:
 # benchmarks/history/source-notes.md#default-gamma
-# Without --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhilePaying).
+# Without --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhileFaster).
 DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
@@ -231,9 +231,9 @@ NGRAM_FLAGS = ("--draft-ngram", "--ngram-min", "--ngram-max", "--ngram-tokens")
 
 
 def draft_settings(args: argparse.Namespace):
-    """``(draft CacheOptions or None, γ or None, while paying, NgramOptions or None)`` from the flags, or None
+    """``(draft CacheOptions or None, γ or None, only while faster, NgramOptions or None)`` from the flags, or None
     without ``--draft``: checked before anything loads. Without ``--gamma``: γ = :data:`DEFAULT_GAMMA` while
-    drafting pays (``DraftOptions.while_paying``). n-gram proposals are on unless ``--draft-ngram off``."""
+    drafting pays (``DraftOptions.only_while_faster``). n-gram proposals are on unless ``--draft-ngram off``."""
     from .engine import parse_gamma
     from .ngram import NgramOptions
 
@@ -259,15 +259,15 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
 
     if settings is None:
         return None
-    cache, gamma, while_paying, ngram = settings
+    cache, gamma, only_while_faster, ngram = settings
     if args.draft == NGRAM_DRAFT:
         return DraftOptions(None, None, None, ngram=ngram)
     if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True, while_paying=while_paying, ngram=ngram)
+        return DraftOptions(target, cache, gamma, is_self=True, only_while_faster=only_while_faster, ngram=ngram)
     model = load_model(args.draft, dtype, args.draft_weights, role="draft", share_tokenizer=target.tokenizer)
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma, while_paying=while_paying, ngram=ngram)
+    return DraftOptions(model, cache, gamma, only_while_faster=only_while_faster, ngram=ngram)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:

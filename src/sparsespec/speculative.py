@@ -36,7 +36,7 @@ from .sampling import SamplingParams, greedy_tokens, sample, warp
 from .speedup import speculative_speedup
 
 GAMMA_MAX = 12
-# DraftWhilePaying starts with plain steps for a draft whose pass reads at least this fraction of the target's
+# DraftWhileFaster starts with plain steps for a draft whose pass reads at least this fraction of the target's
 # weight bytes (a self-draft reads all of them): at γ = 3, even with free verification rows, that pays only above
 # about 0.7 acceptance (a self-draft: never, where weights dominate), so its first drafting probe waits for the first
 # stint's end.
@@ -187,7 +187,7 @@ class AdaptiveGamma:
         return 0
 
 
-class DraftWhilePaying:
+class DraftWhileFaster:
     """Drafts ``gamma`` proposals a round while that decodes faster than the target alone, as measured: the time
     between the rounds (everything a round does: the draft's passes and catch-up, the verification, the commits)
     against the tokens they yield.
@@ -378,7 +378,7 @@ def speculative_steps(
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
-    gamma: int | AdaptiveGamma | DraftWhilePaying | None,
+    gamma: int | AdaptiveGamma | DraftWhileFaster | None,
     generator: torch.Generator | None = None,
     eos_ids: Iterable[int] = (),
     prefill_chunk: int = 512,
@@ -389,7 +389,7 @@ def speculative_steps(
     """The program of speculative decoding: up to ``max_new_tokens`` new tokens (stops after an EOS id).
 
     ``gamma`` is a fixed number of proposals per round (≥ 1) or a controller that chooses each round's
-    (:class:`AdaptiveGamma`, :class:`DraftWhilePaying`: ``.gamma``, ``.gamma_max``, ``update``). The arenas must allow
+    (:class:`AdaptiveGamma`, :class:`DraftWhileFaster`: ``.gamma``, ``.gamma_max``, ``update``). The arenas must allow
     :func:`target_inflight_rows` and :func:`draft_inflight_rows` rows in flight. ``draft`` may be the target
     itself (self-speculation) with its own arena. ``on_prefilled`` is called once the prompt is read (so callers
     can time decoding over the span that produces every new token).
