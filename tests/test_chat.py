@@ -78,9 +78,10 @@ def test_an_answer_holds_slow_moves_while_it_computes(smollm2_f32, monkeypatch):
     from sparsespec.serve import chat as chat_module
 
     events = []
-    monkeypatch.setattr(chat_module, "hold_slow_moves", lambda: events.append("hold") or huge_pages.hold_slow_moves())
-    monkeypatch.setattr(chat_module, "release_slow_moves",
-                        lambda: events.append("release") or huge_pages.release_slow_moves())
+    monkeypatch.setattr(chat_module, "hold_slow_huge_page_moves",
+                        lambda: events.append("hold") or huge_pages.hold_slow_huge_page_moves())
+    monkeypatch.setattr(chat_module, "release_slow_huge_page_moves",
+                        lambda: events.append("release") or huge_pages.release_slow_huge_page_moves())
     session = Session(smollm2_f32, CacheOptions(), None, capacity=512)
     out = io.StringIO()
     chat = Chat(session, sampling=SamplingParams(0.0, 0, 1.0), max_new_tokens=3, seed=0, out=out)

@@ -463,7 +463,7 @@ def test_fetch_prepares_each_model_once(capsys, smollm2_path, tmp_path, monkeypa
     assert load_model("smollm2-135m", torch.bfloat16, "auto").from_cache
     code, out, err = run_cli(capsys, "fetch", "smollm2-135m", "--quiet")
     assert code == 0 and out.splitlines()[-1].startswith("smollm2-135m: already prepared in "), err
-    assert not tensor_cache._movers  # the dropped model's move ended with it
+    assert not tensor_cache._mapping_threads  # the dropped model's move ended with it
 
 
 def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_path, monkeypatch, tmp_path):
@@ -473,9 +473,9 @@ def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_p
     from sparsespec.loading import huge_pages
 
     events = []
-    pause, resume = huge_pages.pause_moves, huge_pages.resume_moves
-    monkeypatch.setattr(huge_pages, "pause_moves", lambda: events.append("pause") or pause())
-    monkeypatch.setattr(huge_pages, "resume_moves",
+    pause, resume = huge_pages.pause_huge_page_moves, huge_pages.resume_huge_page_moves
+    monkeypatch.setattr(huge_pages, "pause_huge_page_moves", lambda: events.append("pause") or pause())
+    monkeypatch.setattr(huge_pages, "resume_huge_page_moves",
                         lambda: events.append(f"resume after {len(capsys.readouterr().out)} chars") or resume())
     code, out, err = run_cli(capsys, "generate", "--model", "smollm2-135m", "--prompt", PROMPT, "-n", "4",
                              "--threads", "2", "--ignore-eos")

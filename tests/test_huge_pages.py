@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from sparsespec.loading import huge_pages
-from sparsespec.loading.huge_pages import huge_page_size, move_into_huge_pages, pause_moves, resume_moves
+from sparsespec.loading.huge_pages import (
+    huge_page_size,
+    move_into_huge_pages,
+    pause_huge_page_moves,
+    resume_huge_page_moves,
+)
 
 pytestmark = pytest.mark.skipif(huge_page_size() is None, reason="no transparent huge pages (Linux only)")
 
@@ -126,7 +131,7 @@ def test_a_paused_move_waits_for_resume(mapped_file):
     size = 2 * huge_page_size()
     file = mapped_file(size)
     moved = []
-    pause_moves()
+    pause_huge_page_moves()
     try:
         mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(file.mapping, file.fd)))
         mover.start()
@@ -134,7 +139,7 @@ def test_a_paused_move_waits_for_resume(mapped_file):
         assert mover.is_alive() and not moved
         assert mapped_pages(file.view.ctypes.data, file.view.ctypes.data + size)["anonymous"] == 0
     finally:
-        resume_moves()
+        resume_huge_page_moves()
     mover.join()
     assert moved == [size] and file.view.tobytes() == file.data
 
@@ -159,7 +164,7 @@ def test_held_slow_moves_wait_once_fresh_pages_prove_slow(mapped_file, monkeypat
     monkeypatch.setattr(huge_pages, "SLOW_AFTER_BYTES", 2 * page)
     monkeypatch.setattr(huge_pages, "_huge_pages_slow", threading.Event())
     moved = []
-    huge_pages.hold_slow_moves()
+    huge_pages.hold_slow_huge_page_moves()
     try:
         mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(file.mapping, file.fd)))
         mover.start()
@@ -168,12 +173,12 @@ def test_held_slow_moves_wait_once_fresh_pages_prove_slow(mapped_file, monkeypat
         pages = mapped_pages(file.view.ctypes.data, file.view.ctypes.data + size)
         assert pages["anonymous"] * 1024 == 2 * page  # it stopped where it found them slow
     finally:
-        huge_pages.release_slow_moves()
+        huge_pages.release_slow_huge_page_moves()
     mover.join()
     assert moved == [size] and file.view.tobytes() == file.data
 
     second = mapped_file(size)
-    huge_pages.hold_slow_moves()
+    huge_pages.hold_slow_huge_page_moves()
     try:
         stop = threading.Event()
         mover = threading.Thread(target=lambda: moved.append(move_into_huge_pages(second.mapping, second.fd, stop)))
@@ -183,4 +188,4 @@ def test_held_slow_moves_wait_once_fresh_pages_prove_slow(mapped_file, monkeypat
         mover.join(timeout=5)
         assert not mover.is_alive() and moved[-1] == 0  # slow already: it waited from the start, then stopped
     finally:
-        huge_pages.release_slow_moves()
+        huge_pages.release_slow_huge_page_moves()

@@ -386,7 +386,7 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     assert not load_model(str(path), torch.float32, "auto", tokenizer=False).from_cache  # another dtype
     assert not tensor_cache._prefetches  # the bfloat16 read it did not take is gone
 
-    tensor_cache.wait_for_moves()  # the models above run on the file until their pages have moved
+    tensor_cache.wait_for_huge_page_moves()  # the models above run on the file until their pages have moved
     with open(stored, "r+b") as f:
         f.truncate(stored.stat().st_size - 100)
     tensor_cache.prefetch_stored_models([str(path)], "bfloat16", ["native"])

@@ -60,14 +60,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if not models:
         return 0
     from .loading.load import prepare_model
-    from .loading.tensor_cache import stop_moves
+    from .loading.tensor_cache import stop_huge_page_moves
 
     for name in models:
         if not args.quiet:
             print(f"{name}: preparing (its weights for this CPU and its tokenizer, stored once)...", flush=True)
         started = time.perf_counter()
         built = prepare_model(name)
-        stop_moves()  # the prepared model is dropped: its pages need not move into huge pages
+        stop_huge_page_moves()  # the prepared model is dropped: its pages need not move into huge pages
         gc.collect()  # and its mapping goes now, not with the next model's
         print(f"{name}: {'prepared' if built else 'already prepared'} in {time.perf_counter() - started:.1f} s")
     return 0
@@ -104,22 +104,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     the first pass or decoding, such a move slows each of them, up to several-fold:
     benchmarks/history/serving-and-footprint.md#stored-models-mapped-moved-into-huge-pages-only-where-that-is-quick-or-the-machine-idles-2026-12-06-late-morning
     """
-    from .loading.huge_pages import hold_slow_moves, pause_moves, release_slow_moves, resume_moves
+    from .loading.huge_pages import (
+        hold_slow_huge_page_moves,
+        pause_huge_page_moves,
+        release_slow_huge_page_moves,
+        resume_huge_page_moves,
+    )
 
-    pause_moves()
-    hold_slow_moves()
+    pause_huge_page_moves()
+    hold_slow_huge_page_moves()
     try:
         return _generate(args)
     finally:
-        resume_moves()
-        release_slow_moves()
+        resume_huge_page_moves()
+        release_slow_huge_page_moves()
 
 
 def _generate(args: argparse.Namespace) -> int:
     import time
     from contextlib import closing
 
-    from .loading.huge_pages import resume_moves
+    from .loading.huge_pages import resume_huge_page_moves
 
     prefetch_models(args)  # first: the stored weights are mapped while torch imports
     from .engine import RunStats, run_generation
@@ -166,7 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
     pieces = []
     with closing(tokens):  # the run fills in its cache statistics when it ends, also when a stop string ends it
         for piece in stream_text(tokens, tokenizer, stop_strings=args.stop or (), eos_ids=eos):
-            resume_moves()  # the first token is out
+            resume_huge_page_moves()  # the first token is out
             pieces.append(piece)
             if not args.json:
                 sys.stdout.write(piece)

@@ -21,10 +21,11 @@ mapped file).
 
 Where fresh huge pages are that slow, a move beside the model's first pass, beside torch's import or beside
 decoding slows each of them, up to several-fold (a short run then takes longer than copying before the first token
-did; same sections). So ``generate`` holds the moves (:func:`pause_moves`) until its first token is out, and where
-the moves find fresh huge pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run
-(:func:`hold_slow_moves`): it decodes from the mapped file, a little slower than from huge pages but from the
-start. ``serve`` holds slow moves while it has requests and ``chat`` while it answers, so they run while those wait.
+did; same sections). So ``generate`` holds the moves (:func:`pause_huge_page_moves`) until its first token is out,
+and where the moves find fresh huge pages slow (:data:`SLOW_SECONDS_PER_GB`) holds them for the rest of its run
+(:func:`hold_slow_huge_page_moves`): it decodes from the mapped file, a little slower than from huge pages but from
+the start. ``serve`` holds slow moves while it has requests and ``chat`` while it answers, so they run while those
+wait.
 
 This module does not import torch (the mapping starts before torch's import).
 """
@@ -51,39 +52,41 @@ THP_SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
 SLOW_SECONDS_PER_GB = 1.5
 SLOW_AFTER_BYTES = 8 << 20
 
-_moves_may_run = threading.Event()  # cleared by pause_moves: every move waits before its next stretch
+_moves_may_run = threading.Event()  # cleared by pause_huge_page_moves: every move waits before its next stretch
 _moves_may_run.set()
-_slow_moves_may_run = threading.Event()  # cleared by hold_slow_moves: so do moves once fresh pages proved slow
+# Cleared by hold_slow_huge_page_moves: so do moves once fresh pages proved slow.
+_slow_moves_may_run = threading.Event()
 _slow_moves_may_run.set()
 _huge_pages_slow = threading.Event()  # set by the first move that finds them slow
 
 
-def pause_moves() -> None:
+def pause_huge_page_moves() -> None:
     """Hold every move into huge pages (:func:`move_into_huge_pages`) before its next huge page, until
-    :func:`resume_moves`: for work that should not share the machine with it (a command's first token)."""
+    :func:`resume_huge_page_moves`: for work that should not share the machine with it (a command's first token)."""
     _moves_may_run.clear()
 
 
-def resume_moves() -> None:
-    """Let the moves held by :func:`pause_moves` go on."""
+def resume_huge_page_moves() -> None:
+    """Let the moves held by :func:`pause_huge_page_moves` go on."""
     _moves_may_run.set()
 
 
-def hold_slow_moves() -> None:
+def hold_slow_huge_page_moves() -> None:
     """Where fresh huge pages have proved slow to get (:data:`SLOW_SECONDS_PER_GB`), hold the moves until
-    :func:`release_slow_moves`: while a command computes (``generate`` for its whole run; ``serve`` while it has
-    requests), so that the seconds a move takes there come out of idle time, or never. Where they are quick the
-    moves go on."""
+    :func:`release_slow_huge_page_moves`: while a command computes (``generate`` for its whole run; ``serve`` while
+    it has requests), so that the seconds a move takes there come out of idle time, or never. Where they are quick
+    the moves go on."""
     _slow_moves_may_run.clear()
 
 
-def release_slow_moves() -> None:
-    """Let the moves held by :func:`hold_slow_moves` go on."""
+def release_slow_huge_page_moves() -> None:
+    """Let the moves held by :func:`hold_slow_huge_page_moves` go on."""
     _slow_moves_may_run.set()
 
 
 def _wait_for_turn(stop: threading.Event | None) -> bool:
-    """Wait until moves may run (:func:`pause_moves`, :func:`hold_slow_moves`); False when ``stop`` is set first."""
+    """Wait until moves may run (:func:`pause_huge_page_moves`, :func:`hold_slow_huge_page_moves`); False when
+    ``stop`` is set first."""
     while stop is None or not stop.is_set():
         if not _moves_may_run.is_set():
             _moves_may_run.wait(0.05)
@@ -176,8 +179,8 @@ def move_into_huge_pages(mapping: mmap.mmap, fd: int, stop: threading.Event | No
 
     Readers of the mapping (the kernels, on other threads) see the same bytes before, during and after a move: the
     kernel swaps the pages under its mapping lock. ``stop`` set ends the move early (a mapping nobody took);
-    :func:`pause_moves` holds it between two stretches, and so does :func:`hold_slow_moves` once the moves so far
-    have found fresh huge pages slow.
+    :func:`pause_huge_page_moves` holds it between two stretches, and so does :func:`hold_slow_huge_page_moves` once
+    the moves so far have found fresh huge pages slow.
     """
     page = huge_page_size()
     if page is None or mapping.closed or not hasattr(mmap, "MADV_HUGEPAGE"):

@@ -122,7 +122,7 @@ class StoredTensors:
     """A safetensors file mapped into memory: its metadata, its header's entries (name → ``{"dtype", "shape",
     "data_offsets"}``, offsets into the data section) and the mapping of the whole file, whose data section starts
     at ``data_offset`` (a multiple of :data:`TENSOR_ALIGNMENT`; the mapping itself is page-aligned); ``fd`` reads
-    the same file (the same inode, whatever is renamed over its path) for :func:`_move`."""
+    the same file (the same inode, whatever is renamed over its path) for :func:`_move_then_close`."""
 
     metadata: dict[str, str]
     entries: dict[str, dict]
@@ -165,7 +165,7 @@ class _Prefetch:
         self.result: StoredTensors | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.dropped = threading.Event()  # the load did not take it (or stop_moves): its move stops
+        self.dropped = threading.Event()  # the load did not take it (or stop_huge_page_moves): its move stops
 
     def run(self) -> None:
         try:
@@ -185,32 +185,32 @@ class _Prefetch:
 _prefetches: dict[Path, _Prefetch] = {}
 _prefetches_lock = threading.Lock()
 # The threads that map and move stored files, each with the events that stop its moves (appends are atomic).
-_movers: list[tuple[threading.Thread, list[threading.Event]]] = []
+_mapping_threads: list[tuple[threading.Thread, list[threading.Event]]] = []
 
 
-def _start_mover(target, args: tuple, stops: list[threading.Event], name: str) -> None:
+def _start_mapping_thread(target, args: tuple, stops: list[threading.Event], name: str) -> None:
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    _movers.append((thread, stops))
+    _mapping_threads.append((thread, stops))
     thread.start()
 
 
-def wait_for_moves() -> None:
+def wait_for_huge_page_moves() -> None:
     """Wait until every stored file mapped so far has moved into huge pages (or stopped moving): for timings that
     should read the memory decoding settles on, not the moves' first seconds (benchmarks)."""
-    while _movers:
-        _movers.pop()[0].join()
+    while _mapping_threads:
+        _mapping_threads.pop()[0].join()
 
 
-def stop_moves() -> None:
+def stop_huge_page_moves() -> None:
     """End every move started so far at its next huge page and wait for it: for a command that drops the models it
     loaded (``fetch``), whose mappings are then released with them instead of moving."""
-    for _, stops in list(_movers):
+    for _, stops in list(_mapping_threads):
         for stop in stops:
             stop.set()
-    wait_for_moves()
+    wait_for_huge_page_moves()
 
 
-def _move(stored: StoredTensors, stop: threading.Event | None = None) -> None:
+def _move_then_close(stored: StoredTensors, stop: threading.Event | None = None) -> None:
     """Move ``stored``'s mapping into huge pages (``huge_pages.py``), then close its file."""
     try:
         move_into_huge_pages(stored.data, stored.fd, stop)
@@ -224,7 +224,7 @@ def _map_then_move(prefetches: list[_Prefetch]) -> None:
         prefetch.run()
     for prefetch in prefetches:
         if prefetch.result is not None:
-            _move(prefetch.result, prefetch.dropped)
+            _move_then_close(prefetch.result, prefetch.dropped)
     prefetches.clear()  # the mappings nobody took are unmapped once the thread lets go of them
 
 
@@ -237,7 +237,7 @@ def take_tensor_file(file: Path) -> StoredTensors:
         return prefetch.take()
     stored = read_tensor_file(file)
     stop = threading.Event()
-    _start_mover(_move, (stored, stop), [stop], name="sparsespec huge pages")
+    _start_mapping_thread(_move_then_close, (stored, stop), [stop], name="sparsespec huge pages")
     return stored
 
 
@@ -273,7 +273,7 @@ def prefetch_stored_models(refs: list[str | None], dtype_name: str, weights: lis
     with _prefetches_lock:
         _prefetches.update({p.file: p for p in started})
     if started:
-        _start_mover(_map_then_move, (started,), [p.dropped for p in started], name="sparsespec prefetch")
+        _start_mapping_thread(_map_then_move, (started,), [p.dropped for p in started], name="sparsespec prefetch")
 
 
 def drop_prefetches(folder: Path | None = None) -> None:

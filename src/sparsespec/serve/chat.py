@@ -9,7 +9,7 @@ from ..engine import RunStats, Session
 from ..errors import UserError, user_message
 from ..flags import PARAMETER_FLAGS
 from ..generate import stream_text
-from ..loading.huge_pages import hold_slow_moves, release_slow_moves
+from ..loading.huge_pages import hold_slow_huge_page_moves, release_slow_huge_page_moves
 from ..loading.tokenizer import eos_token_ids
 from ..sampling import SamplingParams
 
@@ -71,7 +71,7 @@ class Chat:
         tokens = self.session.run(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                   seed=self.seed + self.turns, eos_ids=self.eos, stats=stats)
         pieces = []
-        hold_slow_moves()  # a slow move of the weights into huge pages waits for the next input (huge_pages.py)
+        hold_slow_huge_page_moves()  # a slow move of the weights waits for the next input (huge_pages.py)
         try:
             for piece in stream_text(tokens, self.tokenizer, eos_ids=self.eos):
                 pieces.append(piece)
@@ -80,7 +80,7 @@ class Chat:
         except KeyboardInterrupt:
             self.out.write(" [stopped]")
         finally:
-            release_slow_moves()
+            release_slow_huge_page_moves()
             tokens.close()
             self.out.write("\n")
             self.out.flush()

@@ -24,7 +24,7 @@ from ..engine import CacheOptions, DraftOptions, RunStats, Session, check_fits_c
 from ..errors import UserError, user_message
 from ..flags import PARAMETER_FLAGS
 from ..generate import TextStream
-from ..loading.huge_pages import hold_slow_moves, release_slow_moves
+from ..loading.huge_pages import hold_slow_huge_page_moves, release_slow_huge_page_moves
 from ..loading.load import LoadedModel
 from ..loading.tokenizer import eos_token_ids
 from ..ngram import DEFAULT_SHARED_TOKENS, SharedTexts
@@ -316,9 +316,9 @@ class EngineWorker:
     def _serve(self) -> None:
         while not self._stopping:
             if not self._batch.running:
-                release_slow_moves()  # idle: a slow move of the weights into huge pages may run (huge_pages.py)
+                release_slow_huge_page_moves()  # idle: a slow move of the weights may run (huge_pages.py)
             self._admit(block=not self._batch.running)
-            hold_slow_moves()
+            hold_slow_huge_page_moves()
             for slot in self.slots:  # a client that went away frees its slot now
                 if slot.job is not None and slot.job.cancelled.is_set():
                     slot.running.close()
@@ -326,7 +326,7 @@ class EngineWorker:
             if rows:
                 self.metrics.add(engine_steps_total=1, batch_rows_total=rows)
             self.metrics.set(slots_busy=sum(slot.job is not None for slot in self.slots))
-        release_slow_moves()
+        release_slow_huge_page_moves()
         for slot in self.slots:
             if slot.job is not None:
                 slot.running.close()
