@@ -62,7 +62,7 @@ def full_arena(config, n: int, dtype=torch.float32) -> KVArena:
 
 
 def load(path, dtype=torch.float32, weights="dense"):
-    return load_model(str(path), dtype, weights, tokenizer=False, cache=False)
+    return load_model(str(path), dtype, weights, tokenizer=False, tensor_cache=False)
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -192,13 +192,13 @@ def test_weights_the_kernels_cannot_read_fall_back_to_torch_with_a_note(tmp_path
     """A file of float32 matrices (no block type the kernels read): --weights auto runs the torch format and says
     so in one line; --weights native is refused in one sentence."""
     path = write_gguf_model(tmp_path / "f32.gguf", CONFIGS["phi3"], STATES["phi3"])
-    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, cache=False)
+    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, tensor_cache=False)
     assert loaded.weights != "native"
     note = capsys.readouterr().err.strip().splitlines()
     assert len(note) == 1 and note[0].startswith("sparsespec: note: f32.gguf has weights in F32")
     assert loaded.weights in note[0]
     with pytest.raises(UserError, match="F32, which the native kernels do not read; use weights int8, int4 or dense"):
-        load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=False)
+        load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
 
 
 @pytest.mark.parametrize("window", [None, 4096])

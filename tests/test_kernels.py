@@ -357,7 +357,7 @@ def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
     code = (
         "import torch; from sparsespec import kernels; from sparsespec.loading.load import load_model\n"
         "assert not kernels.available()\n"
-        "m = load_model('smollm2-135m', torch.bfloat16, 'auto', tokenizer=False, cache=False)\n"
+        "m = load_model('smollm2-135m', torch.bfloat16, 'auto', tokenizer=False, tensor_cache=False)\n"
         "print(m.weights, kernels.info())\n"
     )
     env = dict(os.environ, SPARSESPEC_KERNELS="torch")

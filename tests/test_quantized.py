@@ -224,9 +224,9 @@ def test_tensor_cache_round_trip_is_exact(tmp_path, arch, dtype, fmt):
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    uncached = load_model(str(folder), dtype, fmt, tokenizer=False, cache=False)
-    first = load_model(str(folder), dtype, fmt, tokenizer=False, cache=cache)
-    second = load_model(str(folder), dtype, fmt, tokenizer=False, cache=cache)
+    uncached = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=False)
+    first = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=cache)
+    second = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=cache)
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     assert second.config == uncached.config and second.weights == fmt
     _same_model(uncached.model, second.model)
@@ -241,26 +241,26 @@ def test_tensor_cache_is_invalidated_by_a_changed_source(tmp_path):
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    first = load_model(str(folder), torch.float32, "int4", tokenizer=False, cache=cache)
+    first = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=cache)
     old_key_dirs = sorted(p.name for p in cache.iterdir())
     _write_hf_folder(folder, config, random_state(config, seed=5))  # new weights, same path
     st = (folder / "model.safetensors").stat()
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    second = load_model(str(folder), torch.float32, "int4", tokenizer=False, cache=cache)
+    second = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=cache)
     assert not second.from_cache
     assert not torch.equal(first.model.embed, second.model.embed)
-    fresh = load_model(str(folder), torch.float32, "int4", tokenizer=False, cache=False)
+    fresh = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=False)
     _same_model(fresh.model, second.model)
     new_key_dirs = sorted(p.name for p in cache.iterdir())
     assert len(new_key_dirs) == 1 and new_key_dirs != old_key_dirs  # the stale entry was removed
     # Entries of sources that no longer exist go when the next entry is written.
     other = tmp_path / "other"
     _write_hf_folder(other, config, random_state(config, seed=6))
-    load_model(str(other), torch.float32, "dense", tokenizer=False, cache=cache)
+    load_model(str(other), torch.float32, "dense", tokenizer=False, tensor_cache=cache)
     assert len(list(cache.iterdir())) == 2
     shutil.rmtree(folder)
     _write_hf_folder(tmp_path / "third", config, random_state(config, seed=7))
-    load_model(str(tmp_path / "third"), torch.float32, "dense", tokenizer=False, cache=cache)
+    load_model(str(tmp_path / "third"), torch.float32, "dense", tokenizer=False, tensor_cache=cache)
     recorded = {json.loads((d / "source.json").read_text())["path"] for d in cache.iterdir()}
     assert recorded == {str(other.resolve()), str((tmp_path / "third").resolve())}
 
@@ -270,13 +270,13 @@ def test_damaged_cache_file_is_rebuilt(tmp_path):
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    load_model(str(folder), torch.float32, "int8", tokenizer=False, cache=cache)
+    load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache)
     (file,) = cache.glob("*/*.safetensors")
     file.write_bytes(file.read_bytes()[:1000])  # truncated
-    again = load_model(str(folder), torch.float32, "int8", tokenizer=False, cache=cache)
+    again = load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache)
     assert not again.from_cache
-    _same_model(load_model(str(folder), torch.float32, "int8", tokenizer=False, cache=False).model, again.model)
-    assert load_model(str(folder), torch.float32, "int8", tokenizer=False, cache=cache).from_cache
+    _same_model(load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=False).model, again.model)
+    assert load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache).from_cache
 
 
 def test_cache_key_uses_a_matching_fetch_stamp(tmp_path):
@@ -330,9 +330,9 @@ def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied
     config = tiny_config("qwen3", tie_word_embeddings=tied, vocab_size=128)
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=6), q8=True)
     cache = tmp_path / "tensors"
-    uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=False)
-    first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=cache)
-    second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, cache=cache)
+    uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
+    first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=cache)
+    second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=cache)
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     [stored] = cache.rglob("*.safetensors")
     assert stored.name == f"bfloat16-native-{native_layout_tag(kernels.tiles_preferred())}.safetensors"
@@ -421,14 +421,14 @@ def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypat
     config = tiny_config("phi3", tie_word_embeddings=False, attention_bias=False, vocab_size=128)
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=8), q8=True)
     cache = tmp_path / "tensors"
-    load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache)
+    load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache)
     [stored] = cache.rglob("*.safetensors")
     size = stored.stat().st_size
     with open(stored, "r+b") as f:
         f.truncate(size - 100)
-    rebuilt = load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache)
+    rebuilt = load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache)
     assert not rebuilt.from_cache and stored.stat().st_size == size
-    assert load_model(str(path), torch.float32, "native", tokenizer=False, cache=cache).from_cache
+    assert load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache).from_cache
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -436,7 +436,7 @@ def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypat
     monkeypatch.setattr(weights, "write_safetensors", disk_full)
     other = tmp_path / "other"
     capsys.readouterr()
-    loaded = load_model(str(path), torch.float32, "native", tokenizer=False, cache=other)
+    loaded = load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=other)
     assert not loaded.from_cache and not list(other.rglob("*.safetensors"))
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("sparsespec: warning: could not store the built weights in ")

@@ -213,7 +213,7 @@ def test_llama31_gguf_rope_freqs_match_transformers_llama3(tmp_path):
     assert 1.0 in freqs and 8.0 in freqs and ((freqs > 1) & (freqs < 8)).any()  # all three branches
     path = write_llama_gguf(tmp_path / "llama31.gguf", scaled, state, rope_freqs=freqs)
 
-    loaded = load_model(str(path), torch.float32, "dense", tokenizer=False, cache=False)
+    loaded = load_model(str(path), torch.float32, "dense", tokenizer=False, tensor_cache=False)
     assert loaded.config.rope_scaling == RopeScaling("none", freq_factors=tuple(freqs.tolist()))
     tokens = prompt(scaled.vocab_size)
     with torch.no_grad():
@@ -223,7 +223,7 @@ def test_llama31_gguf_rope_freqs_match_transformers_llama3(tmp_path):
     assert_logits_close(loaded.model.forward(tokens, arena), expected)
 
     plain = write_llama_gguf(tmp_path / "plain.gguf", scaled, state)
-    unscaled = load_model(str(plain), torch.float32, "dense", tokenizer=False, cache=False)
+    unscaled = load_model(str(plain), torch.float32, "dense", tokenizer=False, tensor_cache=False)
     assert unscaled.config.rope_scaling is None
     arena = KVArena(unscaled.config, make_policy("full"), dtype=torch.float32, max_tokens=len(tokens),
                     max_block=len(tokens))

@@ -66,7 +66,7 @@ def load_model(
     tokenizer: bool = True,
     *,
     role: str = "target",
-    cache: bool | str | Path = True,
+    tensor_cache: bool | str | Path = True,
     share_tokenizer: Tokenizer | None = None,
     activations: str = "auto",
 ) -> LoadedModel:
@@ -80,10 +80,10 @@ def load_model(
             kernels read (when they are built), else the torch format for ``role``.
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
-        cache: the on-disk tensor cache (see ``loading/tensor_cache.py``): ``True`` = default folder, ``False`` = off,
-            or a folder. A hit skips reading the source's weights and building the model (for native weights:
-            repacking the GGUF's blocks); a miss builds the model and stores it. The tokenizer is cached too
-            (next to the tensors).
+        tensor_cache: the on-disk store of prepared models (``loading/tensor_cache.py``): ``True`` = default
+            folder, ``False`` = off, or a folder. A hit skips reading the source's weights and building the model
+            (for native weights: repacking the GGUF's blocks); a miss builds the model and stores it. The tokenizer
+            is cached too (next to the tensors).
         share_tokenizer: another model's tokenizer, taken as this model's when their stored backends are the
             same (a draft's, whose chat template and special tokens are never used).
         activations: what native weights multiply: ``int8`` (activations quantized per block, the kernels'
@@ -96,7 +96,7 @@ def load_model(
 
     check_activations(activations)
     source = resolve_model(ref)
-    root = tensor_cache_root(cache)
+    root = tensor_cache_root(tensor_cache)
     # Float activations read the row layout; the automatic choice learns the model's size once it is loaded.
     tiles = kernels.tiles_preferred() and activations != "float"
 
@@ -146,8 +146,9 @@ def load_model(
         drop_prefetches(file.parent)  # a background mapping of this model the load did not take
     if fmt == NATIVE and float_activations_chosen(activations, model.projection_parameters()):
         if any(kind in TILED_TYPES.values() for _, linear in model.linear_items() for kind in linear.types):
-            return load_model(ref, dtype, weights, tokenizer, role=role, cache=cache, share_tokenizer=share_tokenizer,
-                              activations="float")  # the same file in the row layout, which float activations read
+            # the same file in the row layout, which float activations read
+            return load_model(ref, dtype, weights, tokenizer, role=role, tensor_cache=tensor_cache,
+                              share_tokenizer=share_tokenizer, activations="float")
         for _, linear in model.linear_items():
             linear.float_activations = True
     tok = None
