@@ -18,7 +18,7 @@ from sparsespec import kernels
 from sparsespec.edge.calibration import measure
 from sparsespec.edge.calibration.fits import ProbeTimes, fit_attention_rates, fit_overheads
 from sparsespec.edge.calibration.host_profile import build_profile, default_output_path
-from sparsespec.edge.calibration.machine import cache_sizes, read_machine
+from sparsespec.edge.calibration.machine import cpu_cache_sizes, read_machine
 from sparsespec.edge.calibration.measure import calibrate
 from sparsespec.edge.calibration.probes import (
     file_bytes,
@@ -183,7 +183,7 @@ def test_cache_sizes_from_sysfs(tmp_path: Path):
         index(cpu, 1, 1, "Instruction", "32K", str(cpu))
         index(cpu, 2, 2, "Unified", "1024K", str(cpu))
         index(cpu, 3, 3, "Unified", "32768K", "0-1")
-    caches, source = cache_sizes(tmp_path)
+    caches, source = cpu_cache_sizes(tmp_path)
     assert caches == {"cpu_l1d_per_core": 48 * KIB, "cpu_l2_per_core": MIB, "cpu_l3": 32 * MIB}
     assert str(tmp_path) in source
 

@@ -45,7 +45,7 @@ def _sysfs_size(text: str) -> int:
     return int(text)
 
 
-def cache_sizes(root: Path = Path("/sys/devices/system/cpu")) -> tuple[dict[str, int], str]:
+def cpu_cache_sizes(root: Path = Path("/sys/devices/system/cpu")) -> tuple[dict[str, int], str]:
     """CPU cache sizes from sysfs: ``cpu_l1d_per_core``, ``cpu_l2_per_core``, ``cpu_l3`` (total over instances).
 
     Returns the sizes and a description of where they came from; missing levels are left out.
@@ -110,7 +110,7 @@ class Machine:
 def read_machine(threads: int) -> Machine:
     """The machine's facts now, for a calibration at ``threads`` threads."""
     cpu, flags, hypervisor = cpu_info()
-    caches, cache_source = cache_sizes()
+    caches, cache_source = cpu_cache_sizes()
     return Machine(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), loadavg(), cpu, flags, hypervisor,
                    os.cpu_count() or 1, threads, caches, cache_source)
 
