@@ -262,9 +262,9 @@ def test_retention_axis_collapses_without_heavy_hitters_and_leaves_auto_keys_as_
     assert points[4].label() == "hybrid@32/original retention off"
     cache = SweepEvaluator(None, SweepOptions()).cache_options(points[4])
     assert cache.retention == "off" and cache.policy.budget == 32
-    with pytest.raises(UserError, match="Unknown retention 'sometimes' in --retentions"):
+    with pytest.raises(UserError, match="Unknown retention 'sometimes' in retentions"):
         build_grid(["hybrid"], [32], ["original"], retentions=["auto", "sometimes"])
-    with pytest.raises(UserError, match="--retentions is empty"):
+    with pytest.raises(UserError, match="retentions is empty"):
         build_grid(["hybrid"], [32], ["original"], retentions=[])
 
 

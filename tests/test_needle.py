@@ -9,7 +9,7 @@ import random
 import pytest
 
 from sparsespec.cli import main
-from sparsespec.errors import UserError
+from sparsespec.errors import ConfigError, UserError
 from sparsespec.eval import needle
 from sparsespec.loading.tokenizer import Tokenizer
 from sparsespec.eval.needle import (
@@ -209,25 +209,27 @@ def test_grid_with_a_planted_answerer(bpe_tokenizer, haystack_text, tmp_path):
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(depths=(50, 101)), ["--depths", "0 to 100", "101"]),
-    (dict(depths=(-5,)), ["--depths", "-5"]),
-    (dict(lengths=(0,)), ["--lengths", "positive"]),
-    (dict(trials=0), ["--trials", "at least 1"]),
-    (dict(task="multikey", keys=1), ["--keys", "from 2"]),
-    (dict(task="multikey", keys=99), ["--keys", "99"]),
-    (dict(keys=3), ["--keys", "multikey", "--task passkey"]),
-    (dict(task="riddle"), ["--task", "'riddle'", "passkey, multikey, fact"]),
+    (dict(depths=(50, 101)), ["depths", "0 to 100", "101"]),
+    (dict(depths=(-5,)), ["depths", "-5"]),
+    (dict(lengths=(0,)), ["lengths", "positive"]),
+    (dict(trials=0), ["trials", "at least 1"]),
+    (dict(task="multikey", keys=1), ["keys", "from 2"]),
+    (dict(task="multikey", keys=99), ["keys", "99"]),
+    (dict(keys=3), ["keys", "multikey", "task passkey"]),
+    (dict(task="riddle"), ["task", "'riddle'", "passkey, multikey, fact"]),
 ])
 def test_setup_mistakes(fields, words):
-    with pytest.raises(UserError) as error:
+    """In the setup's field names; the needle command names its flags (--depths), sweep its --retrieval-* ones."""
+    with pytest.raises(ConfigError) as error:
         NeedleSetup(**fields)
     for word in words:
         assert word in str(error.value)
+    assert set(fields) <= set(error.value.params) and "--" not in str(error.value)
 
 
 def test_a_length_too_short_or_a_text_too_short(bpe_tokenizer, haystack_text):
     haystack = Haystack(haystack_text, bpe_tokenizer, "verse.txt")
-    with pytest.raises(UserError, match=r"--lengths 60 is too short: .* takes \d+ tokens; give at least \d+"):
+    with pytest.raises(UserError, match=r"lengths 60 is too short: .* takes \d+ tokens; give at least \d+"):
         build_prompt(bpe_tokenizer, haystack, NeedleSetup(), 60, 50, 0)
     with pytest.raises(UserError, match=r"verse.txt has \d+ tokens, too few for a prompt of 999999"):
         build_prompt(bpe_tokenizer, haystack, NeedleSetup(), 999999, 50, 0)

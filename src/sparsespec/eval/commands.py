@@ -2,7 +2,8 @@
 
 ``add_ppl_arguments`` / ``add_sweep_arguments`` / ``add_needle_arguments`` fill an ``argparse`` (sub)parser;
 ``run_ppl`` / ``run_sweep`` / ``run_needle`` run the command from the parsed arguments and return the exit status.
-Mistakes in the arguments raise :class:`~sparsespec.errors.UserError`.
+Mistakes in the arguments raise :class:`~sparsespec.errors.UserError`, worded in these commands' flags
+(:data:`EVAL_PARAMETER_FLAGS`, :data:`SWEEP_PARAMETER_FLAGS`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import json
 import sys
 import time
 
-from ..errors import UserError
+from ..errors import UserError, reworded
 from ..flags import (
     DEFAULT_GAMMA,
     KV_DTYPE_CHOICES,
+    PARAMETER_FLAGS,
     WEIGHT_CHOICES,
     add_cache_arguments,
     add_draft_arguments,
@@ -43,6 +45,15 @@ DEFAULT_NEEDLE_TEXT = "corpus:paradise_lost"
 DEFAULT_NEEDLE_LENGTHS = "1024,2048,4096"
 DEFAULT_NEEDLE_DEPTHS = "0,25,50,75,100"
 DEFAULT_NEEDLE_NEW_TOKENS = 16
+
+# The eval library's parameters (errors.ConfigError) as these commands' flags name them, beside the shared ones.
+EVAL_PARAMETER_FLAGS = {**PARAMETER_FLAGS, "text": "--text", "max_tokens": "--max-tokens", "task": "--task",
+                        "lengths": "--lengths", "depths": "--depths", "trials": "--trials", "keys": "--keys"}
+# sweep's: the lists of its grid, its --new-tokens, and the needle settings of its --retrieval.
+SWEEP_PARAMETER_FLAGS = {**EVAL_PARAMETER_FLAGS, "kinds": "--prompts", "policies": "--policies",
+                         "budgets": "--budgets", "kv_dtypes": "--kv-dtypes", "retentions": "--retentions",
+                         "max_new_tokens": "--new-tokens", "task": "--retrieval-task", "lengths": "--retrieval-lengths",
+                         "depths": "--retrieval-depths"}
 
 
 def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tokens_default: int | None) -> None:
@@ -86,6 +97,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+@reworded(EVAL_PARAMETER_FLAGS)
 def run_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text through the chosen KV cache."""
     from ..engine import check_fits_context
@@ -215,7 +227,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def _sweep_grid(args: argparse.Namespace):
     from ..engine import parse_gamma
-    from .sweep import build_grid, parse_budgets, parse_draft, split_list
+    from .sweep import build_grid, parse_draft
 
     drafts: list[str | None] = []
     for entry in split_list(args.draft) or ["none"]:
@@ -236,7 +248,7 @@ def _sweep_grid(args: argparse.Namespace):
     kv_bytes = [parse_size(size) for size in split_list(args.kv_bytes)]
     if kv_bytes and args.budgets is not None:
         raise UserError("Give the budgets either as --budgets or as --kv-bytes, not both.")
-    budgets = parse_budgets(args.budgets if args.budgets is not None or kv_bytes else "256")
+    budgets = _parse_budgets(args.budgets if args.budgets is not None or kv_bytes else "256")
     budget_for_bytes = _budget_for_bytes(args) if kv_bytes else None
     return build_grid(split_list(args.policies), budgets, split_list(args.positions), gammas, drafts, kv_dtypes,
                       kv_bytes, budget_for_bytes, split_list(args.retentions))
@@ -316,10 +328,11 @@ def _check_sweep_args(args: argparse.Namespace):
 
         retrieval = NeedleSetup(
             task=args.retrieval_task, lengths=_parse_numbers(args.retrieval_lengths, "--retrieval-lengths", int),
-            depths=_parse_numbers(args.retrieval_depths, "--retrieval-depths", float), flag_prefix="retrieval-")
+            depths=_parse_numbers(args.retrieval_depths, "--retrieval-depths", float))
     return measure_quality, measure_speed, retrieval
 
 
+@reworded(SWEEP_PARAMETER_FLAGS)
 def run_sweep(args: argparse.Namespace) -> int:
     """Measure every point of the grid not yet in ``--out``, then draw ``--plots``."""
     from .sweep import plot_sweep, read_records
@@ -495,6 +508,20 @@ def add_needle_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def _parse_budgets(text: str) -> list[int]:
+    """``--budgets``: ``"64, 256"`` → ``[64, 256]``; :class:`UserError` for anything but positive integers."""
+    values = []
+    for item in split_list(text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise UserError(f"--budgets takes comma-separated integers (got {item!r}).") from None
+        if value < 1:
+            raise UserError(f"Every budget must be at least 1 (got {value}).")
+        values.append(value)
+    return values
+
+
 def _parse_numbers(text: str, flag: str, kind):
     """``"0, 25,50"`` → ``(0, 25, 50)`` as ``kind`` (int or float); :class:`UserError` for anything else."""
     values = []
@@ -548,6 +575,7 @@ def _check_needle_args(args: argparse.Namespace):
     return setup, cache, draft, text
 
 
+@reworded(EVAL_PARAMETER_FLAGS)
 def run_needle(args: argparse.Namespace) -> int:
     """Plant a needle at each depth of prompts of each length, ask for it greedily, score the answers."""
     from dataclasses import replace

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..engine import RunStats
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 
 TASKS = ("passkey", "multikey", "fact")
 DEFAULT_KEYS = 4
@@ -106,7 +106,7 @@ ANSWER_BRIEFLY = " Answer with the name only."
 @dataclass(frozen=True)
 class NeedleSetup:
     """What a run plants and asks: the task, the grid of lengths (tokens) × depths (percent) × trials, the seed,
-    and whether prompts are wrapped in the chat template. Bad values raise :class:`UserError` naming the flag."""
+    and whether prompts are wrapped in the chat template. Bad values raise :class:`ConfigError` naming the field."""
 
     task: str = "passkey"
     lengths: tuple[int, ...] = (1024,)
@@ -115,36 +115,31 @@ class NeedleSetup:
     keys: int | None = None  # multikey only; None there means DEFAULT_KEYS
     seed: int = 0
     chat: bool = True
-    # How the command's flags for these fields are named in messages: "" for needle's --lengths, "retrieval-" for
-    # sweep's --retrieval-lengths. Not part of what is planted or asked.
-    flag_prefix: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        task, lengths, depths, keys = (self.flag(name) for name in ("task", "lengths", "depths", "keys"))
         if self.task not in TASKS:
-            raise UserError(f"Unknown {task} {self.task!r}; choose one of {', '.join(TASKS)}.")
+            raise ConfigError("Unknown {task} {value!r}; choose one of {choices}.", value=self.task,
+                              choices=", ".join(TASKS))
         if not self.lengths:
-            raise UserError(f"{lengths} is empty; give at least one prompt length in tokens.")
+            raise ConfigError("{lengths} is empty; give at least one prompt length in tokens.")
         if min(self.lengths) < 1:
-            raise UserError(f"{lengths} are prompt lengths in tokens and must be positive (got {min(self.lengths)}).")
+            raise ConfigError("{lengths} are prompt lengths in tokens and must be positive (got {value}).",
+                              value=min(self.lengths))
         if not self.depths:
-            raise UserError(f"{depths} is empty; give at least one depth between 0 and 100 (percent).")
+            raise ConfigError("{depths} is empty; give at least one depth between 0 and 100 (percent).")
         outside = [d for d in self.depths if not 0 <= d <= 100]
         if outside:
-            raise UserError(f"{depths} are percentages of the haystack, from 0 to 100 (got {outside[0]:g}).")
+            raise ConfigError("{depths} are percentages of the haystack, from 0 to 100 (got {value:g}).",
+                              value=outside[0])
         if self.trials < 1:
-            raise UserError(f"{self.flag('trials')} must be at least 1 (got {self.trials}).")
+            raise ConfigError("{trials} must be at least 1 (got {value}).", value=self.trials)
         if self.task != "multikey":
             if self.keys is not None:
-                raise UserError(f"{keys} sets how many passkeys {task} multikey plants; drop it for {task} "
-                                f"{self.task}.")
+                raise ConfigError("{keys} sets how many passkeys {task} multikey plants; drop it for {task} {value}.",
+                                  value=self.task)
         elif not 2 <= self.key_count <= len(LOCKS):
-            raise UserError(f"{keys} must be from 2 to {len(LOCKS)} for {task} multikey (got {self.key_count}).")
-
-    def flag(self, name: str) -> str:
-        """The flag that sets field ``name`` on the command line: ``--lengths``, or ``--retrieval-lengths`` with
-        ``flag_prefix="retrieval-"``."""
-        return f"--{self.flag_prefix}{name}"
+            raise ConfigError("{keys} must be from 2 to {most} for {task} multikey (got {value}).", most=len(LOCKS),
+                              value=self.key_count)
 
     @property
     def key_count(self) -> int:
@@ -257,13 +252,13 @@ class Haystack:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def random_start(self, rng: random.Random, tokens: int, lengths_flag: str = "--lengths") -> int:
-        """A token index at a line start, chosen by ``rng``, with at least ``tokens`` tokens from there on
-        (``lengths_flag``: the flag the error for a text too short names)."""
+    def random_start(self, rng: random.Random, tokens: int) -> int:
+        """A token index at a line start, chosen by ``rng``, with at least ``tokens`` tokens from there on (a
+        :class:`ConfigError` naming ``text`` and the setup's ``lengths`` where the text is shorter)."""
         last = len(self) - tokens
         if last < 0:
-            raise UserError(f"{self.name} has {len(self)} tokens, too few for a prompt of {tokens}; choose a longer "
-                            f"--text or shorter {lengths_flag}.")
+            raise ConfigError("{name} has {count} tokens, too few for a prompt of {tokens}; choose a longer {text} "
+                              "or shorter {lengths}.", name=self.name, count=len(self), tokens=tokens)
         pick = self.starts[rng.randint(0, last)]
         return bisect.bisect_left(self.starts, self.text.rfind("\n", 0, pick) + 1)
 
@@ -337,16 +332,17 @@ def build_prompt(tokenizer, haystack: Haystack, setup: NeedleSetup, length: int,
                  trial: int) -> NeedlePrompt:
     """The prompt of one cell: ``length`` tokens (or a few short) with the needle at ``depth`` percent.
 
-    Raises :class:`UserError` when the needles, question and template leave no room for a haystack of
+    Raises :class:`ConfigError` when the needles, question and template leave no room for a haystack of
     :data:`MIN_HAYSTACK_TOKENS`, or when the text is shorter than ``length`` tokens.
     """
     rng = cell_rng(setup.seed, length, depth, trial)
     plant = make_plant(setup, depth, rng)
     overhead = len(render_prompt(tokenizer, "\n".join(plant.sentences), plant.question, setup.chat).ids)
     if length < overhead + MIN_HAYSTACK_TOKENS:
-        raise UserError(f"{setup.flag('lengths')} {length} is too short: the {setup.task} prompt without its haystack "
-                        f"already takes {overhead} tokens; give at least {overhead + MIN_HAYSTACK_TOKENS}.")
-    start = haystack.random_start(rng, length, setup.flag("lengths"))
+        raise ConfigError("{lengths} {length} is too short: the {task_name} prompt without its haystack already "
+                          "takes {overhead} tokens; give at least {least}.", length=length, task_name=setup.task,
+                          overhead=overhead, least=overhead + MIN_HAYSTACK_TOKENS)
+    start = haystack.random_start(rng, length)
     available = len(haystack) - start
     tokens = length - overhead
     tried = []

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.json")
 KINDS = ("code", "prose", "chat")
@@ -66,8 +66,8 @@ def prompt_ids(tokenizer, prompt: Prompt, context: str = "") -> list[int]:
     text = f"{context}\n\n{prompt.text}" if context else prompt.text
     if prompt.chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError(
-                "The model's tokenizer has no chat template; leave chat prompts out (--prompts code,prose).")
+            raise ConfigError("The model's tokenizer has no chat template; leave chat prompts out ({kinds} "
+                              "code,prose).")
         return list(tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
     return list(tokenizer.encode(text, add_special_tokens=True))

@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..flags import DEFAULT_GAMMA
 
 if TYPE_CHECKING:  # needle.py imports torch, which only a run needs
@@ -125,19 +125,6 @@ def split_list(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def parse_budgets(text: str) -> list[int]:
-    values = []
-    for item in split_list(text):
-        try:
-            value = int(item)
-        except ValueError:
-            raise UserError(f"--budgets takes comma-separated integers (got {item!r}).") from None
-        if value < 1:
-            raise UserError(f"Every budget must be at least 1 (got {value}).")
-        values.append(value)
-    return values
-
-
 def parse_draft(entry: str) -> tuple[str, int | None]:
     """``self`` → (``self``, None); ``self:64`` → (``self``, 64); ``model:128`` → (``model``, 128)."""
     ref, sep, tail = entry.rpartition(":")
@@ -172,24 +159,24 @@ def build_grid(
     from ..cache.retention import RETENTION_MODES
 
     if not policies:
-        raise UserError("--policies is empty; give at least one of full, window, streaming, h2o, hybrid, hybrid-age, "
-                        "hybrid-decay.")
+        raise ConfigError("{policies} is empty; give at least one of full, window, streaming, h2o, hybrid, "
+                          "hybrid-age, hybrid-decay.")
     for mode in positions:
         if mode not in POSITION_MODES:
             raise UserError(f"Unknown position mode {mode!r}; choose original and/or in-cache.")
     if kv_bytes and budgets:
-        raise UserError("Give the budgets either as --budgets or as --kv-bytes, not both.")
+        raise ConfigError("Give the budgets either as {budgets} or as {kv_bytes}, not both.")
     if any(p != "full" for p in policies) and not budgets and not kv_bytes:
-        raise UserError("--budgets is empty; a budgeted policy needs at least one budget.")
+        raise ConfigError("{budgets} is empty; a budgeted policy needs at least one budget.")
     if not kv_dtypes:
-        raise UserError("--kv-dtypes is empty; give at least one of auto, bf16, int8, int4.")
+        raise ConfigError("{kv_dtypes} is empty; give at least one of auto, bf16, int8, int4.")
     if not positions:
-        raise UserError("--positions is empty; give original and/or in-cache.")
+        raise ConfigError("{positions} is empty; give original and/or in-cache.")
     if not retentions:
-        raise UserError("--retentions is empty; give auto and/or off.")
+        raise ConfigError("{retentions} is empty; give auto and/or off.")
     for mode in retentions:
         if mode not in RETENTION_MODES:
-            raise UserError(f"Unknown retention {mode!r} in --retentions; choose auto and/or off.")
+            raise ConfigError("Unknown retention {value!r} in {retentions}; choose auto and/or off.", value=mode)
     drafts = list(drafts) or [None]
     gammas = list(gammas) or [DEFAULT_GAMMA]
     points: dict[SweepPoint, None] = {}
