@@ -69,7 +69,7 @@ def test_the_drafter_proposes_only_what_is_expected_to_pay():
     assert drafter.alpha(2) < 0.1 and drafter.propose() == []
     assert drafter.alpha(1) == 0.5  # matches of another length keep their own record
     for _ in range(30):
-        drafter._matched = 2
+        drafter._matched = (False, 2)  # a 2-token match in the own text
         drafter.update(5, 5)
     assert drafter.alpha(2) > 0.95 and drafter.propose() == [3, 4, 5, 1, 2]
     assert drafter.propose(model_gamma=3) == [3, 4, 5, 1, 2]  # a draft model at the prior α pays less

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError
 from .speedup import speculative_speedup
 
 # The shortest and longest suffixes looked up, and the most tokens one round may propose (n-gram drafting's
@@ -101,20 +101,22 @@ class NgramIndex:
 
 
 class SharedTexts:
-    """Earlier requests' text that a server's sessions draft from: the newest ``capacity`` tokens (whole texts are
-    dropped oldest first), each text kept with the ``cache_salt`` of the request that left it and matched only for
-    requests with the same salt, so that a client cannot tell from the speed of its answers what a client with
-    another salt wrote (as vLLM's prefix cache).
+    """Earlier requests' text that a server's sessions draft from: the newest ``shared_ngram_tokens`` tokens (whole
+    texts are dropped oldest first), each text kept with the ``cache_salt`` of the request that left it and matched
+    only for requests with the same salt, so that a client cannot tell from the speed of its answers what a client
+    with another salt wrote (as vLLM's prefix cache).
 
     ``match(text, salt, limit)`` gives ``(n, continuation)``: the longest suffix of ``text`` (``max_n`` down to
     ``min_n`` tokens) found in the stored texts of ``salt`` and up to ``limit`` tokens that followed its most recent
     occurrence, or ``(0, [])``.
     """
 
-    def __init__(self, capacity: int = DEFAULT_SHARED_TOKENS, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N):
-        if not 1 <= capacity <= MAX_SHARED_TOKENS:
-            raise UserError(f"shared n-gram text must hold from 1 to {MAX_SHARED_TOKENS} tokens (got {capacity}).")
-        self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
+    def __init__(self, shared_ngram_tokens: int = DEFAULT_SHARED_TOKENS, min_n: int = DEFAULT_MIN_N,
+                 max_n: int = DEFAULT_MAX_N):
+        if not 1 <= shared_ngram_tokens <= MAX_SHARED_TOKENS:
+            raise ConfigError("{shared_ngram_tokens} must be from 1 to {most} (got {value}).", most=MAX_SHARED_TOKENS,
+                              value=shared_ngram_tokens)
+        self.capacity, self.min_n, self.max_n = shared_ngram_tokens, min_n, max_n
         self._texts: OrderedDict[int, tuple[str | None, list[int]]] = OrderedDict()  # by age, oldest first
         self._next_id = 0
         self.tokens_held = 0

@@ -44,7 +44,7 @@ TEXT_INTERVAL_SECONDS = 0.025
 # The library's parameters (errors.ConfigError) as the server's user names them: a request's fields for what a
 # request sets (GenerationRequest), the server's start flags for the rest.
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
-SERVER_NAMES = {**PARAMETER_FLAGS, **REQUEST_FIELDS}
+SERVER_NAMES = {**PARAMETER_FLAGS, **REQUEST_FIELDS, "shared_ngram_tokens": "--ngram-shared-tokens"}
 
 
 class QueueFull(Exception):
