@@ -324,7 +324,7 @@ def render_prompt(tokenizer, document: str, question: str, chat: bool) -> _Rende
     at = text.find(content)
     if at < 0:
         raise UserError("The model's chat template rewrites the message text, so the needle cannot be located; "
-                        "run with --no-chat.")
+                        "run it without the chat template.")
     return _Rendered(ids, starts, at + len(INTRO) + 2)
 
 
