@@ -198,6 +198,23 @@ def native_kernels():
     pytest.skip(f"native kernels unavailable here ({reason})")
 
 
+# What a test needs, marked from the fixtures it takes (and, for the HTTP server, its module), so that an inner loop
+# can leave out what is slow to set up: `pytest -m "not model and not server"` (README, "Tests").
+NEEDS_FETCHED_WEIGHTS = {"smollm2_path", "smollm2_f32", "smollm2_default", "tiny_loaded"}
+SERVER_MODULES = {"test_serve", "test_serve_guard"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & NEEDS_FETCHED_WEIGHTS:
+            item.add_marker(pytest.mark.model)
+        if "native_kernels" in fixtures:
+            item.add_marker(pytest.mark.native)
+        if item.module is not None and item.module.__name__.rpartition(".")[2] in SERVER_MODULES:
+            item.add_marker(pytest.mark.server)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test of int8 / int4 KV entries that met the arena's refusal (the native kernels store them alone) is
