@@ -304,6 +304,9 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int h0, int r0, const A
     for (int h = 0; h < H; ++h) {
       const int h8 = 8 * (h0 + h);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 2 * h8)));
+      const __m256 neg_dmin = TYPE == Q4_K_T16 ? _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                                     (const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f))
+                                               : _mm256_setzero_ps();
       // The offsets' scales, a pair per lane: Q4_K mn of sub-blocks 2q, 2q + 1; Q6_K sc of groups 2q, 2q + 1.
       __m256i offset_scales[n_pairs];
       for (int q = 0; q < n_pairs; ++q) {
@@ -324,8 +327,6 @@ inline void tile_pass(const uint8_t* tile, int n_chunks, int h0, int r0, const A
         const __m256 D = _mm256_set1_ps(act.d256[r * per_row256 + ch]);
         if constexpr (TYPE == Q4_K_T16) {
           acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][i]), _mm256_mul_ps(d, D), acc[h][i]);
-          const __m256 neg_dmin = _mm256_xor_ps(
-              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(chunk + 32 + 2 * h8))), _mm256_set1_ps(-0.0f));
           off[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(osum), _mm256_mul_ps(neg_dmin, D), off[h][i]);
         } else {  // isum = sum_g sc_g dot_g - 32 sum_g sc_g b_g
           const __m256i exact = _mm256_sub_epi32(isum[h][i], _mm256_slli_epi32(osum, 5));
