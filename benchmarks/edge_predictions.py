@@ -6,12 +6,12 @@ device's SRAM), ``speculative`` (draft model, full target cache) and ``combined`
 the acceptance measured on this machine (``--acceptance``, per-token α) and the best γ for that device. The
 weights are the GGUF files' own blocks (the engine's native format: their bytes by block type from the headers;
 no weights are loaded). Prints a Markdown table and appends one JSON line per row to ``--out``
-(results/edge_predictions/edge_predictions.jsonl); ``--readme`` prints only the README's table (the 1.5B with the
+(results/edge_predictions/edge_predictions.jsonl); ``--readme`` prints only the guide's edge table (the 1.5B with the
 0.5B draft at 8k tokens) and writes nothing.
 
     python benchmarks/edge_predictions.py                    # all packaged devices except host
     python benchmarks/edge_predictions.py --devices host     # this machine's calibrated profile
-    python benchmarks/edge_predictions.py --readme           # the README's edge table
+    python benchmarks/edge_predictions.py --readme           # the guide's edge table (docs/guide.md)
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=DEFAULT_GAMMA,
                         help="γ of the speculative columns (default: %(default)s, the engine's)")
     parser.add_argument("--out", type=Path, default=results_dir(__file__) / "edge_predictions.jsonl")
-    parser.add_argument("--readme", action="store_true", help="print only the README's table, write nothing")
+    parser.add_argument("--readme", action="store_true",
+                        help="print only the guide's edge table (docs/guide.md), write nothing")
     args = parser.parse_args()
     devices = args.devices.split(",") if args.devices else [n for n in list_profiles() if n != "host"]
     configs, native = {}, {}
@@ -109,7 +110,7 @@ def native_options(target: str, draft: str | None, native: dict, args, context: 
 
 
 def print_readme_table(devices: list[str], configs: dict, native: dict, args) -> None:
-    """The README's edge table: the first scenario at README_CONTEXT tokens, tok/s of each mode per device."""
+    """The guide's edge table (docs/guide.md, "The edge simulator"): the first scenario at README_CONTEXT tokens, tok/s of each mode per device."""
     label, target, draft = SCENARIOS[0]
     print(f"| device ({label}, {README_CONTEXT:,} tokens, α = {args.acceptance}, γ = {args.gamma}) | full cache | "
           f"hybrid {args.budget} | draft, full cache | draft + hybrid {args.budget} |")
