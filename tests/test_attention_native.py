@@ -396,9 +396,10 @@ NEVER = torch.iinfo(torch.int32).max
 
 
 def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, recent_window=0, **overrides):
-    """Keyword arguments of a valid :func:`kernels.arena_attention` call: a one-layer arena whose first
-    ``committed`` slots hold positions 0, 1, ... (alive, random scores), ``n_rows`` rows entering after them in the
-    in-cache mode with a hybrid policy whose budget makes every row evict; ``overrides`` replace any of them."""
+    """The arena, block and rows of a valid :func:`kernels.arena_attention` call (:func:`_attend` makes it): a
+    one-layer arena whose first ``committed`` slots hold positions 0, 1, ... (alive, random scores), ``n_rows`` rows
+    entering after them in the in-cache mode with a hybrid policy whose budget makes every row evict; ``overrides``
+    replace any of them."""
     gen = torch.Generator().manual_seed(0)
     cap = committed + n_rows + 2
     entry, store = (head_dim * code_bits // 8, torch.uint8) if code_bits else (head_dim, torch.float32)
@@ -420,13 +421,31 @@ def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, re
     return args
 
 
+def _attend(args: dict) -> torch.Tensor:
+    """:func:`kernels.arena_attention` on :func:`_op_args`: the arena's handle (checked as it is made), then the
+    block's pass over layer ``layer``."""
+    a = dict(args)
+    scores = a.pop("scores")
+    arena = kernels.native_arena(
+        a["q"].shape[-1], a.pop("keys"), a.pop("values"), a.pop("positions"), a.pop("evicted_at"), scores,
+        None if scores is None else torch.zeros_like(scores), a.pop("row_scores"), a.pop("key_params", None),
+        a.pop("value_params", None), a.pop("code_bits"), a.pop("key_offset", None), a.pop("recent_keys", None),
+        a.pop("recent_values", None), a.pop("recent_window"), a.pop("sinks"), a.pop("heavy"), a.pop("window"),
+        a.pop("age_normalised", False), a.pop("score_decay", 1.0), a.pop("scale"))
+    budget = a.pop("budget")
+    arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
+                  a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
+                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"))
+    return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v"))
+
+
 def test_the_checks_pass_the_valid_calls_the_tests_below_break():
     args = _op_args()
-    out = kernels.arena_attention(**args)
+    out = _attend(args)
     assert out.shape == (2, 4 * 8) and torch.isfinite(out).all()
     assert set(args["evicted_at"].unique().tolist()) == {0, 1, NEVER}  # both rows evicted
     windowed = _op_args(committed=4, code_bits=4, recent_window=8, in_cache=False)
-    assert torch.isfinite(kernels.arena_attention(**windowed)).all()
+    assert torch.isfinite(_attend(windowed)).all()
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -440,7 +459,7 @@ def test_the_checks_pass_the_valid_calls_the_tests_below_break():
         "per-row-without-budget"])
 def test_integers_the_op_would_misuse_are_errors(args, says):
     with pytest.raises(RuntimeError, match=says):
-        kernels.arena_attention(**args())
+        _attend(args())
 
 
 @pytest.mark.parametrize("position", [-1, 100])
@@ -454,7 +473,7 @@ def test_a_slot_outside_the_rows_positions_is_an_error(reader, position):
         args = _op_args(committed=4, code_bits=4, recent_window=8, in_cache=False)
     args["positions"][0, 1, 2] = position
     with pytest.raises(RuntimeError, match=f"slot 2 of KV head 1 holds position {position}, outside"):
-        kernels.arena_attention(**args)
+        _attend(args)
 
 
 @pytest.mark.parametrize("age_normalised", [False, True])
@@ -463,4 +482,20 @@ def test_a_nan_heavy_hitter_score_is_an_error(age_normalised):
     args = _op_args(age_normalised=age_normalised)
     args["scores"][0, 0, 3] = float("nan")
     with pytest.raises(RuntimeError, match="score of slot 3 of KV head 0 is NaN"):
-        kernels.arena_attention(**args)
+        _attend(args)
+
+
+@pytest.mark.parametrize(("counts", "says"), [
+    ((0, 3, 2, 3), "more rows accepted than are in flight"),
+    ((8, 0, 20, 8), "past the arena's capacity"),
+    ((0, 2, 2, 3), "more survivors than entries"),
+    ((0, 1, 2, 1), "past the rows that keep score snapshots"),
+    ((0, 2, 2, 1), "keeps another number of entries than 1"),
+], ids=["rows-past-inflight", "past-capacity", "survivors-past-entries", "no-snapshot", "survivors-disagree"])
+def test_a_commit_the_arena_cannot_make_is_an_error(counts, says):
+    """The native commit checks the counts it is given against the arena (and each KV head's survivors against the
+    caller's) instead of reading or writing past its buffers."""
+    policy = make_policy("hybrid", 6, sinks=1, heavy=2)
+    arena = KVArena(tiny_config(), policy, dtype=torch.float32, max_block=4, max_inflight=1)
+    with pytest.raises(RuntimeError, match=says):
+        arena._handle().commit(*counts)

@@ -246,16 +246,20 @@ def test_default_configuration_speculative_equals_autoregressive(smollm2_default
     target_policy = make_policy(name, spec.pop("budget", None), **spec)
     draft_policy = make_policy("streaming", 12, sinks=2)
     positions = mode if not target_policy.is_full else "original"
-    targets, laid_out = [], []  # the target's commits that moved two or more accepted rows into evicted slots
-    moves = KVArena._moves_row_by_row
+    targets, laid_out = [], []  # the target's commits of two or more rows that moved an accepted row
+    commit = KVArena.commit
 
     def spy(self, n_rows):
-        to, source = moves(self, n_rows)
-        if any(self is t for t in targets) and to[0].numel():
-            laid_out.append(n_rows)
-        return to, source
+        first_slot, first_position = self.n_committed, self.next_position
+        commit(self, n_rows)
+        if n_rows >= 2 and any(self is t for t in targets):
+            accepted = torch.arange(first_position, first_position + n_rows)
+            kept = self.positions[..., : self.n_committed]  # [L, n_kv, survivors]
+            slot, row = (kept[..., :, None] == accepted).nonzero(as_tuple=True)[-2:]
+            if bool((slot != first_slot + row).any()):
+                laid_out.append(n_rows)
 
-    monkeypatch.setattr(KVArena, "_moves_row_by_row", spy)
+    monkeypatch.setattr(KVArena, "commit", spy)
 
     def arena(policy, inflight):
         return KVArena(model.config, policy, dtype=model.dtype, max_tokens=128, max_block=8, max_inflight=inflight,

@@ -27,7 +27,8 @@ Life of a block of T new tokens (rows):
    are undone and the buffers are compacted: surviving staged slots move into the holes left by evicted ones,
    row by row as one-row commits would place them, so the layout depends on the committed entries alone, not on
    how blocks delivered them. Slots are therefore not ordered by position; every rule here works from the stored
-   positions.
+   positions. The commit runs in native code (``kernels/csrc/arena.h``), where the attention op finds the same
+   layout rule (a verification row reads the slots in the order the commits before it would leave them).
 
 Prefill chunks may instead evict once per block (``per_block=True``): all rows of the chunk see the cache as it
 was before the chunk plus the causal part of the chunk, and eviction down to the budget happens at its end. This
@@ -247,7 +248,7 @@ class KVArena:
 
     def _allocate_slot_metadata(self) -> None:
         """(Re)build the per-slot bookkeeping for ``self.capacity`` slots, all empty."""
-        self._native = None  # the native pass's view of the buffers, made again for the new ones (native_pass)
+        self._native = None  # the native view of the buffers, made again for the new ones (_handle)
         shape = (self.config.num_hidden_layers, self.config.num_key_value_heads, self.capacity)
         self.positions = torch.zeros(shape, dtype=torch.int64)
         self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
@@ -257,6 +258,10 @@ class KVArena:
             # Scores after each in-flight row that a partial commit can end on (never the last possible row).
             self.row_scores = torch.zeros(max(self.max_inflight - 1, 0), *shape, dtype=torch.float32)
         self._slot_index = torch.arange(self.capacity)
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``) gets buffers of its own: its native view is made again for them."""
+        return {**self.__dict__, "_native": None}
 
     def _resize(self, capacity: int) -> None:
         """Reallocate every per-slot buffer with ``capacity`` slots, keeping the committed entries (nothing may be
@@ -438,28 +443,37 @@ class KVArena:
         return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
                          cos, sin, table_offset, snapshots)
 
-    def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
-        """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
-        the pass being this arena's buffers with :class:`BlockPass`'s fields, the route each model layer's place in
-        it; None where a layer needs more than the native op (a retention selection, recall from the cold tier) or
-        the native kernels are not built."""
-        block = self._pass
-        if not self.native_attention or self._block_mode == "select" or (self.cold is not None and
-                                                                          not block.per_block):
-            return None
+    def _handle(self):
+        """The native view of this arena's buffers and policy (``kernels.native_arena``), made again after every
+        reallocation."""
         if self._native is None:
             policy = self.policy
+            scores = (self.scores, self.committed_scores, self.row_scores) if policy.needs_scores else (None,) * 3
             self._native = kernels.native_arena(
-                self.config.head_dim, self.keys, self.values, self.positions, self.evicted_at,
-                self.scores if policy.needs_scores else None, self.row_scores if policy.needs_scores else None,
+                self.config.head_dim, self.keys, self.values, self.positions, self.evicted_at, *scores,
                 self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
                 self.recent_keys if self.recent_window else None, self.recent_values if self.recent_window else None,
                 self.recent_window, policy.sinks, policy.heavy, policy.window, policy.age_normalised,
                 policy.score_decay, self.scale)
-        arena_pass = (self._native, block.start, block.first, block.visible_before, block.first_position,
-                      block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
-                      block.cos, block.sin, block.table_offset)
-        return [arena_pass], self._route
+        return self._native
+
+    def arena_pass(self) -> tuple:
+        """The open block as the native code takes it (``kernels.arena_attention``, the native pass): this arena's
+        handle with :class:`BlockPass`'s fields."""
+        block = self._pass
+        return (self._handle(), block.start, block.first, block.visible_before, block.first_position,
+                block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
+                block.cos, block.sin, block.table_offset)
+
+    def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
+        """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
+        the route each model layer's place in it; None where a layer needs more than the native op (a retention
+        selection, recall from the cold tier) or the native kernels are not built."""
+        block = self._pass
+        if not self.native_attention or self._block_mode == "select" or (self.cold is not None and
+                                                                          not block.per_block):
+            return None
+        return [self.arena_pass()], self._route
 
     @property
     def _route(self) -> list[tuple[int, int]]:
@@ -529,69 +543,12 @@ class KVArena:
         self.commit(0)
 
     def _compact(self, n_rows: int, extent: int, survivors: int) -> None:
+        """Keep the first ``n_rows`` in-flight rows, ``survivors`` entries in all: what they evicted moves to the cold
+        tier (with recall), the rest is the native commit's (``kernels/csrc/arena.h``: scores restored to the last
+        accepted row's, the survivors laid out as one-row commits would lay them out, every slot alive again)."""
         if self.cold is not None and extent > survivors:
             self._retire(n_rows, extent, extent - survivors)
-        if self.policy.needs_scores:
-            if n_rows == self.n_inflight:
-                final = self.scores
-            elif n_rows:
-                final = self.row_scores[n_rows - 1]
-            else:
-                final = self.committed_scores
-            if final is not self.scores:
-                self.scores[..., :extent] = final[..., :extent]
-        if n_rows == 1 or self._per_block_inflight:
-            # Holes: dead slots below the new end; movers: live slots at or beyond it. Every (layer, head) has the
-            # same number of each, and nonzero() lists them in the same (layer, head) order, so they pair up.
-            alive = self.evicted_at[..., :extent] >= n_rows  # alive after the last accepted row
-            holes = (~alive[..., :survivors]).nonzero(as_tuple=True)
-            movers = alive[..., survivors:].nonzero(as_tuple=True)
-            moves = holes, (movers[0], movers[1], movers[2] + survivors)
-        else:
-            moves = self._moves_row_by_row(n_rows)
-        if moves[0][0].numel():
-            tensors = [*self._keys.tensors, *self._values.tensors, self.positions]
-            if self.policy.needs_scores:
-                tensors.append(self.scores)
-            for t in tensors:
-                t[moves[0]] = t[moves[1]]
-        if self.policy.needs_scores:
-            self.committed_scores[..., :survivors] = self.scores[..., :survivors]
-        self.evicted_at[..., :extent].fill_(NEVER)
-
-    def _moves_row_by_row(self, n_rows: int):
-        """(to, from) slot indices that lay out the first ``n_rows`` in-flight rows of row-by-row blocks as
-        ``n_rows`` one-row commits would: each row in the slot of the entry it evicted (if that entry was an earlier
-        in-flight row, in the slot that row was given), or after the arena's entries if it evicted none. The layout,
-        and so the order in which the attention op reads the slots, is then a function of the committed entries
-        alone, whatever mix of blocks produced them; the op reads a verification block's rows in the same order
-        (``kernels/csrc/attention.h``). Each row of a row-by-row block evicts at most one entry per KV head."""
-        committed = self.n_committed
-        departed = self.evicted_at[..., :committed + n_rows]
-        layer, head, slot = (departed < n_rows).nonzero(as_tuple=True)
-        row = departed[layer, head, slot].long()
-        evicted = torch.full((*departed.shape[:2], n_rows), -1, dtype=torch.int64)  # [L, n_kv, rows] slot or -1
-        evicted[layer, head, row] = slot
-        evicts = evicted >= 0
-        evicting = evicts.all(dim=1).all(dim=0).tolist()  # per row: every KV head evicted one entry
-        if slot.numel() != int(evicts.sum()) or bool((evicts != torch.tensor(evicting)).any()):
-            raise ValueError("a row of a row-by-row block evicted more than one entry, or not in every KV head")
-        hit_staged = (evicted >= committed).any(dim=1).any(dim=0).tolist()
-        place = evicted.clone()  # where each row stands after the one-row commits up to it
-        end = committed  # places filled so far
-        for r in range(n_rows):
-            if not evicting[r]:
-                place[..., r] = end
-                end += 1
-            elif hit_staged[r]:  # a staged row was evicted (or the row itself): its place
-                place[..., r] = end
-                gone = evicted[..., r]
-                from_row = place.gather(-1, (gone - committed).clamp(0, r).unsqueeze(-1)).squeeze(-1)
-                place[..., r] = torch.where(gone < committed, gone, from_row)
-        rows = torch.arange(committed, committed + n_rows)
-        kept = (departed[..., committed:] >= n_rows) & (place != rows)
-        layer, head, row = kept.nonzero(as_tuple=True)
-        return (layer, head, place[layer, head, row]), (layer, head, row + committed)
+        self._handle().commit(self.n_committed, n_rows, self.n_inflight, survivors)
 
     # ------------------------------------------------------------------------------------------------- recall
     def _departed(self, evicted_at: torch.Tensor, positions: torch.Tensor, before_row: int, n: int) -> torch.Tensor:
@@ -677,7 +634,7 @@ class KVArena:
         # log-sum-exps for the merge.
         lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not block.per_block else None
         if self.native_attention:
-            out = self._attend_native(layer, q, k, v, block, lse)
+            out = self._attend_native(layer, q, k, v, lse)
         else:
             out = fallback.attend(self, layer, q, k, v, first=first, start=start, visible_before=visible_before,
                                   per_block=block.per_block, per_row=block.per_row, budget=block.budget, lse=lse)
@@ -687,27 +644,11 @@ class KVArena:
             out = self._recall(layer, q, out, lse, first, start, visible_before, block.per_row)
         return out
 
-    def _attend_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: "BlockPass",
+    def _attend_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        lse: torch.Tensor | None = None) -> torch.Tensor:
         """The block's rows through the native op, which also stores them: ``[T, n_heads * head_dim]`` in the dtype
-        of ``q``, scores and evictions as ``fallback.attend``'s; each row's log-sum-exps into ``lse [T, n_heads]``
-        if given."""
-        scores = row_scores = None
-        if self.policy.needs_scores:
-            scores, row_scores = self.scores, self.row_scores
-        policy = self.policy
-        return kernels.arena_attention(
-            q, k, v, self.keys, self.values, self.positions, self.evicted_at, scores, row_scores, block.cos,
-            block.sin, table_offset=block.table_offset, in_cache=block.in_cache, layer=layer, start=block.start,
-            first=block.first, visible_before=block.visible_before, first_position=block.first_position,
-            snapshots=block.snapshots, per_row=block.per_row, budget=block.budget, sinks=policy.sinks,
-            heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
-            score_decay=policy.score_decay, scale=self.scale, key_params=self._keys.params,
-            value_params=self._values.params, code_bits=self._keys.bits or 0, key_offset=self._keys.offset,
-            recent_keys=self.recent_keys if self.recent_window else None,
-            recent_values=self.recent_values if self.recent_window else None, recent_window=self.recent_window,
-            row_lse=lse,
-        )
+        of ``q``; each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
+        return kernels.arena_attention(self.arena_pass(), layer, q, k, v, lse)
 
     def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
         """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""

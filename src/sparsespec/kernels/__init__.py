@@ -21,8 +21,10 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
   weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
   of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
-* ``arena_attention(...) -> [T, n_heads * head_dim]``: a block of rows entering one layer of the KV arena (RoPE,
-  stored keys and values) and attending over it, with the cache policy's scores and evictions
+* ``native_arena(...)``: a KV arena's buffers and policy, checked once, as a handle; its ``commit`` accepts
+  in-flight rows and compacts the buffers (``csrc/arena.h``).
+* ``arena_attention(arena pass, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
+  the KV arena (RoPE, stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
   steps never depend on the rows beside it.
 * ``rms_norm(x, weight, eps)`` and ``gated(gate_up, gelu)``: the decoder's element-wise steps in one op each (the
@@ -47,7 +49,7 @@ SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
     "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp", "project.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
-    "norm.cpp", "recall.cpp", "model.cpp",
+    "norm.cpp", "recall.cpp", "arena.cpp", "model.cpp",
 )
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON, ISA_AMX = -1, 0, 1, 2, 3, 4
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
@@ -245,59 +247,34 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.T
     return _load().gguf_dequantize(weight, ggml_type, k, index)
 
 
-def arena_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    positions: torch.Tensor, evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
-    cos: torch.Tensor, sin: torch.Tensor, *, table_offset: int, in_cache: bool, layer: int, start: int, first: int,
-    visible_before: int, first_position: int, snapshots: int, per_row: bool, budget: int | None, sinks: int,
-    heavy: int, window: int, scale: float, age_normalised: bool = False, score_decay: float = 1.0,
-    key_params: torch.Tensor | None = None,
-    value_params: torch.Tensor | None = None, code_bits: int = 0, key_offset: torch.Tensor | None = None,
-    recent_keys: torch.Tensor | None = None, recent_values: torch.Tensor | None = None, recent_window: int = 0,
-    row_lse: torch.Tensor | None = None, isa: int = ISA_AUTO,
-) -> torch.Tensor:
+def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    row_lse: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
     The op stores the rows (keys rotated by true position in the original mode, else as given; values; positions
     ``first_position + i``; alive; scores 0) at slots ``[start, start + T)``, rotates the queries (true position, or
     rank in the cache: the tokens visible before the row), and attends: row ``i`` sees the slots ``s <= start + i``
     that are alive; after it (``per_row``) or after the block (if ``visible_before + T`` exceeds ``budget``) the
-    policy's evictions are marked in ``evicted_at`` with the in-flight row index ``first + i``.
+    policy's evictions are marked in ``evicted_at`` with the in-flight row index ``first + i``; row ``i``'s scores go
+    to ``row_scores[first + i]`` for ``i < snapshots``. Quantized entries are written as ``quant.quantize`` writes
+    them and read as ``fma(code, scale, zero)`` (plus the key offset) in float32; with a full-precision window, each
+    new row is also kept in the ring at ``position % R`` and row ``i`` reads the entries of positions above
+    ``first_position + i - recent_window`` from there (its block's own rows from the block).
 
     Args:
+        arena_pass: ``(arena, start, first, visible_before, first_position, snapshots, per_row, budget, in_cache,
+            cos, sin, table_offset)`` as ``KVArena.arena_pass`` makes it: the :func:`native_arena` handle, the
+            block's slots and in-flight rows, whether the policy evicts after every row, the budget (-1: the full
+            cache), the position mode, and the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset``
+            serves position (or rank) ``p``.
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
-        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16, the whole arena; or, with
-            ``code_bits`` 8 or 4, uint8 codes ``[n_layers, n_kv, capacity, head_dim * code_bits / 8]`` and their
-            float16 ``key_params`` / ``value_params`` ``[n_layers, n_kv, capacity, head_dim / group, 2]`` as
-            ``cache/quant.py`` stores them (the op quantizes the new rows as ``quant.quantize`` does and reads an
-            entry as ``fma(code, scale, zero)`` in float32).
-        key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
-            it and read as ``fma(code, scale, zero) + offset`` in float32 (``quant.KVStore``'s offset).
-        recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
-            (quantized entries only): the full-precision window. Every new row is also kept there, at row
-            ``position % R``, as the entries of an unquantized arena would hold it (keys rotated in the original
-            mode, else as given, offset in); row ``i`` reads the entries of positions above ``first_position + i -
-            recent_window`` from there (its block's own rows from the block) instead of from their codes.
-        positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape; both updated.
-        scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores, updated (``None`` without heavy hitters).
-        row_scores: ``[r, n_layers, n_kv, capacity]`` float32: row ``i``'s scores go to ``row_scores[first + i]``
-            for ``i < snapshots``.
-        cos, sin: ``[P, head_dim]`` float32 RoPE tables; row ``p - table_offset`` serves position or rank ``p``.
-        first_position: true position of the block's first row; ``budget``: None for the full cache.
-        age_normalised: rank heavy hitters by score per row that saw them (``hybrid-age``), else by score.
-        score_decay: every row multiplies the scores by it before adding its attention (``hybrid-decay``).
         row_lse: float32 ``[T, n_heads]`` or None: receives each row's log-sum-exp of its scaled logits per query
             head (what lets a caller merge this attention with attention over other entries, ``cache/recall.py``).
 
     Returns:
         ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
     """
-    return _load().arena_attention(
-        q, k, v, keys, values, positions, evicted_at, scores, row_scores, cos, sin, table_offset, in_cache, layer,
-        start, first, visible_before, first_position, snapshots, per_row, -1 if budget is None else budget, sinks,
-        heavy, window, age_normalised, score_decay, scale, key_params, value_params, code_bits, key_offset,
-        recent_keys, recent_values, recent_window, row_lse, isa,
-    )
+    return _load().arena_attention(arena_pass, layer, q, k, v, row_lse, isa)
 
 
 def recall_attention(
@@ -331,17 +308,33 @@ def recall_attention(
 
 
 def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 evicted_at: torch.Tensor, scores: torch.Tensor | None, row_scores: torch.Tensor | None,
-                 key_params: torch.Tensor | None, value_params: torch.Tensor | None, code_bits: int,
-                 key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None, recent_values: torch.Tensor | None,
-                 recent_window: int, sinks: int, heavy: int, window: int, age_normalised: bool, score_decay: float,
-                 scale: float):
-    """A KV arena's buffers (all layers) and policy as the native pass reads them: the tensors and values
-    :func:`arena_attention` takes, checked once (they must outlive the handle; the arena makes a new one when it
-    reallocates)."""
-    return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, row_scores, key_params,
-                                value_params, code_bits, key_offset, recent_keys, recent_values, recent_window, sinks,
-                                heavy, window, age_normalised, score_decay, scale)
+                 evicted_at: torch.Tensor, scores: torch.Tensor | None, committed_scores: torch.Tensor | None,
+                 row_scores: torch.Tensor | None, key_params: torch.Tensor | None, value_params: torch.Tensor | None,
+                 code_bits: int, key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None,
+                 recent_values: torch.Tensor | None, recent_window: int, sinks: int, heavy: int, window: int,
+                 age_normalised: bool, score_decay: float, scale: float):
+    """A KV arena's buffers (all layers) and policy as the native code reads them, checked once (the tensors must
+    outlive the handle; the arena makes a new one when it reallocates). :func:`arena_attention` and the native pass
+    attend through it; its ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows``
+    in-flight rows and compacts the buffers (``csrc/arena.h``).
+
+    Args:
+        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16; or, with ``code_bits`` 8 or 4,
+            uint8 codes ``[n_layers, n_kv, capacity, head_dim * code_bits / 8]`` and their float16 ``key_params`` /
+            ``value_params`` ``[n_layers, n_kv, capacity, head_dim / group, 2]`` as ``cache/quant.py`` stores them.
+        positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape.
+        scores, committed_scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores and those the last
+            commit left (None without heavy hitters); ``row_scores``: ``[r, n_layers, n_kv, capacity]`` the
+            snapshots a partial commit ends on.
+        key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
+            it and read plus it (``quant.KVStore``'s offset).
+        recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
+            (quantized entries only): the full-precision window's ring.
+        sinks, heavy, window, age_normalised, score_decay: the policy (``cache/policy.py``); scale: the attention's.
+    """
+    return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, committed_scores, row_scores,
+                                key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
+                                recent_window, sinks, heavy, window, age_normalised, score_decay, scale)
 
 
 def native_model(spec: dict):

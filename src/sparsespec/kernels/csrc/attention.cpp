@@ -2,6 +2,7 @@
 // of attention.h, heavy-hitter scores and their per-row snapshots, and the policy's evictions
 // (sparsespec/cache/policy.py: choose_evictions), row by row as the arena's torch path does.
 #include "attention.h"
+#include "arena.h"
 #include "parallel.h"
 #include "elementwise.h"
 
@@ -92,41 +93,6 @@ std::vector<int> evict(const AttnBlock& b, int h, int last, int64_t newest, int 
   for (int s : candidates) evicted_at[s] = row;
   return candidates;
 }
-
-// The reading order of a row-by-row block's rows in one KV head (attention.h): slot_of lists the arena slot at each
-// place of an autoregressive step's arena, the row's own last; commit_row() moves the entries as that step's
-// commit would (cache/arena.py: KVArena._compact): of the n + 1 places, the n_after that stay are the first ones,
-// each evicted place below n_after taken, in order, by the next surviving entry from n_after up.
-struct ReadingOrder {
-  std::vector<int32_t> slot_of;  // [start + T] arena slot at each place
-  std::vector<int32_t> place;    // [start + T] place of each arena slot
-  int start = 0, n = 0;          // the block's first slot; places filled before the next row
-
-  ReadingOrder(int start_, int T) : slot_of((std::size_t)start_ + T), place(slot_of.size()), start(start_), n(start_) {
-    for (int s = 0; s < start; ++s) slot_of[s] = place[s] = s;
-  }
-  // Before row i attends: the row at the next place, which is the last it reads.
-  int add_row(int i) {
-    slot_of[n] = start + i;
-    place[start + i] = n;
-    return n;
-  }
-  // After the row added last evicted the arena slots `evicted`.
-  void commit_row(const std::vector<int>& evicted) {
-    std::vector<int> gone;
-    for (int s : evicted) gone.push_back(place[s]);
-    std::sort(gone.begin(), gone.end());
-    const int n_after = n + 1 - (int)gone.size();
-    std::size_t hole = 0;  // the holes are gone's entries below n_after: as many as the movers
-    for (int from = n_after; from <= n; ++from) {
-      if (std::binary_search(gone.begin(), gone.end(), from)) continue;
-      const int to = gone[hole++];
-      slot_of[to] = slot_of[from];
-      place[slot_of[to]] = to;
-    }
-    n = n_after;
-  }
-};
 
 // out = x * cos + rotate_half(x) * sin for one head vector; bf16: tables, products and sum rounded to bfloat16.
 void rope(const float* x, const float* c, const float* s, int hd, bool bf16, float* out) {

@@ -20,8 +20,8 @@
 //
 // Reading order. A row reads the slots it sees in slot order, except in a row-by-row block (per_row, T > 1: a
 // verification block), whose row i reads them in the order an autoregressive step at its position would find them
-// in: each earlier row of the block in the slot of the entry it evicted, as the arena's compaction puts a committed
-// row (cache/arena.py: KVArena.commit), the row itself last. The steps below then add the same terms in the same
+// in: each earlier row of the block in the slot of the entry it evicted, as the arena's commit puts a committed
+// row (arena.h: ReadingOrder, commit_arena), the row itself last. The steps below then add the same terms in the same
 // order as that step, so a verification row's output, scores and evictions equal the autoregressive step's bit for
 // bit. In a block that starts from a committed state the first rows' reading order is the slot order, unchanged.
 //
@@ -187,8 +187,9 @@ void stage_rows(const StageRows& st, const AttnBlock& b);
 
 // One KV arena's memory for all its layers, and its policy (cache/arena.py): what stays the same from pass to pass.
 // Per layer as AttnBlock describes one: keys, values [L, n_kv, cap, hd] (float32, bfloat16, or codes with params
-// [L, n_kv, cap, hd / code_group, 2]); key_offset [L, n_kv, hd] or null; positions, evicted_at, scores
-// [L, n_kv, cap] (scores null without heavy hitters); row_scores [row_score_rows, L, n_kv, cap] or null; the
+// [L, n_kv, cap, hd / code_group, 2]); key_offset [L, n_kv, hd] or null; positions, evicted_at, scores,
+// committed_scores (the scores as the last commit left them) [L, n_kv, cap] (both scores null without heavy
+// hitters); row_scores [row_score_rows, L, n_kv, cap] or null; the
 // full-precision ring [L, n_kv, recent_slots, hd] or null (recent_window 0).
 struct ArenaStorage {
   int n_layers = 0, n_kv = 0, cap = 0, hd = 0;
@@ -202,6 +203,7 @@ struct ArenaStorage {
   int64_t* positions = nullptr;
   int32_t* evicted_at = nullptr;
   float* scores = nullptr;
+  float* committed_scores = nullptr;
   float* row_scores = nullptr;
   int row_score_rows = 0;
   void* recent_keys = nullptr;

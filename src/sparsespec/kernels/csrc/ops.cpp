@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "arena.h"
 #include "attention.h"
 #include "elementwise.h"
 #include "fmatmul.h"
@@ -112,21 +113,23 @@ std::vector<float> widened(const at::Tensor& t) {
 // [L, n_kv, cap, hd] float32 or bfloat16, or (code_bits 8 or 4) uint8 codes [L, n_kv, cap, hd * code_bits / 8] with
 // key_params, value_params [L, n_kv, cap, hd / group, 2] float16, key_offset [L, n_kv, hd] float32 or None
 // (quantized keys are stored minus it and read plus it); positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap]
-// int32; scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores [R, L, n_kv, cap] float32 or
-// None; recent_keys, recent_values [L, n_kv, R', hd] float32 or bfloat16 (quantized entries with a full-precision
+// int32; scores, committed_scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
+// [R, L, n_kv, cap] float32 or None; recent_keys, recent_values [L, n_kv, R', hd] float32 or bfloat16 (quantized entries with a full-precision
 // window of recent_window > 0 positions). The policy: sinks, heavy, window, age_normalised (hybrid-age: heavy
 // hitters ranked by score / age), score_decay (hybrid-decay: every row multiplies the scores by it first; 1
 // elsewhere), and the attention's scale. hd: the heads' size (the codes' width says it only with hd).
 ArenaStorage arena_storage(const char* op, int64_t hd, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& positions, const at::Tensor& evicted_at,
-                           const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& row_scores,
-                           const c10::optional<at::Tensor>& key_params, const c10::optional<at::Tensor>& value_params,
-                           int64_t code_bits, const c10::optional<at::Tensor>& key_offset,
+                           const c10::optional<at::Tensor>& scores,
+                           const c10::optional<at::Tensor>& committed_scores,
+                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& key_params,
+                           const c10::optional<at::Tensor>& value_params, int64_t code_bits, const c10::optional<at::Tensor>& key_offset,
                            const c10::optional<at::Tensor>& recent_keys,
                            const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t sinks,
                            int64_t heavy, int64_t window, bool age_normalised, double score_decay, double scale) {
   check_cpu(op, {&keys, &values, &positions, &evicted_at});
-  for (const auto* t : {&scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys, &recent_values})
+  for (const auto* t : {&scores, &committed_scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys,
+                        &recent_values})
     if (t->has_value()) check_cpu(op, {&t->value()});
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
@@ -182,6 +185,11 @@ ArenaStorage arena_storage(const char* op, int64_t hd, const at::Tensor& keys, c
                     scores->sizes() == at::IntArrayRef({a.n_layers, a.n_kv, a.cap}),
                 op, ": scores must be contiguous float32 [L, n_kv, cap]");
     a.scores = scores->data_ptr<float>();
+    TORCH_CHECK(committed_scores.has_value() && committed_scores->defined() &&
+                    committed_scores->scalar_type() == at::kFloat && committed_scores->is_contiguous() &&
+                    committed_scores->sizes() == scores->sizes(),
+                op, ": committed_scores must be contiguous float32 [L, n_kv, cap], beside scores");
+    a.committed_scores = committed_scores->data_ptr<float>();
   }
   if (row_scores.has_value() && row_scores->defined()) {
     TORCH_CHECK(a.scores && row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous() &&
@@ -230,52 +238,99 @@ void pass_tables(const char* op, ArenaPass& p, const at::Tensor& cos, const at::
   p.table_rows = cos.size(0);
 }
 
-// The open block's T rows entering and attending over one layer of the KV arena (see attention.h and
-// sparsespec/cache/arena.py). q [n_heads, T, hd], k, v [n_kv, T, hd]: the block's queries, keys and values before
-// RoPE (float32 or bfloat16, any strides). The arena's tensors and policy: arena_storage above. The block: rows at
-// slots [start, start + T), in-flight rows first.., evictions marked with row `first + i` for row i; row i's scores
-// copied to row_scores[first + i] for i < snapshots. cos, sin [P, hd] float32 RoPE tables, row p - table_offset for
-// position (original mode) or rank (in-cache mode, table_offset 0). per_row: the policy evicts after every row
-// (else once after the block, if visible_before + T exceeds the budget); budget -1: the full cache. Returns
-// [T, n_heads * hd] in q's dtype.
-at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor keys,
-                           at::Tensor values, at::Tensor positions, at::Tensor evicted_at,
-                           const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& row_scores,
-                           const at::Tensor& cos, const at::Tensor& sin, int64_t table_offset, bool in_cache,
-                           int64_t layer, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
-                           int64_t snapshots, bool per_row, int64_t budget, int64_t sinks, int64_t heavy,
-                           int64_t window, bool age_normalised, double score_decay, double scale,
-                           const c10::optional<at::Tensor>& key_params,
-                           const c10::optional<at::Tensor>& value_params, int64_t code_bits,
-                           const c10::optional<at::Tensor>& key_offset,
-                           const c10::optional<at::Tensor>& recent_keys,
-                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
-                           const c10::optional<at::Tensor>& row_lse, int64_t isa) {
+// ------------------------------------------------------------------------------------------ the KV arena
+// An ArenaStorage (attention.h) with the tensors it points into kept alive: one KV arena's memory, made once per
+// arena and again whenever the arena reallocates (cache/arena.py), with the verbs that change it.
+struct NativeArena {
+  ArenaStorage storage;
+  std::vector<at::Tensor> tensors;
+
+  // Accept the first n_rows of the n_inflight rows staged after `committed` committed entries, leaving
+  // `survivors` (arena.h: commit_arena).
+  void commit(int64_t committed, int64_t n_rows, int64_t n_inflight, int64_t survivors) {
+    TORCH_CHECK(committed >= 0 && committed <= INT32_MAX && n_rows >= 0 && n_rows <= INT32_MAX && n_inflight >= 0 &&
+                    n_inflight <= INT32_MAX && survivors >= 0 && survivors <= INT32_MAX,
+                "NativeArena.commit: counts outside the arena");
+    const ArenaCommit c{(int)committed, (int)n_rows, (int)n_inflight, (int)survivors};
+    std::string problem = check_arena_commit(storage, c);
+    TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
+    {
+      pybind11::gil_scoped_release unlocked;
+      problem = commit_arena(storage, c);
+    }
+    TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
+  }
+};
+
+std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, const at::Tensor& values,
+                                          const at::Tensor& positions, const at::Tensor& evicted_at,
+                                          const c10::optional<at::Tensor>& scores,
+                                          const c10::optional<at::Tensor>& committed_scores,
+                                          const c10::optional<at::Tensor>& row_scores,
+                                          const c10::optional<at::Tensor>& key_params,
+                                          const c10::optional<at::Tensor>& value_params, int64_t code_bits,
+                                          const c10::optional<at::Tensor>& key_offset,
+                                          const c10::optional<at::Tensor>& recent_keys,
+                                          const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
+                                          int64_t sinks, int64_t heavy, int64_t window, bool age_normalised,
+                                          double score_decay, double scale) {
+  auto arena = std::make_shared<NativeArena>();
+  arena->storage = arena_storage("NativeArena", hd, keys, values, positions, evicted_at, scores, committed_scores,
+                                 row_scores, key_params, value_params, code_bits, key_offset, recent_keys,
+                                 recent_values, recent_window, sinks, heavy, window, age_normalised, score_decay,
+                                 scale);
+  arena->tensors = {keys, values, positions, evicted_at};
+  for (const auto* t : {&scores, &committed_scores, &row_scores, &key_params, &value_params, &key_offset,
+                        &recent_keys, &recent_values})
+    if (t->has_value() && (*t)->defined()) arena->tensors.push_back(**t);
+  return arena;
+}
+
+// An open block's pass over one arena as KVArena.native_pass gives it: (NativeArena, start, first, visible_before,
+// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset). The arena is kept in `arenas` and
+// the RoPE tables in `tables`, alive while the pass runs.
+ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd,
+                     std::vector<std::shared_ptr<NativeArena>>& arenas, std::vector<at::Tensor>& tables) {
+  const auto args = item.cast<pybind11::tuple>();
+  TORCH_CHECK(args.size() == 12, op, ": an arena pass has 12 fields");
+  arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
+  ArenaPass p;
+  p.start = args[1].cast<int>();
+  p.first = args[2].cast<int>();
+  p.visible_before = args[3].cast<int>();
+  p.first_position = args[4].cast<int64_t>();
+  p.snapshots = args[5].cast<int>();
+  p.per_row = args[6].cast<bool>();
+  p.budget = args[7].cast<int>();
+  p.in_cache = args[8].cast<bool>();
+  tables.push_back(args[9].cast<at::Tensor>());
+  tables.push_back(args[10].cast<at::Tensor>());
+  pass_tables(op, p, tables[tables.size() - 2], tables.back(), hd);
+  p.table_offset = args[11].cast<int64_t>();
+  return p;
+}
+
+// The open block's T rows entering and attending over one layer of the KV arena (attention.h; cache/arena.py):
+// `pass` as arena_pass reads it; q [n_heads, T, hd], k, v [n_kv, T, hd] the block's queries, keys and values before
+// RoPE (float32 or bfloat16, any strides); row_lse [T, n_heads] float32 for each row's log-sum-exps, or None.
+// Returns [T, n_heads * hd] in q's dtype.
+at::Tensor arena_attention(const pybind11::tuple& pass, int64_t layer, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const c10::optional<at::Tensor>& row_lse, int64_t isa) {
   const char* op = "arena_attention";
   check_cpu(op, {&q, &k, &v});
   TORCH_CHECK(q.dim() == 3 && float_or_bf16(q), op, ": q must be float32 or bfloat16 [n_heads, T, hd]");
   const int64_t hd = q.size(2), T = q.size(1);
-  const ArenaStorage arena = arena_storage(op, hd, keys, values, positions, evicted_at, scores, row_scores, key_params,
-                                           value_params, code_bits, key_offset, recent_keys, recent_values,
-                                           recent_window, sinks, heavy, window, age_normalised, score_decay, scale);
+  std::vector<std::shared_ptr<NativeArena>> arenas;
+  std::vector<at::Tensor> tables;
+  const ArenaPass p = arena_pass(op, pass, hd, arenas, tables);
+  const ArenaStorage& arena = arenas.back()->storage;
+  TORCH_CHECK(hd == arena.hd, op, ": q's heads are not the arena's size ", arena.hd);
   TORCH_CHECK(layer >= 0 && layer < arena.n_layers, op, ": layer ", layer, " outside the arena");
   TORCH_CHECK(k.sizes() == at::IntArrayRef({arena.n_kv, T, hd}) && v.sizes() == k.sizes() && float_or_bf16(k) &&
                   float_or_bf16(v), op, ": k and v must be float32 or bfloat16 [", arena.n_kv, ", ", T, ", ", hd,
               "]");
   TORCH_CHECK(isa == kAuto || isa_available((int)isa), op, ": instruction set ", isa, " not available");
-  ArenaPass p;
-  p.start = (int)start;
-  p.first = (int)first;
-  p.visible_before = (int)visible_before;
-  p.first_position = first_position;
-  p.snapshots = (int)snapshots;
-  p.per_row = per_row;
-  p.budget = (int)budget;
-  p.in_cache = in_cache;
-  p.table_offset = table_offset;
-  pass_tables(op, p, cos, sin, hd);
-  TORCH_CHECK(start >= 0 && start <= INT32_MAX && T <= INT32_MAX && visible_before <= INT32_MAX && first <= INT32_MAX,
-              op, ": a block past the arena's sizes");
+  TORCH_CHECK(T <= INT32_MAX, op, ": a block past the arena's sizes");
   const std::string problem = check_arena_pass(arena, p, (int)T, (int)q.size(0));
   TORCH_CHECK(problem.empty(), op, ": ", problem);
   at::Tensor out = at::empty({T, q.size(0) * hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -288,6 +343,7 @@ at::Tensor arena_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     lse = row_lse->data_ptr<float>();
   }
   const std::vector<float> qf = widened(q), kf = widened(k), vf = widened(v);
+  pybind11::gil_scoped_release unlocked;
   attend_arena_layer((int)isa, arena, p, (int)layer, (int)q.size(0), (int)T, qf.data(), kf.data(), vf.data(),
                      k.scalar_type() == at::kBFloat16, out.data_ptr(), q.scalar_type() == at::kBFloat16, lse);
   return out;
@@ -425,34 +481,6 @@ at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
 }
 
 // ------------------------------------------------------------------------------------------ the native pass
-// An ArenaStorage (attention.h) with the tensors it points into kept alive: one KV arena's memory, made once per
-// arena and again whenever the arena reallocates (cache/arena.py).
-struct NativeArena {
-  ArenaStorage storage;
-  std::vector<at::Tensor> tensors;
-};
-
-std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, const at::Tensor& values,
-                                          const at::Tensor& positions, const at::Tensor& evicted_at,
-                                          const c10::optional<at::Tensor>& scores,
-                                          const c10::optional<at::Tensor>& row_scores,
-                                          const c10::optional<at::Tensor>& key_params,
-                                          const c10::optional<at::Tensor>& value_params, int64_t code_bits,
-                                          const c10::optional<at::Tensor>& key_offset,
-                                          const c10::optional<at::Tensor>& recent_keys,
-                                          const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
-                                          int64_t sinks, int64_t heavy, int64_t window, bool age_normalised,
-                                          double score_decay, double scale) {
-  auto arena = std::make_shared<NativeArena>();
-  arena->storage = arena_storage("NativeArena", hd, keys, values, positions, evicted_at, scores, row_scores,
-                                 key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
-                                 recent_window, sinks, heavy, window, age_normalised, score_decay, scale);
-  arena->tensors = {keys, values, positions, evicted_at};
-  for (const auto* t : {&scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys, &recent_values})
-    if (t->has_value() && (*t)->defined()) arena->tensors.push_back(**t);
-  return arena;
-}
-
 // A model's weights for the native pass (model.h), with the tensors they point into kept alive. Built from a spec
 // (kernels/__init__.py: native_model): shapes, the compute dtype, and each projection as (blocks, types, rows, k,
 // bias or None, float activations), each norm as a tensor or None.
@@ -575,22 +603,7 @@ struct NativeModel {
       pass.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
       pass.last_only = block[1].cast<bool>();
       for (const auto& a : block[2].cast<pybind11::list>()) {
-        const auto args = a.cast<pybind11::tuple>();
-        TORCH_CHECK(args.size() == 12, "native pass: an arena pass has 12 fields");
-        arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
-        ArenaPass p;
-        p.start = args[1].cast<int>();
-        p.first = args[2].cast<int>();
-        p.visible_before = args[3].cast<int>();
-        p.first_position = args[4].cast<int64_t>();
-        p.snapshots = args[5].cast<int>();
-        p.per_row = args[6].cast<bool>();
-        p.budget = args[7].cast<int>();
-        p.in_cache = args[8].cast<bool>();
-        tables.push_back(args[9].cast<at::Tensor>());
-        tables.push_back(args[10].cast<at::Tensor>());
-        pass_tables("native pass", p, tables[tables.size() - 2], tables.back(), weights.head_dim);
-        p.table_offset = args[11].cast<int64_t>();
+        const ArenaPass p = arena_pass("native pass", a, weights.head_dim, arenas, tables);
         pass.arenas.emplace_back(&arenas.back()->storage, p);
       }
       for (const auto& r : block[3].cast<pybind11::list>()) {
@@ -621,11 +634,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();
   module.def("gguf_linear", &sparsespec::gguf_linear, unlocked);
   module.def("gguf_dequantize", &sparsespec::gguf_dequantize, unlocked);
-  module.def("arena_attention", &sparsespec::arena_attention, unlocked);
+  module.def("arena_attention", &sparsespec::arena_attention);
   module.def("recall_attention", &sparsespec::recall_attention, unlocked);
   module.def("rms_norm", &sparsespec::rms_norm, unlocked);
   module.def("gated", &sparsespec::gated, unlocked);
-  pybind11::class_<sparsespec::NativeArena, std::shared_ptr<sparsespec::NativeArena>>(module, "NativeArena");
+  pybind11::class_<sparsespec::NativeArena, std::shared_ptr<sparsespec::NativeArena>>(module, "NativeArena")
+      .def("commit", &sparsespec::NativeArena::commit);
   module.def("native_arena", &sparsespec::native_arena);
   pybind11::class_<sparsespec::NativeModel>(module, "NativeModel")
       .def(pybind11::init<const pybind11::dict&>())

@@ -1,0 +1,70 @@
+// The KV arena's bookkeeping (sparsespec/cache/arena.py): where a commit leaves each entry, and the commit itself.
+//
+// One rule lays the arena out: a commit of m rows leaves the entries as m one-row commits would, each filling the
+// holes its evictions left (ReadingOrder::commit_row). The attention op reads a verification row's slots in that
+// order (attention.h), and commit_arena moves the entries into it, so the layout, and with it every later sum, is
+// a function of the committed entries alone, whatever mix of blocks delivered them.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+
+namespace sparsespec {
+
+// The reading order of a row-by-row block's rows in one KV head (attention.h): slot_of lists the arena slot at each
+// place of an autoregressive step's arena, the row's own last; commit_row() moves the entries as that step's
+// commit would (commit_arena below): of the n + 1 places, the n_after that stay are the first ones,
+// each evicted place below n_after taken, in order, by the next surviving entry from n_after up.
+struct ReadingOrder {
+  std::vector<int32_t> slot_of;  // [start + T] arena slot at each place
+  std::vector<int32_t> place;    // [start + T] place of each arena slot
+  int start = 0, n = 0;          // the block's first slot; places filled before the next row
+
+  ReadingOrder(int start_, int T) : slot_of((std::size_t)start_ + T), place(slot_of.size()), start(start_), n(start_) {
+    for (int s = 0; s < start; ++s) slot_of[s] = place[s] = s;
+  }
+  // Before row i attends: the row at the next place, which is the last it reads.
+  int add_row(int i) {
+    slot_of[n] = start + i;
+    place[start + i] = n;
+    return n;
+  }
+  // After the row added last evicted the arena slots `evicted`.
+  void commit_row(const std::vector<int>& evicted) {
+    std::vector<int> gone;
+    for (int s : evicted) gone.push_back(place[s]);
+    std::sort(gone.begin(), gone.end());
+    const int n_after = n + 1 - (int)gone.size();
+    std::size_t hole = 0;  // the holes are gone's entries below n_after: as many as the movers
+    for (int from = n_after; from <= n; ++from) {
+      if (std::binary_search(gone.begin(), gone.end(), from)) continue;
+      const int to = gone[hole++];
+      slot_of[to] = slot_of[from];
+      place[slot_of[to]] = to;
+    }
+    n = n_after;
+  }
+};
+
+// A commit: the arena holds `committed` committed entries in slots [0, committed) and n_inflight in-flight rows in
+// the slots after them; the first n_rows rows are accepted, the rest dropped, and `survivors` entries stay (the
+// caller's count: every KV head must end with as many).
+struct ArenaCommit {
+  int committed = 0, n_rows = 0, n_inflight = 0, survivors = 0;
+};
+
+// The reason `commit` cannot run on `arena`, or "" (checked before commit_arena touches memory).
+std::string check_arena_commit(const ArenaStorage& arena, const ArenaCommit& commit);
+
+// Accept the commit's rows (cache/arena.py: KVArena.commit), in every layer and KV head: the scores become those
+// after the last accepted row (the row's snapshot, or the committed scores for none), the evictions of the dropped
+// rows are undone, and the surviving entries (keys, values, their params, positions, scores) move to the places
+// ReadingOrder gives them, in slots [0, survivors); committed_scores then equal the scores and every slot is alive.
+// Returns "" or the reason a KV head disagreed with the caller's survivors (the arena is then left unchanged in
+// that head and must be reset).
+std::string commit_arena(const ArenaStorage& arena, const ArenaCommit& commit);
+
+}  // namespace sparsespec
