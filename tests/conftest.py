@@ -290,8 +290,8 @@ def row_by_row(monkeypatch):
 
     block_pass = KVArena._block_pass
 
-    def spy(self, n_rows, per_block):
-        block = block_pass(self, n_rows, per_block)
+    def spy(self, n_rows, per_block, parents=None):
+        block = block_pass(self, n_rows, per_block, parents)
         if block.per_row:
             calls[id(self)] = calls.get(id(self), 0) + self.config.num_hidden_layers
         return block

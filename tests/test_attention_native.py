@@ -428,14 +428,14 @@ def _attend(args: dict) -> torch.Tensor:
     scores = a.pop("scores")
     arena = kernels.native_arena(
         a["q"].shape[-1], a.pop("keys"), a.pop("values"), a.pop("positions"), a.pop("evicted_at"), scores,
-        None if scores is None else torch.zeros_like(scores), a.pop("row_scores"), a.pop("key_params", None),
+        None if scores is None else torch.zeros_like(scores), a.pop("row_scores"), None, a.pop("key_params", None),
         a.pop("value_params", None), a.pop("code_bits"), a.pop("key_offset", None), a.pop("recent_keys", None),
         a.pop("recent_values", None), a.pop("recent_window"), a.pop("sinks"), a.pop("heavy"), a.pop("window"),
         a.pop("age_normalised", False), a.pop("score_decay", 1.0), a.pop("scale"))
     budget = a.pop("budget")
     arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
                   a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
-                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"))
+                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None)
     return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v"))
 
 

@@ -28,12 +28,13 @@ class Block:
     """The rows one sequence feeds through a pass: ``tokens [T]`` (int64) staged in its own ``cache``.
 
     ``per_block``: evict once at the end of the block (prefill chunks) instead of after every row; ``last_only``:
-    logits for the last row only (prefill)."""
+    logits for the last row only (prefill); ``parents``: a tree of rows (``KVArena.begin``), None: a chain."""
 
     tokens: torch.Tensor
     cache: KVArena
     per_block: bool = False
     last_only: bool = False
+    parents: list[int] | None = None
 
 
 @dataclass
@@ -281,7 +282,8 @@ class Transformer:
         return (F.gelu(gate, approximate="tanh") if self.config.gemma else F.silu(gate)) * up
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False
+        self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False,
+        parents: list[int] | None = None,
     ) -> torch.Tensor:
         """Run ``tokens: [T]`` (int64) through the model, staging them in ``cache`` (commit is the caller's job).
 
@@ -290,11 +292,13 @@ class Transformer:
             cache: the KV arena; the rows stay in flight until ``cache.commit``.
             per_block: evict once at the end of the block (prefill chunks) instead of after every row.
             last_only: compute logits for the last row only (prefill).
+            parents: the rows as a tree: row ``i`` follows row ``parents[i]`` (-1: the cache), and its logits are
+                those of the autoregressive step along its path (``KVArena.begin``); None: a chain.
 
         Returns:
             ``[T, vocab]`` float32 logits (``[1, vocab]`` with ``last_only``).
         """
-        return self.forward_blocks([Block(tokens, cache, per_block, last_only)])[0]
+        return self.forward_blocks([Block(tokens, cache, per_block, last_only, parents)])[0]
 
     @torch.inference_mode()
     def forward_blocks(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
@@ -311,7 +315,7 @@ class Transformer:
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         sizes = [block.tokens.shape[0] for block in blocks]
         for block, n_rows in zip(blocks, sizes):
-            block.cache.begin(n_rows, per_block=block.per_block)
+            block.cache.begin(n_rows, per_block=block.per_block, parents=block.parents)
         scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits
         native = self.native_model()
         arenas = [block.cache.native_pass() for block in blocks] if native is not None else [None]

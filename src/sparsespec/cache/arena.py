@@ -95,6 +95,14 @@ MAX_POSITION = torch.iinfo(torch.int64).max
 QUANTIZED_NEEDS_KERNELS = "entries are written and read by the native kernels"  # the refusal without them
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each row's depth in a tree block (its ancestors' count) from its ``parents`` (-1: a root)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
 def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bias: bool) -> None:
     """Raise :class:`ConfigError` for int4 keys that would keep the model's key bias in: a budgeted cache in the
     original mode stores keys rotated, the bias with them, and the bias's large channels widen every group past
@@ -110,7 +118,8 @@ class BlockPass:
     block's first in-flight row, rows and kind, its slots from ``start``, the entries visible before its first row,
     whether the policy evicts between rows (``per_row``) and down to which ``budget`` (None: none while it attends),
     its first true position, the RoPE tables for its rows (``cos``, ``sin`` float32 ``[P, head_dim]``, row
-    ``p - table_offset`` for position or, ``in_cache``, rank ``p``) and how many rows keep score snapshots."""
+    ``p - table_offset`` for position or, ``in_cache``, rank ``p``), how many rows keep score snapshots, and a tree
+    block's ``parents`` (int32 ``[T]``; None: a chain)."""
 
     first: int
     n_rows: int
@@ -125,6 +134,7 @@ class BlockPass:
     sin: torch.Tensor
     table_offset: int
     snapshots: int
+    parents: torch.Tensor | None
 
 
 class KVArena:
@@ -245,6 +255,7 @@ class KVArena:
         self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
         self._pass: BlockPass | None = None  # what the open block does in every layer
         self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
+        self._tree: list[int] | None = None  # the parents of the in-flight tree block's rows (None: a chain)
 
     def _allocate_slot_metadata(self) -> None:
         """(Re)build the per-slot bookkeeping for ``self.capacity`` slots, all empty."""
@@ -258,6 +269,8 @@ class KVArena:
             # Scores after each in-flight row that a partial commit can end on (never the last possible row).
             self.row_scores = torch.zeros(max(self.max_inflight - 1, 0), *shape, dtype=torch.float32)
         self._slot_index = torch.arange(self.capacity)
+        # The slot each row of a tree block evicted, per layer and KV head (-1: none), kept for its path's commit.
+        self.row_evicted = torch.full((max(self.max_inflight, 1), *shape[:2]), -1, dtype=torch.int32)
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``) gets buffers of its own: its native view is made again for them."""
@@ -398,8 +411,17 @@ class KVArena:
         return extra
 
     # ------------------------------------------------------------------------------------------------- blocks
-    def begin(self, n_rows: int, per_block: bool = False) -> None:
-        """Stage ``n_rows`` new tokens (the model's forward pass calls this before its layers)."""
+    def begin(self, n_rows: int, per_block: bool = False, parents: list[int] | None = None) -> None:
+        """Stage ``n_rows`` new tokens (the model's forward pass calls this before its layers).
+
+        ``parents``: a tree block (``kernels/csrc/attention.h``): row ``i`` follows row ``parents[i]`` of the block
+        (-1: the committed tokens; a parent precedes its children), sees the committed tokens and its ancestors, and
+        computes what the autoregressive step along its path computes; :meth:`commit_path` then keeps one path. A
+        tree block starts from a committed state and is the only block in flight until then."""
+        if self._tree is not None:
+            raise ValueError("a tree block is in flight: commit its path or roll it back first")
+        if parents is not None:
+            self._check_tree(n_rows, per_block, parents)
         if n_rows > self.staging:
             raise ValueError(f"block of {n_rows} rows exceeds the arena's staging of {self.staging}")
         if per_block and self.n_inflight:
@@ -419,17 +441,33 @@ class KVArena:
                 raise ValueError(f"the observation window needs its {self._window_rows} rows in one block")
         self._block = (self.n_inflight, n_rows, per_block)
         self._per_block_inflight = per_block
-        self._pass = self._block_pass(n_rows, per_block)
+        self._pass = self._block_pass(n_rows, per_block, parents)
+        self._tree = None if parents is None else list(parents)
 
-    def _block_pass(self, n_rows: int, per_block: bool) -> "BlockPass":
+    def _check_tree(self, n_rows: int, per_block: bool, parents: list[int]) -> None:
+        """Raise ValueError for a tree block this arena cannot run (see :meth:`begin`)."""
+        if len(parents) != n_rows or any(not -1 <= p < i for i, p in enumerate(parents)):
+            raise ValueError(f"a tree block's parents name, for each of its {n_rows} rows, an earlier row or -1")
+        if per_block or self.n_inflight or self._hold_left:
+            raise ValueError("a tree block is a row-by-row block that starts from a committed state")
+        if self.cold is not None or self.recent_window:
+            raise ValueError("tree blocks run without recall and without a full-precision window")
+        snapshots = self.row_scores.shape[0] if self.policy.needs_scores else n_rows
+        if n_rows > min(self.max_inflight, snapshots):
+            raise ValueError(f"a tree block of {n_rows} rows needs max_inflight > {n_rows} (every row keeps its "
+                             "score snapshot)")
+
+    def _block_pass(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> "BlockPass":
         """What :meth:`attend` does with the block just begun, the same in every layer."""
         first = self.n_inflight
         start = self.n_committed + first
         # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (attend).
         budget = self.policy.budget if self._block_mode == "evict" else None
         visible_before = self.n_visible
-        # A single row is its own block: evicting after it is the same as evicting after the block.
-        per_row = budget is not None and n_rows > 1 and not per_block and visible_before + n_rows > budget
+        # A single row is its own block: evicting after it is the same as evicting after the block. A tree's rows
+        # evict along their paths, which are as long as the tree is deep.
+        depth = n_rows if parents is None else max(tree_depths(parents)) + 1
+        per_row = budget is not None and n_rows > 1 and not per_block and visible_before + depth > budget
         first_position = self.next_position + first
         in_cache = self.positions_mode == "in-cache"
         if in_cache:  # queries and keys rotate by rank, below start + n_rows
@@ -439,9 +477,10 @@ class KVArena:
             cos, sin, table_offset = self.rope.table_rows(first_position, n_rows)
         snapshots = 0
         if self.policy.needs_scores and not per_block:
-            snapshots = max(0, min(n_rows, self.max_inflight - 1 - first))
+            snapshots = n_rows if parents is not None else max(0, min(n_rows, self.max_inflight - 1 - first))
+        tree = None if parents is None else torch.tensor(parents, dtype=torch.int32)
         return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
-                         cos, sin, table_offset, snapshots)
+                         cos, sin, table_offset, snapshots, tree)
 
     def _handle(self):
         """The native view of this arena's buffers and policy (``kernels.native_arena``), made again after every
@@ -451,7 +490,7 @@ class KVArena:
             scores = (self.scores, self.committed_scores, self.row_scores) if policy.needs_scores else (None,) * 3
             self._native = kernels.native_arena(
                 self.config.head_dim, self.keys, self.values, self.positions, self.evicted_at, *scores,
-                self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
+                self.row_evicted, self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
                 self.recent_keys if self.recent_window else None, self.recent_values if self.recent_window else None,
                 self.recent_window, policy.sinks, policy.heavy, policy.window, policy.age_normalised,
                 policy.score_decay, self.scale)
@@ -463,7 +502,7 @@ class KVArena:
         block = self._pass
         return (self._handle(), block.start, block.first, block.visible_before, block.first_position,
                 block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
-                block.cos, block.sin, block.table_offset)
+                block.cos, block.sin, block.table_offset, block.parents)
 
     def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
         """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
@@ -485,6 +524,13 @@ class KVArena:
         _, n_rows, per_block = self._block
         alive = self.n_visible
         budget = None if self._block_mode == "hold" else self.policy.budget
+        if self._tree is not None:  # along each row's path
+            for parent in self._tree:
+                seen = (alive if parent < 0 else self._alive_after_row[parent]) + 1
+                self._alive_after_row.append(seen if budget is None else min(seen, budget))
+            self._block = None
+            self._pass = None
+            return
         for _ in range(n_rows):
             alive = alive + 1 if budget is None or per_block else min(alive + 1, budget)
             self._alive_after_row.append(alive)
@@ -500,6 +546,9 @@ class KVArena:
         """
         if self._block is not None:
             raise ValueError("commit inside an open block")
+        if self._tree is not None and n_rows:
+            raise ValueError("a tree block commits a path (commit_path), or nothing")
+        self._tree = None
         if not 0 <= n_rows <= self.n_inflight:
             raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
         if 0 < n_rows < self.n_inflight and (n_rows >= self.max_inflight or self._per_block_inflight):
@@ -515,6 +564,24 @@ class KVArena:
         self.n_committed = survivors
         self.next_position += n_rows
         self._alive_after_row = []
+        self._grow_if_full()
+
+    def commit_path(self, path: list[int]) -> None:
+        """Accept the rows ``path`` of the tree block in flight (a root first, each the parent of the next), drop the
+        others: the arena then equals the arena of an autoregressive run that fed the path's tokens."""
+        if self._block is not None or self._tree is None:
+            raise ValueError("commit_path takes the path of a tree block that has ended")
+        parents = self._tree
+        if not path or any(not 0 <= row < len(parents) for row in path) or \
+                any(parents[row] != (path[k - 1] if k else -1) for k, row in enumerate(path)):
+            raise ValueError(f"{path} is not a path from a root of the tree block (parents {parents})")
+        survivors = self._alive_after_row[path[-1]]
+        self._handle().commit_path(self.n_committed, path, self.n_inflight, survivors)
+        self.evicted_tokens += self.n_committed + len(path) - survivors
+        self.n_committed = survivors
+        self.next_position += len(path)
+        self._alive_after_row = []
+        self._tree = None
         self._grow_if_full()
 
     def _grow_if_full(self) -> None:
@@ -537,6 +604,7 @@ class KVArena:
         self._block = None
         self._pass = None
         self._per_block_inflight = False
+        self._tree = None
 
     def rollback(self) -> None:
         """Drop every in-flight row, restoring the committed state exactly."""

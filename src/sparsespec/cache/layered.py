@@ -72,9 +72,9 @@ class LayeredArena:
         self._arenas = (self.global_arena, self.sliding_arena)
 
     # -------------------------------------------------------------------------------------------- the blocks
-    def begin(self, n_rows: int, per_block: bool = False) -> None:
-        self.global_arena.begin(n_rows, per_block)
-        self.sliding_arena.begin(n_rows, False)  # every row sees its own window
+    def begin(self, n_rows: int, per_block: bool = False, parents: list[int] | None = None) -> None:
+        self.global_arena.begin(n_rows, per_block, parents)
+        self.sliding_arena.begin(n_rows, False, parents)  # every row sees its own window
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`KVArena.attend` in the arena of model layer ``layer``."""
@@ -96,6 +96,10 @@ class LayeredArena:
     def commit(self, n_rows: int) -> None:
         for arena in self._arenas:
             arena.commit(n_rows)
+
+    def commit_path(self, path: list[int]) -> None:
+        for arena in self._arenas:
+            arena.commit_path(path)
 
     def rollback(self) -> None:
         self.commit(0)

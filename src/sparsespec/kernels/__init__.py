@@ -263,10 +263,11 @@ def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Ten
 
     Args:
         arena_pass: ``(arena, start, first, visible_before, first_position, snapshots, per_row, budget, in_cache,
-            cos, sin, table_offset)`` as ``KVArena.arena_pass`` makes it: the :func:`native_arena` handle, the
-            block's slots and in-flight rows, whether the policy evicts after every row, the budget (-1: the full
-            cache), the position mode, and the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset``
-            serves position (or rank) ``p``.
+            cos, sin, table_offset, parents)`` as ``KVArena.arena_pass`` makes it: the :func:`native_arena` handle,
+            the block's slots and in-flight rows, whether the policy evicts after every row, the budget (-1: the full
+            cache), the position mode, the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset``
+            serves position (or rank) ``p``, and a tree block's parents (int32 ``[T]``, or None: a chain;
+            ``csrc/attention.h``).
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
         row_lse: float32 ``[T, n_heads]`` or None: receives each row's log-sum-exp of its scaled logits per query
             head (what lets a caller merge this attention with attention over other entries, ``cache/recall.py``).
@@ -309,14 +310,15 @@ def recall_attention(
 
 def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                  evicted_at: torch.Tensor, scores: torch.Tensor | None, committed_scores: torch.Tensor | None,
-                 row_scores: torch.Tensor | None, key_params: torch.Tensor | None, value_params: torch.Tensor | None,
-                 code_bits: int, key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None,
+                 row_scores: torch.Tensor | None, row_evicted: torch.Tensor | None, key_params: torch.Tensor | None,
+                 value_params: torch.Tensor | None, code_bits: int, key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None,
                  recent_values: torch.Tensor | None, recent_window: int, sinks: int, heavy: int, window: int,
                  age_normalised: bool, score_decay: float, scale: float):
     """A KV arena's buffers (all layers) and policy as the native code reads them, checked once (the tensors must
     outlive the handle; the arena makes a new one when it reallocates). :func:`arena_attention` and the native pass
     attend through it; its ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows``
-    in-flight rows and compacts the buffers (``csrc/arena.h``).
+    in-flight rows and compacts the buffers, and ``commit_path(committed, path, n_inflight, survivors)`` accepts a
+    tree block's path (``csrc/arena.h``).
 
     Args:
         keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16; or, with ``code_bits`` 8 or 4,
@@ -325,7 +327,8 @@ def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positi
         positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape.
         scores, committed_scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores and those the last
             commit left (None without heavy hitters); ``row_scores``: ``[r, n_layers, n_kv, capacity]`` the
-            snapshots a partial commit ends on.
+            snapshots a partial commit ends on; ``row_evicted``: ``[r', n_layers, n_kv]`` int32, the slot each row of a
+            tree block evicted (-1: none), kept for the commit of its path.
         key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
             it and read plus it (``quant.KVStore``'s offset).
         recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
@@ -333,7 +336,7 @@ def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positi
         sinks, heavy, window, age_normalised, score_decay: the policy (``cache/policy.py``); scale: the attention's.
     """
     return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, committed_scores, row_scores,
-                                key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
+                                row_evicted, key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
                                 recent_window, sinks, heavy, window, age_normalised, score_decay, scale)
 
 

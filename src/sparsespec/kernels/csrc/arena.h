@@ -67,4 +67,15 @@ std::string check_arena_commit(const ArenaStorage& arena, const ArenaCommit& com
 // that head and must be reset).
 std::string commit_arena(const ArenaStorage& arena, const ArenaCommit& commit);
 
+// A tree block's accepted path (attention.h): `path` lists in-flight rows of the block staged after `committed`
+// (n_inflight rows in all), a root first and each the parent of the next. The reason it cannot be committed, or "".
+std::string check_arena_path(const ArenaStorage& arena, int committed, const std::vector<int>& path, int n_inflight);
+
+// Accept a tree block's path: its rows' entries move to the slots a chain of them would have had, [committed,
+// committed + m), the evictions they made (row_evicted) are marked as that chain's rows would have marked them, and
+// the scores become the last one's snapshot; commit_arena then commits the chain, every other row dropped. The
+// arena ends as the autoregressive steps along the path would leave it.
+std::string commit_arena_path(const ArenaStorage& arena, int committed, const std::vector<int>& path, int n_inflight,
+                              int survivors);
+
 }  // namespace sparsespec

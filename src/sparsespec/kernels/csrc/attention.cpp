@@ -33,6 +33,16 @@ namespace {
 
 bool alive(const AttnBlock& b, int h, int s) { return b.evicted_at[(long)h * b.cap + s] == kNever; }
 
+// Row i's depth in its block (a chain's row i: i), true position, and rank in the cache: the tokens visible before
+// it, each row before it on its path having evicted down to the budget (per_row).
+int depth_of(const AttnBlock& b, int i) { return b.depths ? b.depths[i] : i; }
+int64_t position_of(const AttnBlock& b, int i) { return b.first_position + depth_of(b, i); }
+int64_t rank_of(const AttnBlock& b, int i) {
+  int64_t rank = b.visible_before;
+  for (int d = 0; d < depth_of(b, i); ++d) rank = b.per_row ? std::min<int64_t>(rank + 1, b.budget) : rank + 1;
+  return rank;
+}
+
 // A row at position `newest` sees only positions in [0, newest]: the ranks' bitmap and the full-precision window
 // index by position, so a slot holding any other (a corrupt arena) is an error, not a write or read astray.
 void check_position(int h, int s, int64_t position, int64_t newest) {
@@ -166,21 +176,19 @@ void quantize_row(const float* x, int hd, int bits, int code_group, uint8_t* cod
 void stage_rows(const StageRows& st, const AttnBlock& b) {
   const int hd = st.hd, T = st.T;
   auto table_row = [&](const float* table, int64_t p) { return table + (p - st.table_offset) * hd; };
-  int64_t rank = b.visible_before;
   for (int i = 0; i < T; ++i) {
-    const int64_t p = st.in_cache ? rank : b.first_position + i;
+    const int64_t p = st.in_cache ? rank_of(b, i) : position_of(b, i);
     for (int h = 0; h < st.n_heads; ++h) {
       const long at = ((long)h * T + i) * hd;
       rope(st.q + at, table_row(st.cos, p), table_row(st.sin, p), hd, false, st.q_rotated + at);
     }
-    rank = b.per_row ? std::min<int64_t>(rank + 1, b.budget) : rank + 1;
   }
   float rotated[kAttnMaxHeadDim];
   for (int h = 0; h < st.n_kv; ++h)
     for (int i = 0; i < T; ++i) {
       const long at = ((long)h * T + i) * hd;
       const long slot = (long)h * b.cap + b.start + i;
-      const int64_t position = b.first_position + i;
+      const int64_t position = position_of(b, i);
       const float* key = st.k + at;
       if (!st.in_cache) {
         rope(key, table_row(st.cos, position), table_row(st.sin, position), hd, st.bf16_keys, rotated);
@@ -215,9 +223,37 @@ void attend_block(int isa, const AttnBlock& b) {
   std::vector<float> m((std::size_t)H * G);
   const long out_stride = (long)H * G * hd;
   // Row-by-row blocks read in an autoregressive step's order (attention.h); other blocks in slot order.
-  const bool reorder = b.per_row && b.T > 1;
+  const bool tree = b.parents != nullptr;
+  const bool reorder = (b.per_row && b.T > 1) || tree;
   std::vector<ReadingOrder> order;
   if (reorder) order.assign(H, ReadingOrder(b.start, b.T));
+  // Tree blocks: per KV head, the reading order after each row and the slots each row evicted; per row, which
+  // earlier rows are its ancestors.
+  std::vector<ReadingOrder> order_after(tree ? (std::size_t)H * b.T : 0, ReadingOrder(0, 0));
+  std::vector<std::vector<int>> evicted_by(tree ? (std::size_t)H * b.T : 0);
+  std::vector<char> ancestor(tree ? (std::size_t)b.T * b.T : 0);  // [i * T + j]: j is i or an ancestor of i
+  for (int i = 0; tree && i < b.T; ++i)
+    for (int j = i; j >= 0; j = b.parents[j]) ancestor[(std::size_t)i * b.T + j] = 1;
+  // Before tree row i attends in head h: the evictions and rows of its path marked, the others lifted; its reading
+  // order and scores its parent's (the committed ones for a root).
+  auto enter_path = [&](int h, int i) {
+    int32_t* evicted_at = b.evicted_at + (long)h * b.cap;
+    for (int j = 0; j < i; ++j)
+      for (int s : evicted_by[(std::size_t)h * b.T + j]) evicted_at[s] = kNever;
+    for (int j = 0; j < i; ++j) evicted_at[b.start + j] = ancestor[(std::size_t)i * b.T + j] ? kNever : kOffPath;
+    for (int j = b.parents[i]; j >= 0; j = b.parents[j])
+      for (int s : evicted_by[(std::size_t)h * b.T + j]) evicted_at[s] = j;
+    const int parent = b.parents[i];
+    order[h] = parent < 0 ? ReadingOrder(b.start, b.T) : order_after[(std::size_t)h * b.T + parent];
+    if (b.scores) {
+      float* score = b.scores + (long)h * b.cap;
+      const float* from = parent < 0 ? b.committed_scores + (long)h * b.cap
+                                     : b.row_scores + parent * b.row_stride + (long)h * b.cap;
+      std::memcpy(score, from, sizeof(float) * stop);
+      if (parent < 0) std::fill(score + b.start, score + stop, 0.0f);
+      score[b.start + i] = 0.0f;
+    }
+  };
   std::vector<int> last_read(H);  // per head, the last place the current row reads
   auto last_of = [&](int h, int i) { return reorder ? last_read[h] : b.start + i; };
 
@@ -249,7 +285,7 @@ void attend_block(int isa, const AttnBlock& b) {
     if (b.recent_window) {
       const long ring_bytes = (long)b.recent_slots * hd * (b.recent_bf16 ? 2 : 4);
       a.positions = b.positions + (long)h * b.cap;
-      a.newest = b.first_position + row;
+      a.newest = position_of(b, row);
       a.first_position = b.first_position;
       a.recent_window = b.recent_window;
       a.recent_slots = b.recent_slots;
@@ -268,8 +304,9 @@ void attend_block(int isa, const AttnBlock& b) {
   auto chunk_end = [&](int h, int i, int c) { return std::min(last_of(h, i) + 1, (c + 1) * kAttnChunk); };
   // The row's first step in a head: its place in the reading order, the ranks (in-cache mode), the window's check.
   auto head_ranks = [&](int h, int i) {
+    if (tree) enter_path(h, i);
     if (reorder) last_read[h] = order[h].add_row(i);
-    if (b.cos) compute_ranks(b, h, b.start + i, b.first_position + i, ranks.data() + (long)h * b.cap);
+    if (b.cos) compute_ranks(b, h, b.start + i, position_of(b, i), ranks.data() + (long)h * b.cap);
     // The window reads every slot the row covers (alive or not) from the ring or the block, by position.
     if (b.recent_window)
       for (int s = 0; s <= b.start + i; ++s)
@@ -322,18 +359,21 @@ void attend_block(int isa, const AttnBlock& b) {
       score[s] += received;
     }
   };
-  // Tokens visible to row i of a per-row block, the row included (each earlier row evicted down to the budget).
-  auto visible_with_row = [&](int i) {
-    int n = b.visible_before + 1;
-    for (int r = 1; r <= i; ++r) n = std::min(n, b.budget) + 1;
-    return n;
-  };
-  // After row i: the per-row evictions, and the row's score snapshot.
+  // After row i: the per-row evictions (down to the budget from the tokens visible to it, itself included), and
+  // the row's score snapshot.
   auto head_after_row = [&](int h, int i) {
     if (b.per_row) {
-      const std::vector<int> evicted = evict(b, h, b.start + i, b.first_position + i, visible_with_row(i), b.first + i);
+      const std::vector<int> evicted = evict(b, h, b.start + i, position_of(b, i), (int)rank_of(b, i) + 1, b.first + i);
       if (reorder) order[h].commit_row(evicted);
+      if (tree) {
+        evicted_by[(std::size_t)h * b.T + i] = evicted;
+        b.row_evicted[i * b.evicted_stride + h] = evicted.empty() ? -1 : evicted[0];
+      }
+    } else if (tree) {  // nothing evicted: the row takes the next place
+      order[h].commit_row({});
+      b.row_evicted[i * b.evicted_stride + h] = -1;
     }
+    if (tree) order_after[(std::size_t)h * b.T + i] = order[h];
     if (i < b.snapshot_rows)
       std::memcpy(b.row_scores + i * b.row_stride + (long)h * b.cap, b.scores + (long)h * b.cap,
                   sizeof(float) * stop);
@@ -383,7 +423,15 @@ void attend_block(int isa, const AttnBlock& b) {
       });
     }
   }
-  if (!b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
+  // A tree block leaves no eviction marked and every row alive: what its rows evicted waits in row_evicted for the
+  // commit of the accepted path (arena.h).
+  if (tree)
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < b.T; ++j) {
+        for (int s : evicted_by[(std::size_t)h * b.T + j]) b.evicted_at[(long)h * b.cap + s] = kNever;
+        b.evicted_at[(long)h * b.cap + b.start + j] = kNever;
+      }
+  if (!tree && !b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
     for (int h = 0; h < H; ++h)
       evict(b, h, stop - 1, b.first_position + b.T - 1, b.visible_before + b.T, b.first + b.T - 1);
   }
@@ -415,6 +463,23 @@ std::string check_arena_pass(const ArenaStorage& a, const ArenaPass& p, int T, i
                                                               p.first + p.snapshots > a.row_score_rows)))
     return "score snapshots of rows past the arena's row_scores";
   if (a.heavy > 0 && !a.scores) return "a policy with heavy hitters needs scores";
+  if (p.parents) {
+    int deepest = 0;
+    std::vector<int> depth(T);
+    for (int i = 0; i < T; ++i) {
+      if (p.parents[i] < -1 || p.parents[i] >= i)
+        return "row " + str(i) + " of a tree block names parent " + str(p.parents[i]) + ", not an earlier row or -1";
+      depth[i] = p.parents[i] < 0 ? 0 : depth[p.parents[i]] + 1;
+      deepest = std::max(deepest, depth[i]);
+    }
+    if (p.first != 0) return "a tree block must start from a committed state";
+    if (a.recent_window > 0) return "a tree block cannot keep a full-precision window";
+    if (T > a.row_evicted_rows) return "a tree block of more rows than the arena keeps evictions for";
+    if (a.scores && (p.snapshots != T || !a.committed_scores))
+      return "a tree block keeps every row's score snapshot and starts from the committed scores";
+    if (!p.per_row && p.budget >= 0 && (int64_t)p.visible_before + deepest + 1 > p.budget)
+      return "a tree block that fills the budget must evict row by row";
+  }
   const int64_t newest_row = p.in_cache ? (int64_t)p.visible_before + T : p.first_position + T;
   if (!p.cos || !p.sin || p.table_offset < 0 || (p.in_cache && p.table_offset != 0) ||
       p.table_offset > (p.in_cache ? 0 : p.first_position) ||
@@ -482,6 +547,15 @@ void attend_arena_layer(int isa, const ArenaStorage& a, const ArenaPass& p, int 
   if (p.in_cache) {
     b.cos = p.cos;
     b.sin = p.sin;
+  }
+  std::vector<int32_t> depths;
+  if (p.parents) {
+    for (int i = 0; i < T; ++i) depths.push_back(p.parents[i] < 0 ? 0 : depths[p.parents[i]] + 1);
+    b.parents = p.parents;
+    b.depths = depths.data();
+    b.committed_scores = a.committed_scores ? a.committed_scores + layer * layer_slots : nullptr;
+    b.row_evicted = a.row_evicted + (long)layer * a.n_kv;
+    b.evicted_stride = (long)a.n_layers * a.n_kv;
   }
   std::vector<float> q_rotated((std::size_t)n_heads * T * hd);
   StageRows st;

@@ -17,6 +17,12 @@
 // position p > P - W from there (or, while its block is in flight, from the block's own rows), every other entry
 // from its codes.
 // The block's rows occupy slots [start, start + T); row i sees the slots s <= start + i that are alive.
+// A tree block (parents given; it starts from a committed state) names each row's parent row in the block (-1: the
+// committed state; a parent precedes its children): row i is at depth d(i) (its ancestors' count), position
+// first_position + d(i), and sees the committed entries and its ancestors' rows, minus what its ancestors evicted;
+// its scores continue its parent's (snapshots of every row), and its evictions are its own (row_evicted). A row
+// then computes exactly what the autoregressive step along its path computes. A chain is the tree whose row i has
+// parent i - 1.
 //
 // Reading order. A row reads the slots it sees in slot order, except in a row-by-row block (per_row, T > 1: a
 // verification block), whose row i reads them in the order an autoregressive step at its position would find them
@@ -49,6 +55,7 @@ constexpr int kAttnChunk = 256;
 constexpr int kAttnMaxGroup = 64;  // query heads per KV head
 constexpr int kAttnMaxHeadDim = 256;
 constexpr int32_t kNever = 0x7fffffff;  // evicted_at of an alive slot
+constexpr int32_t kOffPath = 0x7ffffffe;  // evicted_at, while a tree row attends, of a row not on its path
 constexpr float kMinCodeScale = 0x1p-14f;  // quant.py's MIN_SCALE: the float16 scale of a constant group
 
 // Bytes of one stored head vector's codes, and float16 values of its params.
@@ -142,6 +149,14 @@ struct AttnBlock {
   const float* sin = nullptr;
   int start = 0, first = 0, visible_before = 0;
   int64_t first_position = 0;
+  // Tree blocks (see the top; null: a chain): parents [T]; depths [T]; committed_scores [n_kv, cap], what a root
+  // row's scores start from; row_evicted, row i's evicted slot per KV head (or -1) at row_evicted[i * evicted_stride
+  // + h]. Every row keeps its score snapshot (snapshot_rows = T).
+  const int32_t* parents = nullptr;
+  const int32_t* depths = nullptr;
+  const float* committed_scores = nullptr;
+  int32_t* row_evicted = nullptr;
+  long evicted_stride = 0;
   bool per_row = false;  // evict after every row (else, if over budget, once after the block)
   int budget = -1, sinks = 0, heavy = 0, window = 0;  // budget -1: the full cache
   bool age_normalised = false;  // heavy hitters ranked by score / age (hybrid-age), else by score
@@ -206,6 +221,8 @@ struct ArenaStorage {
   float* committed_scores = nullptr;
   float* row_scores = nullptr;
   int row_score_rows = 0;
+  int32_t* row_evicted = nullptr;  // [row_evicted_rows, L, n_kv]: what each row of a tree block evicted
+  int row_evicted_rows = 0;
   void* recent_keys = nullptr;
   void* recent_values = nullptr;
   bool recent_bf16 = false;
@@ -223,6 +240,7 @@ struct ArenaPass {
   int start = 0, first = 0, visible_before = 0, snapshots = 0, budget = -1;
   int64_t first_position = 0;
   bool per_row = false, in_cache = false;
+  const int32_t* parents = nullptr;  // [T] a tree block's parents (AttnBlock), or null: a chain
   const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t table_rows = 0, table_offset = 0;

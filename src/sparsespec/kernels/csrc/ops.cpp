@@ -114,7 +114,7 @@ std::vector<float> widened(const at::Tensor& t) {
 // key_params, value_params [L, n_kv, cap, hd / group, 2] float16, key_offset [L, n_kv, hd] float32 or None
 // (quantized keys are stored minus it and read plus it); positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap]
 // int32; scores, committed_scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
-// [R, L, n_kv, cap] float32 or None; recent_keys, recent_values [L, n_kv, R', hd] float32 or bfloat16 (quantized entries with a full-precision
+// [R, L, n_kv, cap] float32 or None; row_evicted [R', L, n_kv] int32 (what each row of a tree block evicted) or None; recent_keys, recent_values [L, n_kv, R', hd] float32 or bfloat16 (quantized entries with a full-precision
 // window of recent_window > 0 positions). The policy: sinks, heavy, window, age_normalised (hybrid-age: heavy
 // hitters ranked by score / age), score_decay (hybrid-decay: every row multiplies the scores by it first; 1
 // elsewhere), and the attention's scale. hd: the heads' size (the codes' width says it only with hd).
@@ -122,14 +122,15 @@ ArenaStorage arena_storage(const char* op, int64_t hd, const at::Tensor& keys, c
                            const at::Tensor& positions, const at::Tensor& evicted_at,
                            const c10::optional<at::Tensor>& scores,
                            const c10::optional<at::Tensor>& committed_scores,
-                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& key_params,
+                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& row_evicted,
+                           const c10::optional<at::Tensor>& key_params,
                            const c10::optional<at::Tensor>& value_params, int64_t code_bits, const c10::optional<at::Tensor>& key_offset,
                            const c10::optional<at::Tensor>& recent_keys,
                            const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t sinks,
                            int64_t heavy, int64_t window, bool age_normalised, double score_decay, double scale) {
   check_cpu(op, {&keys, &values, &positions, &evicted_at});
-  for (const auto* t : {&scores, &committed_scores, &row_scores, &key_params, &value_params, &key_offset, &recent_keys,
-                        &recent_values})
+  for (const auto* t : {&scores, &committed_scores, &row_scores, &row_evicted, &key_params, &value_params, &key_offset,
+                        &recent_keys, &recent_values})
     if (t->has_value()) check_cpu(op, {&t->value()});
   const bool quantized = code_bits != 0;
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
@@ -199,6 +200,13 @@ ArenaStorage arena_storage(const char* op, int64_t hd, const at::Tensor& keys, c
     a.row_scores = row_scores->data_ptr<float>();
     a.row_score_rows = (int)row_scores->size(0);
   }
+  if (row_evicted.has_value() && row_evicted->defined()) {
+    TORCH_CHECK(row_evicted->scalar_type() == at::kInt && row_evicted->is_contiguous() && row_evicted->dim() == 3 &&
+                    row_evicted->size(1) == a.n_layers && row_evicted->size(2) == a.n_kv,
+                op, ": row_evicted must be contiguous int32 [R, L, n_kv]");
+    a.row_evicted = row_evicted->data_ptr<int32_t>();
+    a.row_evicted_rows = (int)row_evicted->size(0);
+  }
   if (recent_window > 0) {
     TORCH_CHECK(quantized && recent_keys.has_value() && recent_values.has_value() && recent_keys->defined() &&
                     recent_values->defined(), op, ": a full-precision window needs quantized entries and "
@@ -260,6 +268,26 @@ struct NativeArena {
     }
     TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
   }
+
+  // Accept a tree block's path (in-flight rows, a root first, each the parent of the next) of the n_inflight rows
+  // staged after `committed` committed entries, leaving `survivors` (arena.h: commit_arena_path).
+  void commit_path(int64_t committed, const std::vector<int64_t>& path, int64_t n_inflight, int64_t survivors) {
+    TORCH_CHECK(committed >= 0 && committed <= INT32_MAX && n_inflight >= 0 && n_inflight <= INT32_MAX &&
+                    survivors >= 0 && survivors <= INT32_MAX && path.size() <= (std::size_t)INT32_MAX,
+                "NativeArena.commit_path: counts outside the arena");
+    std::vector<int> rows;
+    for (int64_t r : path) {
+      TORCH_CHECK(r >= 0 && r <= INT32_MAX, "NativeArena.commit_path: row ", r, " outside the arena");
+      rows.push_back((int)r);
+    }
+    std::string problem = check_arena_path(storage, (int)committed, rows, (int)n_inflight);
+    TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
+    {
+      pybind11::gil_scoped_release unlocked;
+      problem = commit_arena_path(storage, (int)committed, rows, (int)n_inflight, (int)survivors);
+    }
+    TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
+  }
 };
 
 std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, const at::Tensor& values,
@@ -267,6 +295,7 @@ std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, co
                                           const c10::optional<at::Tensor>& scores,
                                           const c10::optional<at::Tensor>& committed_scores,
                                           const c10::optional<at::Tensor>& row_scores,
+                                          const c10::optional<at::Tensor>& row_evicted,
                                           const c10::optional<at::Tensor>& key_params,
                                           const c10::optional<at::Tensor>& value_params, int64_t code_bits,
                                           const c10::optional<at::Tensor>& key_offset,
@@ -276,23 +305,23 @@ std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, co
                                           double score_decay, double scale) {
   auto arena = std::make_shared<NativeArena>();
   arena->storage = arena_storage("NativeArena", hd, keys, values, positions, evicted_at, scores, committed_scores,
-                                 row_scores, key_params, value_params, code_bits, key_offset, recent_keys,
-                                 recent_values, recent_window, sinks, heavy, window, age_normalised, score_decay,
-                                 scale);
+                                 row_scores, row_evicted, key_params, value_params, code_bits, key_offset,
+                                 recent_keys, recent_values, recent_window, sinks, heavy, window, age_normalised,
+                                 score_decay, scale);
   arena->tensors = {keys, values, positions, evicted_at};
-  for (const auto* t : {&scores, &committed_scores, &row_scores, &key_params, &value_params, &key_offset,
+  for (const auto* t : {&scores, &committed_scores, &row_scores, &row_evicted, &key_params, &value_params, &key_offset,
                         &recent_keys, &recent_values})
     if (t->has_value() && (*t)->defined()) arena->tensors.push_back(**t);
   return arena;
 }
 
-// An open block's pass over one arena as KVArena.native_pass gives it: (NativeArena, start, first, visible_before,
-// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset). The arena is kept in `arenas` and
-// the RoPE tables in `tables`, alive while the pass runs.
-ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd,
+// An open block of T rows over one arena as KVArena.arena_pass gives it: (NativeArena, start, first, visible_before,
+// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents: int32 [T] or None). The
+// arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
+ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, int64_t T,
                      std::vector<std::shared_ptr<NativeArena>>& arenas, std::vector<at::Tensor>& tables) {
   const auto args = item.cast<pybind11::tuple>();
-  TORCH_CHECK(args.size() == 12, op, ": an arena pass has 12 fields");
+  TORCH_CHECK(args.size() == 13, op, ": an arena pass has 13 fields");
   arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
   ArenaPass p;
   p.start = args[1].cast<int>();
@@ -307,6 +336,14 @@ ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd,
   tables.push_back(args[10].cast<at::Tensor>());
   pass_tables(op, p, tables[tables.size() - 2], tables.back(), hd);
   p.table_offset = args[11].cast<int64_t>();
+  if (!args[12].is_none()) {
+    const at::Tensor parents = args[12].cast<at::Tensor>();
+    check_cpu(op, {&parents});
+    TORCH_CHECK(parents.scalar_type() == at::kInt && parents.is_contiguous() && parents.dim() == 1 &&
+                    parents.size(0) == T, op, ": a tree block's parents must be contiguous int32 [", T, "]");
+    tables.push_back(parents);
+    p.parents = parents.data_ptr<int32_t>();
+  }
   return p;
 }
 
@@ -322,7 +359,7 @@ at::Tensor arena_attention(const pybind11::tuple& pass, int64_t layer, const at:
   const int64_t hd = q.size(2), T = q.size(1);
   std::vector<std::shared_ptr<NativeArena>> arenas;
   std::vector<at::Tensor> tables;
-  const ArenaPass p = arena_pass(op, pass, hd, arenas, tables);
+  const ArenaPass p = arena_pass(op, pass, hd, T, arenas, tables);
   const ArenaStorage& arena = arenas.back()->storage;
   TORCH_CHECK(hd == arena.hd, op, ": q's heads are not the arena's size ", arena.hd);
   TORCH_CHECK(layer >= 0 && layer < arena.n_layers, op, ": layer ", layer, " outside the arena");
@@ -603,7 +640,8 @@ struct NativeModel {
       pass.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
       pass.last_only = block[1].cast<bool>();
       for (const auto& a : block[2].cast<pybind11::list>()) {
-        const ArenaPass p = arena_pass("native pass", a, weights.head_dim, arenas, tables);
+        const ArenaPass p = arena_pass("native pass", a, weights.head_dim, (int64_t)pass.tokens.size(), arenas,
+                                       tables);
         pass.arenas.emplace_back(&arenas.back()->storage, p);
       }
       for (const auto& r : block[3].cast<pybind11::list>()) {
@@ -639,7 +677,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &sparsespec::rms_norm, unlocked);
   module.def("gated", &sparsespec::gated, unlocked);
   pybind11::class_<sparsespec::NativeArena, std::shared_ptr<sparsespec::NativeArena>>(module, "NativeArena")
-      .def("commit", &sparsespec::NativeArena::commit);
+      .def("commit", &sparsespec::NativeArena::commit)
+      .def("commit_path", &sparsespec::NativeArena::commit_path);
   module.def("native_arena", &sparsespec::native_arena);
   pybind11::class_<sparsespec::NativeModel>(module, "NativeModel")
       .def(pybind11::init<const pybind11::dict&>())
