@@ -435,7 +435,7 @@ def _attend(args: dict) -> torch.Tensor:
     budget = a.pop("budget")
     arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
                   a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
-                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None)
+                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0)
     return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v"))
 
 

@@ -118,8 +118,9 @@ class BlockPass:
     block's first in-flight row, rows and kind, its slots from ``start``, the entries visible before its first row,
     whether the policy evicts between rows (``per_row``) and down to which ``budget`` (None: none while it attends),
     its first true position, the RoPE tables for its rows (``cos``, ``sin`` float32 ``[P, head_dim]``, row
-    ``p - table_offset`` for position or, ``in_cache``, rank ``p``), how many rows keep score snapshots, and a tree
-    block's ``parents`` (int32 ``[T]``; None: a chain)."""
+    ``p - table_offset`` for position or, ``in_cache``, rank ``p``), how many rows keep score snapshots, a tree
+    block's ``parents`` (int32 ``[T]``; None: a chain), and for retention's observation window the width its scores
+    are pooled over and the budget it selects (``pool`` 0: not a window)."""
 
     first: int
     n_rows: int
@@ -135,6 +136,8 @@ class BlockPass:
     table_offset: int
     snapshots: int
     parents: torch.Tensor | None
+    pool: int
+    select_budget: int
 
 
 class KVArena:
@@ -333,25 +336,6 @@ class KVArena:
             if self.capacity != steady:
                 self._resize(steady)
 
-    def _select_retained(self, layer: int, q: torch.Tensor, first: int, start: int, stop: int,
-                         visible_before: int) -> None:
-        """Evict (at the block's last row) all but the budget's entries of ``layer``, chosen by the attention of the
-        block's rows ``q: [n_heads, T, head_dim]`` (not rotated); the kept entries' scores become that attention."""
-        n_heads, n_rows, hd = q.shape
-        n_kv = self.config.num_key_value_heads
-        positions = self.positions[layer][:, :stop]
-        visible = self.evicted_at[layer][:, :stop] == NEVER
-        new_positions = torch.arange(n_rows) + (self.next_position + first)
-        ranks = new_positions if self.positions_mode == "original" else torch.arange(n_rows) + visible_before
-        queries = self.rope.rotate(q.float(), ranks).view(n_kv, n_heads // n_kv, n_rows, hd)
-        attention = observation_scores(queries, self._keys_for_attention(layer, visible), new_positions, positions,
-                                       visible, self.scale)
-        pooled = pool_by_position(attention, positions, visible, self.retention.pool)
-        evict = choose_unretained(pooled, positions, visible, int(new_positions[-1]), self.policy,
-                                  visible_before + n_rows)
-        self.evicted_at[layer][:, :stop].masked_fill_(evict, first + n_rows - 1)
-        self.scores[layer][:, :stop] = attention
-
     # ----------------------------------------------------------------------------------------------- accounting
     @property
     def n_inflight(self) -> int:
@@ -479,8 +463,9 @@ class KVArena:
         if self.policy.needs_scores and not per_block:
             snapshots = n_rows if parents is not None else max(0, min(n_rows, self.max_inflight - 1 - first))
         tree = None if parents is None else torch.tensor(parents, dtype=torch.int32)
+        pool = self.retention.pool if self._block_mode == "select" else 0
         return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
-                         cos, sin, table_offset, snapshots, tree)
+                         cos, sin, table_offset, snapshots, tree, pool, self.policy.budget if pool else 0)
 
     def _handle(self):
         """The native view of this arena's buffers and policy (``kernels.native_arena``), made again after every
@@ -502,15 +487,14 @@ class KVArena:
         block = self._pass
         return (self._handle(), block.start, block.first, block.visible_before, block.first_position,
                 block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
-                block.cos, block.sin, block.table_offset, block.parents)
+                block.cos, block.sin, block.table_offset, block.parents, block.pool, block.select_budget)
 
     def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
         """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
-        the route each model layer's place in it; None where a layer needs more than the native op (a retention
-        selection, recall from the cold tier) or the native kernels are not built."""
+        the route each model layer's place in it; None where a layer needs more than the native op (rows that
+        recall from the cold tier) or the native kernels are not built."""
         block = self._pass
-        if not self.native_attention or self._block_mode == "select" or (self.cold is not None and
-                                                                          not block.per_block):
+        if not self.native_attention or (self.cold is not None and not block.per_block):
             return None
         return [self.arena_pass()], self._route
 
@@ -706,8 +690,6 @@ class KVArena:
         else:
             out = fallback.attend(self, layer, q, k, v, first=first, start=start, visible_before=visible_before,
                                   per_block=block.per_block, per_row=block.per_row, budget=block.budget, lse=lse)
-        if self._block_mode == "select":
-            self._select_retained(layer, q, first, start, start + n_rows, visible_before)
         if lse is not None:
             out = self._recall(layer, q, out, lse, first, start, visible_before, block.per_row)
         return out

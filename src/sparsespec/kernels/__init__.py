@@ -263,11 +263,12 @@ def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Ten
 
     Args:
         arena_pass: ``(arena, start, first, visible_before, first_position, snapshots, per_row, budget, in_cache,
-            cos, sin, table_offset, parents)`` as ``KVArena.arena_pass`` makes it: the :func:`native_arena` handle,
-            the block's slots and in-flight rows, whether the policy evicts after every row, the budget (-1: the full
-            cache), the position mode, the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset``
-            serves position (or rank) ``p``, and a tree block's parents (int32 ``[T]``, or None: a chain;
-            ``csrc/attention.h``).
+            cos, sin, table_offset, parents, pool, select_budget)`` as ``KVArena.arena_pass`` makes it: the
+            :func:`native_arena` handle, the block's slots and in-flight rows, whether the policy evicts after every
+            row, the budget (-1: the full cache), the position mode, the float32 RoPE tables ``[P, head_dim]`` whose
+            row ``p - table_offset`` serves position (or rank) ``p``, a tree block's parents (int32 ``[T]``, or
+            None: a chain), and for retention's observation window its pooling width and the budget it selects (pool
+            0: none; ``csrc/attention.h``).
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
         row_lse: float32 ``[T, n_heads]`` or None: receives each row's log-sum-exp of its scaled logits per query
             head (what lets a caller merge this attention with attention over other entries, ``cache/recall.py``).

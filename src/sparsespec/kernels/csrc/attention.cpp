@@ -1,6 +1,7 @@
-// Rows of a block over one layer of the KV arena: per-row visibility, ranks (in-cache mode), the chunked softmax
-// of attention.h, heavy-hitter scores and their per-row snapshots, and the policy's evictions
-// (sparsespec/cache/policy.py: choose_evictions), row by row as the arena's torch path does.
+// Rows of a block over one layer of the KV arena: per-row visibility (chains and trees), ranks (in-cache mode), the
+// chunked softmax of attention.h, heavy-hitter scores and their per-row snapshots, the policy's evictions
+// (sparsespec/cache/policy.py says which entries each policy keeps), row by row, and retention's selection at a
+// prompt's end (sparsespec/cache/retention.py).
 #include "attention.h"
 #include "arena.h"
 #include "parallel.h"
@@ -72,22 +73,55 @@ void compute_ranks(const AttnBlock& b, int h, int last, int64_t newest, int32_t*
   }
 }
 
+// What one eviction keeps in a KV head: `budget` entries, heavy hitters ranked by `scores` ([cap] of the head),
+// each divided by its age when age_normalised.
+struct Ranking {
+  const float* scores;
+  bool age_normalised;
+  int budget;
+};
+
+// The policy's ranking in head h: its scores and budget.
+Ranking policy_ranking(const AttnBlock& b, int h) {
+  return {b.scores ? b.scores + (long)h * b.cap : nullptr, b.age_normalised, b.budget};
+}
+
+// Retention's ranking scores of head h (AttnBlock::pool): each visible slot below `stop` gets the largest score among
+// the `pool` visible slots nearest it in position order (slots are not stored in position order); others 0.
+std::vector<float> pool_by_position(const AttnBlock& b, int h, int stop) {
+  const int64_t* pos = b.positions + (long)h * b.cap;
+  const float* score = b.scores + (long)h * b.cap;
+  std::vector<int> order;
+  for (int s = 0; s < stop; ++s)
+    if (alive(b, h, s)) order.push_back(s);
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return pos[x] < pos[y]; });
+  std::vector<float> pooled(b.cap, 0.0f);
+  const int n = (int)order.size(), reach = b.pool / 2;
+  for (int k = 0; k < n; ++k) {
+    float best = score[order[k]];
+    for (int j = std::max(0, k - reach); j <= std::min(n - 1, k + reach); ++j) best = std::max(best, score[order[j]]);
+    pooled[order[k]] = best;
+  }
+  return pooled;
+}
+
 // The policy's evictions in head h once n_visible tokens are visible (slots <= last alive), newest at `newest`:
-// sinks and window protected; with heavy hitters the lowest scores go (ties: the older position), otherwise every
+// sinks and window protected; with heavy hitters the lowest ranked go (ties: the older position), otherwise every
 // unprotected token goes. age_normalised (hybrid-age, cache/hybrid_age.py): the score divided by the token's age,
 // max(newest + 1 - position, 1), in float32. Evicted slots get evicted_at = row; returns them.
-std::vector<int> evict(const AttnBlock& b, int h, int last, int64_t newest, int n_visible, int row) {
-  const int n_evict = n_visible - b.budget;
-  if (b.budget < 0 || n_evict <= 0) return {};
+std::vector<int> evict(const AttnBlock& b, const Ranking& rank, int h, int last, int64_t newest, int n_visible,
+                       int row) {
+  const int n_evict = n_visible - rank.budget;
+  if (rank.budget < 0 || n_evict <= 0) return {};
   const int64_t* pos = b.positions + (long)h * b.cap;
   int32_t* evicted_at = b.evicted_at + (long)h * b.cap;
   std::vector<int> candidates;
   for (int s = 0; s <= last; ++s)
     if (evicted_at[s] == kNever && !(pos[s] < b.sinks || pos[s] > newest - b.window)) candidates.push_back(s);
   if (b.heavy > 0 && (int)candidates.size() > n_evict) {
-    const float* key = b.scores + (long)h * b.cap;  // the ranking key: the score, or the score per row of age
+    const float* key = rank.scores;  // the ranking key: the score, or the score per row of age
     std::vector<float> per_age;
-    if (b.age_normalised) {
+    if (rank.age_normalised) {
       per_age.resize(b.cap);
       for (int s : candidates) per_age[s] = key[s] / (float)std::max<int64_t>(newest + 1 - pos[s], 1);
       key = per_age.data();
@@ -349,7 +383,7 @@ void attend_block(int isa, const AttnBlock& b) {
     if (!b.scores) return;
     float* score = b.scores + (long)h * b.cap;
     const float* e = logits.data() + (long)h * G * lds;
-    if (b.score_decay != 1.0f)  // every slot up to the row's, as the torch path's scores.mul_
+    if (b.score_decay != 1.0f && !b.pool)  // every slot up to the row's
       for (int s = 0; s <= b.start + i; ++s) score[s] *= b.score_decay;
     for (int r = 0; r <= last; ++r) {
       const int s = reorder ? order[h].slot_of[r] : r;
@@ -363,7 +397,8 @@ void attend_block(int isa, const AttnBlock& b) {
   // the row's score snapshot.
   auto head_after_row = [&](int h, int i) {
     if (b.per_row) {
-      const std::vector<int> evicted = evict(b, h, b.start + i, position_of(b, i), (int)rank_of(b, i) + 1, b.first + i);
+      const std::vector<int> evicted =
+          evict(b, policy_ranking(b, h), h, b.start + i, position_of(b, i), (int)rank_of(b, i) + 1, b.first + i);
       if (reorder) order[h].commit_row(evicted);
       if (tree) {
         evicted_by[(std::size_t)h * b.T + i] = evicted;
@@ -383,6 +418,8 @@ void attend_block(int isa, const AttnBlock& b) {
   // another until the block ends; used when the heads share the threads evenly, or (at most as many threads as
   // heads) a head's slots are few, where the waits would cost more than the uneven share. By chunks: every step
   // spread over (head, chunk) items, the threads meeting after each step.
+  if (b.pool)  // the window's scores are its own attention
+    for (int h = 0; h < H; ++h) std::fill(b.scores + (long)h * b.cap, b.scores + (long)h * b.cap + stop, 0.0f);
   const int threads = num_threads();
   if (H % threads == 0 || (threads < H && stop < 4096)) {
     parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
@@ -431,9 +468,16 @@ void attend_block(int isa, const AttnBlock& b) {
         for (int s : evicted_by[(std::size_t)h * b.T + j]) b.evicted_at[(long)h * b.cap + s] = kNever;
         b.evicted_at[(long)h * b.cap + b.start + j] = kNever;
       }
+  if (b.pool)
+    for (int h = 0; h < H; ++h) {
+      const std::vector<float> pooled = pool_by_position(b, h, stop);
+      evict(b, Ranking{pooled.data(), false, b.select_budget}, h, stop - 1, b.first_position + b.T - 1,
+            b.visible_before + b.T, b.first + b.T - 1);
+    }
   if (!tree && !b.per_row && b.budget >= 0 && b.visible_before + b.T > b.budget) {
     for (int h = 0; h < H; ++h)
-      evict(b, h, stop - 1, b.first_position + b.T - 1, b.visible_before + b.T, b.first + b.T - 1);
+      evict(b, policy_ranking(b, h), h, stop - 1, b.first_position + b.T - 1, b.visible_before + b.T,
+            b.first + b.T - 1);
   }
   // The block's rows enter the ring (only its last recent_slots rows survive there).
   if (b.recent_window) {
@@ -463,6 +507,9 @@ std::string check_arena_pass(const ArenaStorage& a, const ArenaPass& p, int T, i
                                                               p.first + p.snapshots > a.row_score_rows)))
     return "score snapshots of rows past the arena's row_scores";
   if (a.heavy > 0 && !a.scores) return "a policy with heavy hitters needs scores";
+  if (p.pool && (p.pool < 1 || p.pool % 2 == 0 || p.select_budget < 0 || !a.scores || p.budget >= 0 || p.per_row ||
+                 p.parents))
+    return "a retention window needs an odd pool, a budget of its own, scores, and no eviction of the policy's";
   if (p.parents) {
     int deepest = 0;
     std::vector<int> depth(T);
@@ -548,6 +595,8 @@ void attend_arena_layer(int isa, const ArenaStorage& a, const ArenaPass& p, int 
     b.cos = p.cos;
     b.sin = p.sin;
   }
+  b.pool = p.pool;
+  b.select_budget = p.select_budget;
   std::vector<int32_t> depths;
   if (p.parents) {
     for (int i = 0; i < T; ++i) depths.push_back(p.parents[i] < 0 ? 0 : depths[p.parents[i]] + 1);

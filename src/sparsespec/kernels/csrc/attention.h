@@ -158,6 +158,11 @@ struct AttnBlock {
   int32_t* row_evicted = nullptr;
   long evicted_stride = 0;
   bool per_row = false;  // evict after every row (else, if over budget, once after the block)
+  // Retention's observation window (cache/retention.py; pool > 0): the block's scores start from 0 and add each
+  // row's attention undecayed; after its last row every KV head keeps select_budget entries, the heavy hitters
+  // ranked by those scores max-pooled over the `pool` visible entries nearest in position (ties: the older goes),
+  // sinks and window kept; the kept entries' scores are the window's attention.
+  int pool = 0, select_budget = 0;
   int budget = -1, sinks = 0, heavy = 0, window = 0;  // budget -1: the full cache
   bool age_normalised = false;  // heavy hitters ranked by score / age (hybrid-age), else by score
   float score_decay = 1.0f;     // each row: score = score * score_decay + attention received (hybrid-decay)
@@ -177,8 +182,8 @@ struct AttnBlock {
 
 void attend_block(int isa, const AttnBlock& b);
 
-// The block's new rows entering one layer of the arena, before attend_block (the arena's torch path does the same in
-// these steps: KVArena.attend, Rope.rotate): queries rotated in float32 by true position (original mode) or by rank
+// The block's new rows entering one layer of the arena, before attend_block (rotations as sparsespec/rope.py's
+// Rope.rotate computes them): queries rotated in float32 by true position (original mode) or by rank
 // (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
 // keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set,
 // evicted_at = kNever, scores 0; with a full-precision window, the rows as the ring keeps them in block_keys /
@@ -241,6 +246,7 @@ struct ArenaPass {
   int64_t first_position = 0;
   bool per_row = false, in_cache = false;
   const int32_t* parents = nullptr;  // [T] a tree block's parents (AttnBlock), or null: a chain
+  int pool = 0, select_budget = 0;   // retention's observation window (AttnBlock), pool 0: none
   const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t table_rows = 0, table_offset = 0;

@@ -316,12 +316,12 @@ std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, co
 }
 
 // An open block of T rows over one arena as KVArena.arena_pass gives it: (NativeArena, start, first, visible_before,
-// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents: int32 [T] or None). The
-// arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
+// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents: int32 [T] or None, pool,
+// select_budget). The arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
 ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, int64_t T,
                      std::vector<std::shared_ptr<NativeArena>>& arenas, std::vector<at::Tensor>& tables) {
   const auto args = item.cast<pybind11::tuple>();
-  TORCH_CHECK(args.size() == 13, op, ": an arena pass has 13 fields");
+  TORCH_CHECK(args.size() == 15, op, ": an arena pass has 15 fields");
   arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
   ArenaPass p;
   p.start = args[1].cast<int>();
@@ -344,6 +344,8 @@ ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, i
     tables.push_back(parents);
     p.parents = parents.data_ptr<int32_t>();
   }
+  p.pool = args[13].cast<int>();
+  p.select_budget = args[14].cast<int>();
   return p;
 }
 
