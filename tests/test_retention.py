@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.cache.retention import Retention, observation_scores, pool_by_position, retention_for
 from sparsespec.cli import main
@@ -123,16 +122,11 @@ def _reference_selection(model, policy, tokens, rows, pool):
     return kept
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
-def test_the_arena_keeps_what_a_float64_observation_window_chooses(monkeypatch, attention):
-    if attention == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    elif not kernels.available():
-        pytest.skip("native kernels unavailable")
+@pytest.mark.usefixtures("native_kernels")
+def test_the_arena_keeps_what_a_float64_observation_window_chooses():
     policy = make_policy("hybrid", 20, sinks=2, heavy=10)
     tokens = ids(70)
     arena = make_arena(TARGET, policy)
-    assert arena.native_attention == (attention == "native")
     prefill(TARGET, arena, tokens, chunk=8)
     expected = _reference_selection(TARGET, policy, tokens, RETENTION.observation_rows, RETENTION.pool)
     for layer in range(TARGET.config.num_hidden_layers):
