@@ -1,25 +1,23 @@
-"""The arena's decode attention: the native op against the torch fallback, per KV dtype, and its effective bandwidth.
+"""The arena's decode attention (the native op), per KV dtype, and its effective bandwidth.
 
-The arena's decode attention (one row, or a verification block): the native op against the torch fallback, and its
-effective bandwidth.
+The arena's decode attention (one row, or a verification block) through the native op, and its effective bandwidth.
 
 Builds a KV arena with a model's shapes (SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64; or
 qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding ``n`` random entries stored in
 each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in every layer, ``end``,
-``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows) through each path. Prints one
-JSON line per (entries, KV dtype, rows, path): milliseconds per step for all layers; microseconds per layer in the
-attention itself (``_attend_native``, or ``cache/fallback.py``'s ``attend``; both store the new rows, so their time
-includes that store); and the effective GB/s of the KV bytes a step must read (keys and values of every visible
-entry, once) over the attention's own time. The torch fallback stores no int8 / int4 entries: those run native only.
+``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows). Prints one JSON line per
+(entries, KV dtype, rows): milliseconds per step for all layers; microseconds per layer in the attention op itself
+(``_attend_native``, which also stores the new rows, so its time includes that store); and the effective GB/s of the
+KV bytes a step must read (keys and values of every visible entry, once) over the op's own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
     python benchmarks/bench_attention.py --policy hybrid --budget 1024 --entries 16384   # in-cache positions
     python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 16384 \
-        --kv-dtypes bf16,int8,int4 --paths native
+        --kv-dtypes bf16,int8,int4
     python benchmarks/bench_attention.py --shapes qwen2.5-coder-1.5b --policy hybrid --budget 1024 --entries 8192 \
-        --rows 1,5 --paths native   # a γ = 4 verification block against one row
+        --rows 1,5   # a γ = 4 verification block against one row
     python benchmarks/bench_attention.py --shapes qwen2.5-coder-0.5b --policy hybrid --budget 1024 \
-        --entries 4096,16384 --recall-pages 0,8 --paths native   # with recall from a cold tier of the evicted rest
+        --entries 4096,16384 --recall-pages 0,8   # with recall from a cold tier of the evicted rest
 
 With ``--recall-pages`` a budgeted arena also keeps a cold tier (``cache/recall.py``) holding the ``entries -
 budget`` tokens it has evicted (random, as the resident ones), and every row recalls that many pages of it (0: no
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from pathlib import Path
 
@@ -39,7 +36,6 @@ import torch
 from common import emit, machine, results_dir
 
 from sparsespec import kernels
-from sparsespec.cache import fallback
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
 from sparsespec.cache.quant import BITS, KVStore, bytes_per_vector, quantize
@@ -116,29 +112,18 @@ def store(entries: KVStore, layer: int, x: torch.Tensor) -> None:
     entries.data[layer, :, :n], entries.params[layer, :, :n] = quantize(x, entries.bits)
 
 
-def time_steps(arena: KVArena, native: bool, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Seconds of each decode step (every layer's ``attend`` for ``rows`` rows), and of the attention inside it."""
-    arena.native_attention = native
+def time_steps(arena: KVArena, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds of each decode step (every layer's ``attend`` for ``rows`` rows), and of the attention op inside it."""
     inside = [0.0]
+    attend_native = arena._attend_native
 
-    def timed(method):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = method(*args, **kwargs)
-            inside[0] += time.perf_counter() - t0
-            return out
-        return call
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = attend_native(*args, **kwargs)
+        inside[0] += time.perf_counter() - t0
+        return out
 
-    arena._attend_native = timed(arena._attend_native)
-    fallback_attend = fallback.attend
-    fallback.attend = timed(fallback_attend)
-    try:
-        return _time_steps(arena, rows, steps, warmup, inside)
-    finally:
-        fallback.attend = fallback_attend
-
-
-def _time_steps(arena: KVArena, rows: int, steps: int, warmup: int, inside: list[float]):
+    arena._attend_native = timed
     config = arena.config
     gen = torch.Generator().manual_seed(1)
     n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -170,8 +155,6 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="budget of a budgeted policy")
     parser.add_argument("--kv-recent", type=int, default=None,
                         help="int8 / int4: positions kept in full precision (default: the dtype's, 32 for int4)")
-    parser.add_argument("--paths", default="native,torch",
-                        help="comma-separated: native, torch (the fallback; bf16 entries only)")
     parser.add_argument("--rows", default="1", help="comma-separated rows per step (a verification block: γ + 1)")
     parser.add_argument("--recall-pages", default="0",
                         help="comma-separated pages each row recalls from a cold tier of the evicted tokens (0: none)")
@@ -181,22 +164,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=results_dir(__file__) / "attention.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = args.paths.split(",")
-    if "native" in paths and not kernels.available():
+    if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable_reason()}")
     config = make_config(SHAPES[args.shapes])
     facts = machine()
-    for entries, kv_dtype, rows, path, pages in itertools.product((int(e) for e in args.entries.split(",")),
-                                                              args.kv_dtypes.split(","),
-                                                              (int(r) for r in args.rows.split(",")), paths,
-                                                              (int(p) for p in args.recall_pages.split(","))):
-        if path == "torch" and kv_dtype in BITS:
-            print(f"skipped: the torch fallback stores no {kv_dtype} entries", file=sys.stderr)
-            continue
+    for entries, kv_dtype, rows, pages in itertools.product((int(e) for e in args.entries.split(",")),
+                                                            args.kv_dtypes.split(","),
+                                                            (int(r) for r in args.rows.split(",")),
+                                                            (int(p) for p in args.recall_pages.split(","))):
         steps = args.steps + args.warmup
         recent = args.kv_recent if kv_dtype in BITS else None
         arena = filled_arena(config, args.policy, args.budget, entries, rows * steps, kv_dtype, rows, recent, pages)
-        times, attention = time_steps(arena, path == "native", rows, args.steps, args.warmup)
+        times, attention = time_steps(arena, rows, args.steps, args.warmup)
         step, inside = sorted(times)[len(times) // 2], sorted(attention)[len(attention) // 2]
         visible = entries + 1 if arena.policy.is_full else arena.policy.budget + 1
         full = min(arena.recent_window, visible)  # entries read from the full-precision ring instead
@@ -206,8 +185,8 @@ def main() -> None:
         emit({
             "bench": "attention", "model_shapes": args.shapes, "kv_dtype": kv_dtype, "kv_recent": arena.recent_window,
             "policy": arena.policy.describe(),
-            "positions": arena.positions_mode, "entries": entries, "visible": visible, "rows": rows, "path": path,
-            "isa": kernels.isa_name() if path == "native" else "torch", "threads": args.threads,
+            "positions": arena.positions_mode, "entries": entries, "visible": visible, "rows": rows,
+            "isa": kernels.isa_name(), "threads": args.threads,
             "recall_pages": pages, "cold_entries": arena.cold.count if arena.cold else 0,
             "ms_per_step": round(step * 1e3, 3),
             "attention_us_per_layer": round(inside * 1e6 / config.num_hidden_layers, 1),

@@ -165,13 +165,9 @@ def tiny_model(architecture: str = "llama", seed: int = 0, dtype=torch.float32, 
 
 def kernels_must_build() -> bool:
     """Whether a failed build of the native kernels fails the tests that need them: on x86-64 and AArch64 (the CPUs
-    they are written for) under CI (``CI=true``) or with the C++ compiler torch builds with (``$CXX``, else ``c++``);
-    never when ``SPARSESPEC_KERNELS=torch`` turns them off. Elsewhere they are skipped, as users without a
-    compiler get the torch kernels after one warning line."""
-    from sparsespec import kernels
-
-    if os.environ.get(kernels.KERNELS_ENV, "").strip().lower() == "torch":
-        return False
+    they are written for) under CI (``CI=true``) or with the C++ compiler torch builds with (``$CXX``, else ``c++``).
+    Elsewhere they are skipped, as users without a compiler get one warning line and a one-sentence refusal from
+    whatever needs the kernels."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return False
     return os.environ.get("CI", "").lower() in ("true", "1") or shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -217,17 +213,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test of int8 / int4 KV entries that met the arena's refusal (the native kernels store them alone) is
+    """A test that built a KV cache and met the arena's refusal (its attention runs in the native kernels alone) is
     skipped where the kernels may be missing, as the native tests are; where they must build it stays a failure."""
     outcome = yield
     report = outcome.get_result()
     if report.failed and call.excinfo is not None and not kernels_must_build():
-        from sparsespec.cache.arena import QUANTIZED_NEEDS_KERNELS
+        from sparsespec.cache.arena import NEEDS_KERNELS
 
-        if QUANTIZED_NEEDS_KERNELS in str(call.excinfo.value):
+        if NEEDS_KERNELS in str(call.excinfo.value):
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0,
-                               "Skipped: int8 / int4 KV entries need the native kernels, unavailable here")
+                               "Skipped: the KV cache needs the native kernels, unavailable here")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -283,8 +279,8 @@ def smollm2_default(smollm2_path, native_kernels):
 @pytest.fixture
 def row_by_row(monkeypatch):
     """Counts, by arena, the layer calls that evicted between the rows of a multi-row block (a verification block
-    that fills the budget): each such block counts once per layer, on whichever path it ran (the native pass, the
-    native op or the torch fallback, ``cache/fallback.py``)."""
+    that fills the budget): each such block counts once per layer, on whichever path it ran (the native pass or the
+    native op)."""
     calls: dict[int, int] = {}
     from sparsespec.cache.arena import KVArena
 
@@ -298,15 +294,6 @@ def row_by_row(monkeypatch):
 
     monkeypatch.setattr(KVArena, "_block_pass", spy)
     return calls
-
-
-@pytest.fixture(params=["native-op", "fallback"])
-def attention_path(request):
-    """Each arena attention path in turn: the native op (skipped or failed as :func:`native_kernels` says) and the
-    torch fallback (``cache/fallback.py``); set it with ``arena.native_attention = attention_path == "native-op"``."""
-    if request.param == "native-op":
-        request.getfixturevalue("native_kernels")
-    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@
 The reference keeps a full-length float32 cache of every token ever seen (keys unrotated), a boolean ``kept`` mask
 and accumulated scores per layer and KV head over all positions, recomputes every attention mask from ``kept`` at
 every step, and applies the eviction rule written out plainly (a Python sort of the candidates by
-``(score, position)``). It shares no code with the library: not the arena, not ``choose_evictions``, not the model,
+``(score, position)``). It shares no code with the library: not the arena, not the eviction rule, not the model,
 not the RoPE helper. Both sides read the same Hugging Face-named state dict (``random_state``).
 
-It is the one reference of the arena's attention: the tests run the native op (where the kernels are built) and,
-for entries in the compute dtype, the torch fallback as well (``cache/fallback.py``; the ``attention_path``
-fixture); int8 / int4 entries are the native op's alone, on every instruction set the CPU runs.
+It is the one reference of the arena's attention, the native op (every KV dtype, every instruction set the CPU
+runs); ``test_attention_native.py`` drives it below the model too, with random rows, blocks and commits.
 
 Semantics implemented by the reference:
 
@@ -25,8 +24,10 @@ Quantized caches (``kv_dtype`` int8 / int4): the reference takes the entries the
 (codes and group parameters, recorded as they are written) and dequantizes them with its own plain loop; it checks
 that they are its own keys (rotated by position in the original mode; minus the layer's key bias in the in-cache
 mode, where keys are stored before RoPE) and values within half a quantization step, and then runs the same naive
-attention and eviction over them. With a full-precision window of W positions (int4's default, or one given), the
-row at position p reads the entries of positions above p - W as its own float32 keys and values instead.
+attention and eviction over them. Entries stored in a float format (bfloat16 ones, in ``test_attention_native.py``)
+are taken alike, checked to be its own to the rounding of that format. With a full-precision window of W positions
+(int4's default, or one given), the row at position p reads the entries of positions above p - W as its own float32
+keys and values instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from sparsespec.model import Transformer
 
 from conftest import random_state, tiny_config
 
+# Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
 PROMPT_LEN = 40
 CHUNK = 8
 DECODE_STEPS = 300
@@ -60,10 +64,11 @@ class NaiveDecoder:
     def __init__(self, config, state, *, sinks, heavy, window, budget, mode, max_tokens, stored_rows=None,
                  age=False, decay=1.0, recent_window=0):
         """``stored_rows(layer, n) -> (k, v, bits)``, if given, returns the next ``n`` rows the arena stored in
-        ``layer`` as codes and params (``[n_kv, n, ...]`` each); they replace the reference's own float entries."""
+        ``layer``, each as ``(codes, params)`` (``[n_kv, n, ...]``; ``bits`` 8 or 4) or, for a float format, as
+        ``(entries, None)`` (``bits`` None); they replace the reference's own float32 entries once checked."""
         self.cfg = config
         self.stored_rows = stored_rows
-        # The arena quantizes keys as stored: rotated by position in the original mode, else minus the key bias.
+        # The arena stores keys rotated by position in the original mode; quantized in-cache keys minus the key bias.
         self.rotated_keys = stored_rows is not None and mode == "original"
         self.bias_out = stored_rows is not None and mode == "in-cache" and config.attention_bias
         self.state = {name: t.float() for name, t in state.items()}
@@ -146,10 +151,10 @@ class NaiveDecoder:
             self.own_v[layer, :, p0 : p0 + n_rows] = v
             (k_codes, k_params), (v_codes, v_params), bits = self.stored_rows(layer, n_rows)
             bias = 0.0
-            if self.bias_out:
+            if self.bias_out and bits is not None:
                 bias = self._weight(f"model.layers.{layer}.self_attn.k_proj.bias").view(n_kv, 1, hd)
-            k = _checked_dequantize(k_codes, k_params, bits, k - bias, "keys") + bias
-            v = _checked_dequantize(v_codes, v_params, bits, v, "values")
+            k = _checked_stored(k_codes, k_params, bits, k - bias, "keys") + bias
+            v = _checked_stored(v_codes, v_params, bits, v, "values")
         self.k[layer, :, p0 : p0 + n_rows] = k
         self.v[layer, :, p0 : p0 + n_rows] = v
         self.kept[layer, :, p0 : p0 + n_rows] = True
@@ -227,8 +232,19 @@ def _naive_dequantize(codes, params, bits):
     return out
 
 
-def _checked_dequantize(codes, params, bits, own, what):
-    """The stored rows dequantized, after checking they are ``own`` (``[n_kv, T, hd]``) within half a step."""
+def _checked_stored(codes, params, bits, own, what):
+    """The stored rows dequantized, after checking they are ``own`` (``[n_kv, T, hd]``) within half a step; float
+    entries (``bits`` None) as they are, after checking they are ``own`` to the rounding of their format: a few of
+    its steps of the norm of each pair of channels (c, c + hd/2), which a key's rotation, computed in the arena's
+    compute dtype, turns together and keeps the norm of."""
+    if bits is None:
+        stored = codes.float()
+        half = own.shape[-1] // 2
+        pair = (own[..., :half] ** 2 + own[..., half:] ** 2).sqrt()
+        bound = 4 * torch.finfo(codes.dtype).eps * torch.cat((pair, pair), dim=-1)
+        err = (stored - own).abs()
+        assert (err <= bound).all(), f"stored {what} are not this row's {what}: error {float(err.max()):.3g}"
+        return stored
     stored = _naive_dequantize(codes, params, bits)
     step = (own.amax(dim=-1) - own.amin(dim=-1)).max() / (2**bits - 1)
     err = float((stored - own).abs().max())
@@ -237,12 +253,12 @@ def _checked_dequantize(codes, params, bits, own, what):
 
 
 class RecordedRows:
-    """Records the codes the arena stores as a block's rows enter a layer (through the native op or the torch
-    path); hands them out in order, layer by layer."""
+    """Records the entries (codes and params, or float entries) the arena stores as a block's rows enter a layer;
+    hands them out in order, layer by layer."""
 
     def __init__(self, arena: KVArena):
         self.arena = arena
-        self.bits = {"int8": 8, "int4": 4}[arena.kv_dtype]
+        self.bits = arena._keys.bits
         self.rows: dict[int, list] = {}
         attend = arena.attend
 
@@ -252,7 +268,8 @@ class RecordedRows:
             start = arena.n_committed + first
             stores = (arena._keys, arena._values)
             self.rows[layer] = [(s.data[layer, :, start : start + n_rows].clone(),
-                                 s.params[layer, :, start : start + n_rows].clone()) for s in stores] + [0]
+                                 None if s.params is None else s.params[layer, :, start : start + n_rows].clone())
+                                for s in stores] + [0]
             return out
 
         arena.attend = spy
@@ -260,7 +277,7 @@ class RecordedRows:
     def __call__(self, layer, n):
         keys, values, used = self.rows[layer]
         self.rows[layer][2] = used + n
-        take = lambda pair: (pair[0][:, used : used + n], pair[1][:, used : used + n])  # noqa: E731
+        take = lambda pair: tuple(None if t is None else t[:, used : used + n] for t in pair)  # noqa: E731
         return take(keys), take(values), self.bits
 
 
@@ -330,12 +347,10 @@ def _prefill_both(model, arena, ref, prompt):
 # -------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy_name", POLICY_NAMES)
-def test_decode_matches_naive_reference(policy_name, mode, attention_path):
-    _check_decode(policy_name, mode, "auto", native=attention_path == "native-op")
+def test_decode_matches_naive_reference(policy_name, mode):
+    _check_decode(policy_name, mode, "auto")
 
 
-# int8 / int4 entries are the native op's alone (the fallback refuses them).
-@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
     ("full", "original", "int8"), ("window", "in-cache", "int4"), ("streaming", "in-cache", "int8"),
     ("h2o", "original", "int4"), ("hybrid", "original", "int8"), ("hybrid", "in-cache", "int4"),
@@ -344,7 +359,6 @@ def test_quantized_decode_matches_naive_reference(policy_name, mode, kv_dtype):
     _check_decode(policy_name, mode, kv_dtype)
 
 
-@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype", "recent_window"), [
     ("hybrid", "in-cache", "int4", 5), ("hybrid-decay", "original", "int4", 0), ("h2o", "in-cache", "int8", 7),
     ("full", "original", "int4", 3),
@@ -383,12 +397,9 @@ def _decode_both(model, arena, ref, tokens, what, check_every=None):
     _assert_same_cache(arena, ref, f"{what} at the end")
 
 
-def _check_decode(policy_name, mode, kv_dtype, recent_window=None, native=True, decode_steps=DECODE_STEPS,
-                  **config_overrides):
-    """``native``: the native op where the kernels are built (False: the torch fallback)."""
+def _check_decode(policy_name, mode, kv_dtype, recent_window=None, decode_steps=DECODE_STEPS, **config_overrides):
     config, model, arena, ref = _setup("llama", policy_name, mode, kv_dtype=kv_dtype, recent_window=recent_window,
                                        **config_overrides)
-    arena.native_attention &= native
     stream = _token_stream(PROMPT_LEN + decode_steps, config.vocab_size, seed=7)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"{policy_name}/{mode}/{kv_dtype}", check_every=25)
@@ -404,16 +415,14 @@ def _check_decode(policy_name, mode, kv_dtype, recent_window=None, native=True, 
 @pytest.mark.parametrize(
     ("policy_name", "mode"), [("hybrid", "original"), ("h2o", "in-cache"), ("streaming", "in-cache")]
 )
-def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode, attention_path):
+def test_qwen2_bias_decode_matches_naive_reference(policy_name, mode):
     config, model, arena, ref = _setup("qwen2", policy_name, mode, n_layers=1)
-    arena.native_attention = attention_path == "native-op"
     assert config.attention_bias and not config.tie_word_embeddings
     stream = _token_stream(PROMPT_LEN + DECODE_STEPS, config.vocab_size, seed=11)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"qwen2 {policy_name}/{mode}")
 
 
-@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "kv_dtype"), [
     ("hybrid", "int4"), ("h2o", "int8"), ("hybrid-decay", "int4"), ("full", "int4"),
 ])
@@ -432,16 +441,15 @@ def test_qwen2_quantized_keys_without_the_key_bias_match_naive_reference(policy_
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy_name", POLICY_NAMES)
-def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode, attention_path):
+def test_multi_row_blocks_with_partial_commits_match_naive_reference(policy_name, mode):
     """Verification-style blocks: row i of a block must equal autoregressive step i; commit(m) keeps m rows.
 
     The reference runs every row of a block one by one, snapshotting after each, and restores the snapshot of
     the last accepted row (teacher forcing: the next block starts at the first rejected token).
     """
-    _check_blocks(policy_name, mode, "auto", native=attention_path == "native-op")
+    _check_blocks(policy_name, mode, "auto")
 
 
-@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode", "kv_dtype"), [
     ("h2o", "in-cache", "int8"), ("hybrid", "original", "int4"), ("streaming", "original", "int4"),
 ])
@@ -449,18 +457,16 @@ def test_quantized_multi_row_blocks_with_partial_commits_match_naive_reference(p
     _check_blocks(policy_name, mode, kv_dtype)
 
 
-@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("policy_name", "mode"), [("hybrid", "in-cache"), ("h2o", "original")])
 def test_full_precision_window_survives_partial_commits(policy_name, mode):
     """Rolled-back rows wrote the ring too: the rows kept still read their window as autoregressive steps do."""
     _check_blocks(policy_name, mode, "int4", recent_window=4)
 
 
-def _check_blocks(policy_name, mode, kv_dtype, recent_window=None, native=True):
+def _check_blocks(policy_name, mode, kv_dtype, recent_window=None):
     max_rows = 5
     config, model, arena, ref = _setup("llama", policy_name, mode, max_inflight=max_rows, n_layers=1,
                                        kv_dtype=kv_dtype, recent_window=recent_window)
-    arena.native_attention &= native
     stream = _token_stream(PROMPT_LEN + 400, config.vocab_size, seed=3)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     plan = torch.Generator().manual_seed(5)

@@ -1,13 +1,15 @@
-"""The native arena attention op (``kernels.arena_attention``) and the torch fallback (``cache/fallback.py``) kept
-in agreement, and what the op alone does (threads, instruction sets, bitwise verification blocks, checked inputs).
+"""The native arena attention op (``kernels.arena_attention``) against the naive decoder, below the model, and what
+the op alone does (threads, instruction sets, bitwise verification blocks, checked inputs).
 
-The reference of both is the naive decoder (``test_arena_reference.py``). Here two arenas run in lockstep through
-the same random operations (per-block prefill chunks, decode blocks with evictions between rows, partial commits,
-rollbacks): one on the native op in the dtype under test, the other on the fallback in float32, compared after
-every layer of every block, finer than logits can show: outputs and scores to float32 rounding, evictions,
-positions and stored keys exact. Inputs are bfloat16-representable, so a bfloat16 arena holds exactly the values of
-its float32 twin, and the native op (which widens every element to float32) must match the twin to float32
-rounding. int8 / int4 entries are the native op's alone; the naive decoder checks them.
+The naive decoder of ``test_arena_reference.py`` is the op's one reference; there it runs beside whole models, here
+beside arenas fed random rows through random operations (per-block prefill chunks, decode blocks with evictions
+between rows, partial commits, rollbacks). The decoder reads every row after the arena has stored it, checks the
+stored entries are its own (to the rounding of the arena's format), then runs its plain loops: after every block
+each layer's outputs and heavy-hitter scores must match it to float32 rounding, and the positions the arena keeps
+must be the decoder's, holding the same entries exactly; after every commit again. Inputs are bfloat16-representable,
+so a bfloat16 arena stores exactly what it is given in the in-cache mode and the rounding of its rotation in the
+original mode; the op widens every element to float32. int8 / int4 entries are checked through whole models in
+``test_arena_reference.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
 from conftest import tiny_config
+from test_arena_reference import NaiveDecoder, RecordedRows
 
 # Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -43,16 +46,15 @@ POLICIES = {
     "hybrid-decay": dict(sinks=1, heavy=3, window=2),
 }
 ISAS = [isa for isa in (kernels.ISA_SCALAR, kernels.ISA_AVX2, kernels.ISA_AVX512) if kernels.isa_available(isa)]
+NEVER = torch.iinfo(torch.int32).max
 
 
-def _arena(config, name, mode, dtype, max_tokens, native, kv_dtype="auto", recent_window=0, **sizes):
+def _arena(config, name, mode, dtype, max_tokens, kv_dtype="auto", recent_window=0, **sizes):
     """``recent_window`` 0: quantized entries read from their codes alone (int4's default window of 32 would
     cover most of these short runs)."""
     policy = make_policy(name, **(sizes or POLICIES[name]))
-    arena = KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
-                    max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype, recent_window=recent_window)
-    arena.native_attention = native
-    return arena
+    return KVArena(config, policy, dtype=dtype, max_tokens=max_tokens, max_block=MAX_BLOCK,
+                   max_inflight=MAX_INFLIGHT, positions=mode, kv_dtype=kv_dtype, recent_window=recent_window)
 
 
 def _rows(config, n_rows, gen, dtype):
@@ -67,64 +69,107 @@ def _rows(config, n_rows, gen, dtype):
     return out
 
 
-def _assert_same_state(native: KVArena, ref: KVArena, layer: int, what: str) -> None:
-    assert torch.equal(native.keys[layer].float(), ref.keys[layer].float()), f"{what}: keys"
-    assert torch.equal(native.positions[layer], ref.positions[layer]), f"{what}: positions"
-    assert torch.equal(native.evicted_at[layer], ref.evicted_at[layer]), f"{what}: evicted_at"
-    if ref.policy.needs_scores:
-        torch.testing.assert_close(native.scores[layer], ref.scores[layer], rtol=1e-5, atol=1e-6, msg=what)
-        torch.testing.assert_close(native.row_scores[:, layer], ref.row_scores[:, layer], rtol=1e-5, atol=1e-6,
-                                   msg=what)
+def _evictions(arena: KVArena) -> int:
+    return int((arena.evicted_at != NEVER).sum())
 
 
-def _block(native: KVArena, ref: KVArena, rows, per_block: bool, what: str) -> int:
-    """Stage one block in both arenas, comparing after every layer; returns how many evictions it made."""
-    n_rows = rows[0][0].shape[1]
-    native.begin(n_rows, per_block=per_block)
-    ref.begin(n_rows, per_block=per_block)
-    evicted_before = int((native.evicted_at != torch.iinfo(torch.int32).max).sum())
-    for layer, (q, k, v) in enumerate(rows):
-        out = native.attend(layer, q, k, v)
-        expected = ref.attend(layer, q, k, v)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{what}, layer {layer}: output")
-        _assert_same_state(native, ref, layer, f"{what}, layer {layer}")
-    native.end()
-    ref.end()
-    return int((native.evicted_at != torch.iinfo(torch.int32).max).sum()) - evicted_before
+class Reference:
+    """The naive decoder beside one arena, from the arena's next position on (``max_tokens`` more at most): it takes
+    every block's rows after the arena, checks what the arena did with them, and follows the arena's commits."""
+
+    def __init__(self, arena: KVArena, max_tokens: int):
+        policy = arena.policy
+        self.arena = arena
+        self.naive = NaiveDecoder(arena.config, {}, sinks=policy.sinks, heavy=policy.heavy, window=policy.window,
+                                  budget=policy.budget, mode=arena.positions_mode,
+                                  max_tokens=arena.next_position + max_tokens, stored_rows=RecordedRows(arena),
+                                  age=policy.age_normalised, decay=policy.score_decay)
+        self.naive.length = arena.next_position
+        self.committed = self.naive.snapshot()
+        self.after_row = []  # the decoder's state after each in-flight row (None inside a prefill chunk)
+
+    def block(self, rows, per_block: bool, what: str) -> tuple[list[torch.Tensor], int]:
+        """Stage one block of ``rows`` (:func:`_rows`) in the arena, then in the decoder (a prefill chunk at once,
+        other blocks row by row, each row an autoregressive step); compare. Returns the arena's outputs, layer by
+        layer, and the evictions it made."""
+        arena, naive = self.arena, self.naive
+        n_rows = rows[0][0].shape[1]
+        evicted_before = _evictions(arena)
+        arena.begin(n_rows, per_block=per_block)
+        outs = [arena.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(rows)]
+        arena.end()
+        expected = [[] for _ in rows]
+        for span in [slice(0, n_rows)] if per_block else [slice(i, i + 1) for i in range(n_rows)]:
+            for layer, (q, k, v) in enumerate(rows):
+                expected[layer].append(naive._attention(layer, q[:, span].transpose(0, 1),
+                                                        k[:, span].float().transpose(0, 1),
+                                                        v[:, span].float().transpose(0, 1), per_block))
+            naive.length += span.stop - span.start
+            self.after_row += [None] * (span.stop - span.start - 1) + [naive.snapshot()]
+        for layer, out in enumerate(outs):
+            torch.testing.assert_close(out, torch.cat(expected[layer]), rtol=1e-5, atol=1e-5,
+                                       msg=f"{what}, layer {layer}: output")
+        self.check(what)
+        return outs, _evictions(arena) - evicted_before
+
+    def commit(self, n_rows: int, what: str) -> None:
+        """Commit the first ``n_rows`` in-flight rows in the arena and the decoder's state after them; compare."""
+        self.arena.commit(n_rows)
+        if n_rows:
+            self.committed = self.after_row[n_rows - 1]
+        self.naive.restore(self.committed)
+        self.after_row = []
+        self.check(f"{what}, after commit({n_rows})")
+
+    def check(self, what: str) -> None:
+        """In every layer and KV head, the arena's live entries (committed and in flight) are the decoder's kept
+        positions, holding its entries exactly and its scores to float32 rounding."""
+        arena, naive = self.arena, self.naive
+        end = arena.n_committed + arena.n_inflight
+        for layer in range(arena.config.num_hidden_layers):
+            for head in range(arena.config.num_key_value_heads):
+                live = (arena.evicted_at[layer, head, :end] == NEVER).nonzero().flatten()
+                positions = arena.positions[layer, head, live]
+                order = positions.argsort()
+                kept = naive.kept[layer, head].nonzero().flatten()
+                where = f"{what}, layer {layer} head {head}"
+                assert torch.equal(positions[order], kept), f"{where}: keeps {positions[order].tolist()}, " \
+                                                            f"expected {kept.tolist()}"
+                assert torch.equal(arena.keys[layer, head, live].float(), naive.k[layer, head, positions]), where
+                assert torch.equal(arena.values[layer, head, live].float(), naive.v[layer, head, positions]), where
+                if arena.policy.needs_scores:
+                    torch.testing.assert_close(arena.scores[layer, head, live], naive.scores[layer, head, positions],
+                                               rtol=1e-5, atol=1e-6, msg=f"{where}: scores")
 
 
 def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto"):
-    """A random run in lockstep; returns (evictions between rows of one block, other evictions)."""
+    """A random run against the naive decoder; returns (evictions between rows of one block, other evictions)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     total = n_ops * MAX_INFLIGHT + MAX_BLOCK
-    native = _arena(config, name, mode, dtype, total, True, kv_dtype)
-    ref = _arena(config, name, mode, torch.float32, total, False, kv_dtype)
+    ref = Reference(_arena(config, name, mode, dtype, total, kv_dtype), total)
     evictions = {"within": 0, "other": 0}
     for step in range(n_ops):
         if step == 0 or rng.random() < 0.3:  # a per-block prefill chunk, committed or rolled back
             rows = _rows(config, rng.randint(1, MAX_BLOCK), gen, dtype)
-            evictions["other"] += _block(native, ref, rows, True, f"step {step} (prefill)")
-            accept = 0 if rng.random() < 0.2 else native.n_inflight
+            evictions["other"] += ref.block(rows, True, f"step {step} (prefill)")[1]
+            accept = 0 if rng.random() < 0.2 else ref.arena.n_inflight
         else:  # draft-like single rows and verification blocks, then a random partial commit
             left = MAX_INFLIGHT
             while left and rng.random() < 0.8:
                 n_rows = rng.randint(1, left)
                 left -= n_rows
-                made = _block(native, ref, _rows(config, n_rows, gen, dtype), False, f"step {step} (decode)")
+                _, made = ref.block(_rows(config, n_rows, gen, dtype), False, f"step {step} (decode)")
                 evictions["within" if n_rows > 1 else "other"] += made
-            accept = rng.randint(0, native.n_inflight)
-        native.commit(accept)
-        ref.commit(accept)
-        for layer in range(config.num_hidden_layers):
-            _assert_same_state(native, ref, layer, f"step {step}, after commit({accept})")
+            accept = rng.randint(0, ref.arena.n_inflight)
+        ref.commit(accept, f"step {step}")
     return evictions
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("mode", ["original", "in-cache"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_native_attention_equals_the_fallback(name, mode, dtype):
+def test_native_attention_matches_the_naive_decoder(name, mode, dtype):
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     evictions = _run(config, name, mode, dtype, seed=zlib.crc32(f"{name} {mode}".encode()))
     if name != "full":  # the run exercised what it claims to
@@ -133,8 +178,8 @@ def test_native_attention_equals_the_fallback(name, mode, dtype):
 
 @pytest.mark.parametrize("mode", ["original", "in-cache"])
 def test_native_attention_reads_bf16_entries_of_a_float32_arena(mode):
-    """``kv_dtype="bf16"`` under float32 compute: the op reads the bfloat16 store as it is, equal to the fallback
-    over the same store."""
+    """``kv_dtype="bf16"`` under float32 compute: the op stores float32 rows rounded to bfloat16 and reads that
+    store as it is, as the naive decoder does over the same entries."""
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     evictions = _run(config, "hybrid", mode, torch.float32, seed=11, kv_dtype="bf16")
     assert evictions["within"] > 0 and evictions["other"] > 0
@@ -148,7 +193,7 @@ def test_a_window_over_every_position_reads_as_the_unquantized_arena_bitwise(nam
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     gen = torch.Generator().manual_seed(23)
     blocks = [_rows(config, n, gen, torch.float32) for n in (5, 5, 3, 1, 1, 4)]
-    arenas = [_arena(config, name, mode, torch.float32, 64, True, kv, recent_window=w)
+    arenas = [_arena(config, name, mode, torch.float32, 64, kv, recent_window=w)
               for kv, w in (("auto", 0), ("int4", 64), ("int4", 0))]
     outs = [[], [], []]
     for rows in blocks:
@@ -166,29 +211,27 @@ def test_a_window_over_every_position_reads_as_the_unquantized_arena_bitwise(nam
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_positions_past_the_rope_tables_equal_the_fallback(dtype):
+def test_positions_past_the_rope_tables_match_the_naive_decoder(dtype):
     """True positions beyond the cached RoPE tables: the op gets rows computed for the block alone (a table offset)
-    and must store and attend exactly as the fallback, which computes them the same way."""
+    and must store and attend as the naive decoder, whose tables reach every position."""
     from sparsespec.rope import TABLE_LIMIT
 
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
-    native = _arena(config, "hybrid", "original", dtype, 64, True)
-    ref = _arena(config, "hybrid", "original", torch.float32, 64, False)
-    for arena in (native, ref):
-        arena.next_position = TABLE_LIMIT - 3  # the first block straddles the limit, the later ones lie past it
+    arena = _arena(config, "hybrid", "original", dtype, 64)
+    arena.next_position = TABLE_LIMIT - 3  # the first block straddles the limit, the later ones lie past it
+    ref = Reference(arena, 64)
     gen = torch.Generator().manual_seed(5)
     for step in range(4):
-        _block(native, ref, _rows(config, 3, gen, dtype), False, f"block {step}")
-        native.commit(3)
-        ref.commit(3)
-    assert native.next_position > TABLE_LIMIT + 6
+        ref.block(_rows(config, 3, gen, dtype), False, f"block {step}")
+        ref.commit(3, f"block {step}")
+    assert arena.next_position > TABLE_LIMIT + 6 and arena.evicted_tokens > 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("name", ["hybrid", "hybrid-age", "hybrid-decay"])
 def test_arenas_attend_through_the_native_op_for_every_kv_dtype_and_ranking(monkeypatch, kv_dtype, name):
-    """With the kernels built, an arena of any KV dtype and either heavy-hitter ranking calls the op once per layer
-    and block (the lockstep tests above prove what it computes)."""
+    """An arena of any KV dtype and either heavy-hitter ranking calls the op once per layer and block (the tests
+    against the naive decoder prove what it computes)."""
     calls = []
 
     def counting(*args, **kwargs):
@@ -213,7 +256,7 @@ def test_arenas_attend_through_the_native_op_for_every_kv_dtype_and_ranking(monk
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.isa_name(i) for i in ISAS])
 @pytest.mark.parametrize("name,mode", [("hybrid", "in-cache"), ("h2o", "original"), ("streaming", "in-cache")])
-def test_every_instruction_set_equals_the_fallback(monkeypatch, isa, name, mode):
+def test_every_instruction_set_matches_the_naive_decoder(monkeypatch, isa, name, mode):
     monkeypatch.setattr(kernels, "arena_attention", functools.partial(kernels.arena_attention, isa=isa))
     config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=40)  # 40: vector body + tail
     _run(config, name, mode, torch.bfloat16, seed=7, n_ops=8)
@@ -233,7 +276,7 @@ def test_verification_block_equals_autoregressive_steps_bitwise(name, mode, kv_d
     gen = torch.Generator().manual_seed(3)
     prompt = _rows(config, MAX_BLOCK, gen, torch.bfloat16)
     block = _rows(config, MAX_INFLIGHT, gen, torch.bfloat16)
-    arenas = [_arena(config, name, mode, torch.bfloat16, 64, True, kv_dtype, recent_window=recent_window)
+    arenas = [_arena(config, name, mode, torch.bfloat16, 64, kv_dtype, recent_window=recent_window)
               for _ in range(2)]
     for arena in arenas:
         for _ in range(3):
@@ -268,8 +311,8 @@ def test_verification_block_equals_autoregressive_steps_bitwise(name, mode, kv_d
 
 @pytest.mark.parametrize("name,mode", [("full", "original"), ("hybrid", "in-cache")])
 def test_long_cache_spans_chunks_and_threads(name, mode):
-    """Hundreds of slots (several of the op's 256-slot chunks): equal to the fallback, and bitwise the same
-    with one or two threads."""
+    """Hundreds of slots (several of the op's 256-slot chunks): as the naive decoder, and bitwise the same with one
+    or two threads."""
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=64)
     sizes = dict(sinks=4, heavy=300, window=300) if name == "hybrid" else {}
     gen = torch.Generator().manual_seed(5)
@@ -279,25 +322,18 @@ def test_long_cache_spans_chunks_and_threads(name, mode):
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            native = KVArena(config, make_policy(name, **sizes), dtype=torch.bfloat16, max_tokens=800,
-                             max_block=chunk, max_inflight=MAX_INFLIGHT, positions=mode)
-            native.native_attention = True
-            ref = KVArena(config, make_policy(name, **sizes), dtype=torch.float32, max_tokens=800,
-                          max_block=chunk, max_inflight=MAX_INFLIGHT, positions=mode)
-            ref.native_attention = False
+            arena = KVArena(config, make_policy(name, **sizes), dtype=torch.bfloat16, max_tokens=800,
+                            max_block=chunk, max_inflight=MAX_INFLIGHT, positions=mode)
+            ref = Reference(arena, 800)
             gen.manual_seed(5)
             for step in range(11):
-                _block(native, ref, _rows(config, chunk, gen, torch.bfloat16), True, f"chunk {step}")
-                native.commit(chunk)
-                ref.commit(chunk)
+                ref.block(_rows(config, chunk, gen, torch.bfloat16), True, f"chunk {step}")
+                ref.commit(chunk, f"chunk {step}")
             outs = []
             for step in range(3):
-                rows = _rows(config, 3, gen, torch.bfloat16)
-                native.begin(3)
-                outs += [native.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(rows)]
-                native.end()
-                native.commit(3)
-            results.append((outs, native.evicted_at.clone(), native.n_committed))
+                outs += ref.block(_rows(config, 3, gen, torch.bfloat16), False, f"block {step}")[0]
+                ref.commit(3, f"block {step}")
+            results.append((outs, arena.evicted_at.clone(), arena.n_committed))
         finally:
             torch.set_num_threads(previous)
     assert results[0][2] > 2 * 256  # the cache spans three chunks
@@ -314,9 +350,7 @@ def test_smollm2_greedy_speculative_equals_autoregressive_on_the_native_op(smoll
     target_policy, draft_policy = make_policy("hybrid", 24, sinks=2), make_policy("hybrid", 12, sinks=2)
 
     def arena(policy, inflight):
-        cache = KVArena(model.config, policy, dtype=model.dtype, max_block=8, max_inflight=inflight, positions=mode)
-        assert cache.native_attention
-        return cache
+        return KVArena(model.config, policy, dtype=model.dtype, max_block=8, max_inflight=inflight, positions=mode)
 
     greedy = SamplingParams()
     expected = list(generate_tokens(model, arena(target_policy, 1), ids, max_new_tokens=32, sampling=greedy,
@@ -335,32 +369,31 @@ def test_smollm2_greedy_speculative_equals_autoregressive_on_the_native_op(smoll
 def test_threads_on_different_heads_and_rows_keep_apart(n_kv):
     """Two threads each taking whole KV heads through long prefill blocks whose rows cross the op's 256-slot
     chunks: a head running ahead of another, at a row with more chunks, must not touch the other's buffers.
-    Every block is compared with the fallback."""
+    Every block is compared with the naive decoder."""
     config = tiny_config(num_attention_heads=2 * n_kv, num_key_value_heads=n_kv, head_dim=16)
     sizes = dict(sinks=4, heavy=300, window=300)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        arenas = [KVArena(config, make_policy("hybrid", **sizes), dtype=dtype, max_tokens=1400, max_block=200,
-                          max_inflight=MAX_INFLIGHT, positions="in-cache") for dtype in (torch.bfloat16, torch.float32)]
-        arenas[1].native_attention = False
+        arena = KVArena(config, make_policy("hybrid", **sizes), dtype=torch.bfloat16, max_tokens=1400, max_block=200,
+                        max_inflight=MAX_INFLIGHT, positions="in-cache")
+        ref = Reference(arena, 1400)
         gen = torch.Generator().manual_seed(41)
         for step in range(7):
-            evicted = _block(*arenas, _rows(config, 200, gen, torch.bfloat16), True, f"block {step}")
-            for arena in arenas:
-                arena.commit(200)
+            _, evicted = ref.block(_rows(config, 200, gen, torch.bfloat16), True, f"block {step}")
+            ref.commit(200, f"block {step}")
     finally:
         torch.set_num_threads(previous)
-    assert evicted > 0 and arenas[0].n_committed > 2 * 256
+    assert evicted > 0 and arena.n_committed > 2 * 256
 
 
 @pytest.mark.parametrize("name,mode", [("hybrid", "in-cache"), ("h2o", "original")])
-def test_two_kv_heads_on_three_threads_run_by_chunks_as_the_fallback(name, mode):
+def test_two_kv_heads_on_three_threads_run_by_chunks_match_the_naive_decoder(name, mode):
     """Qwen's 2 KV heads on 3 threads: the heads do not share the threads evenly and there are more threads than
     heads, so the op spreads every step over (head, chunk) items, the threads meeting after each
-    (``csrc/attention.cpp``'s by-chunks schedule). Random blocks in lockstep with the fallback, then prefill
-    blocks across several 256-slot chunks and verification blocks evicting between rows; the arena ends bit for
-    bit as one thread (by whole heads) leaves it."""
+    (``csrc/attention.cpp``'s by-chunks schedule). Random blocks against the naive decoder, then prefill blocks
+    across several 256-slot chunks and verification blocks evicting between rows, against it too; the arena ends
+    bit for bit as one thread (by whole heads) leaves it."""
     config = tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     sizes = dict(sinks=4, heavy=300, window=300) if name == "hybrid" else dict(heavy=300, window=300)
     states = []
@@ -371,28 +404,23 @@ def test_two_kv_heads_on_three_threads_run_by_chunks_as_the_fallback(name, mode)
             if threads == 3:
                 evictions = _run(config, name, mode, torch.bfloat16, seed=zlib.crc32(f"chunks {name}".encode()))
                 assert evictions["within"] > 0 and evictions["other"] > 0
-            native, ref = (KVArena(config, make_policy(name, **sizes), dtype=dtype, max_tokens=800, max_block=64,
-                                   max_inflight=MAX_INFLIGHT, positions=mode) for dtype in (torch.bfloat16, torch.float32))
-            ref.native_attention = False
+            arena = KVArena(config, make_policy(name, **sizes), dtype=torch.bfloat16, max_tokens=800, max_block=64,
+                            max_inflight=MAX_INFLIGHT, positions=mode)
+            ref = Reference(arena, 800)
             gen = torch.Generator().manual_seed(9)
             for step in range(11):
-                _block(native, ref, _rows(config, 64, gen, torch.bfloat16), True, f"chunk {step}")
-                native.commit(64)
-                ref.commit(64)
+                ref.block(_rows(config, 64, gen, torch.bfloat16), True, f"chunk {step}")
+                ref.commit(64, f"chunk {step}")
             within = 0
             for step in range(3):
-                within += _block(native, ref, _rows(config, 3, gen, torch.bfloat16), False, f"block {step}")
-                native.commit(3)
-                ref.commit(3)
+                within += ref.block(_rows(config, 3, gen, torch.bfloat16), False, f"block {step}")[1]
+                ref.commit(3, f"block {step}")
         finally:
             torch.set_num_threads(previous)
-        assert native.n_committed > 2 * 256 and within > 0
-        states.append((native.keys.clone(), native.evicted_at.clone(), native.scores.clone()))
+        assert arena.n_committed > 2 * 256 and within > 0
+        states.append((arena.keys.clone(), arena.evicted_at.clone(), arena.scores.clone()))
     for by_chunks, by_heads in zip(*states):
         assert torch.equal(by_chunks, by_heads)
-
-
-NEVER = torch.iinfo(torch.int32).max
 
 
 def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, recent_window=0, **overrides):

@@ -31,6 +31,7 @@ from sparsespec.edge.calibration.settings import ATTENTION_NARROW_SHAPE, ATTENTI
 from sparsespec.edge.commands import add_calibrate_arguments, run_calibrate
 from sparsespec.edge import list_profiles, load_profile
 from sparsespec.edge.profile import DeviceProfile
+from sparsespec.errors import UserError
 from sparsespec.edge.roofline import forward_pass, kv_bytes_per_token, weight_bytes
 
 # GGUF block types: (weights per block, bytes per block).
@@ -72,7 +73,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
+def calibrated(tmp_path_factory, native_kernels):
     """One tiny calibration, written to the default place under a private SPARSESPEC_HOME."""
     home = tmp_path_factory.mktemp("sparsespec-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -90,17 +91,15 @@ def test_profile_has_every_figure_and_cites_it(calibrated):
         assert "sparsespec calibrate on " + cal.date in profile.sources[figure], figure
     read = ("memory_bytes", "sram_bytes", "threads")
     measured = [f for f in profile.figures() if not f.startswith("caches.") and f not in read]
-    for figure in measured:  # on the torch path the native engine's own figures are read as absent, and say so
-        source = profile.sources[figure]
-        assert source.startswith("measured by sparsespec calibrate on ") or (
-            not kernels.available() and "not measured on the torch path" in source), figure
+    for figure in measured:
+        assert profile.sources[figure].startswith("measured by sparsespec calibrate on "), figure
     assert profile.dram_bandwidth > 0 and profile.sram_bandwidth >= profile.dram_bandwidth
     assert 0 < profile.dram_efficiency <= 1 and 0 < profile.sram_kv_fraction <= 1
     assert set(profile.peak_flops) == {"bf16", "fp32"}
     assert profile.per_layer_overhead_s >= 0 and profile.overhead_s >= 0
     assert len(cal.bandwidth_curve) == len(TINY.sizes)
     assert [p["bytes"] for p in cal.bandwidth_curve] == list(TINY.sizes)
-    assert set(profile.native_stream) == ({"Q8_0", "Q4_K"} if kernels.available() else set())
+    assert set(profile.native_stream) == {"Q8_0", "Q4_K"}
     assert profile.threads == 1
 
 
@@ -142,6 +141,7 @@ def test_dram_plateau_takes_the_largest_sizes_when_the_l3_is_reported_too_large(
     assert memory.dram_sizes == [1 * MIB, 8 * MIB] and memory.dram == pytest.approx(40e9)
 
 
+@pytest.mark.usefixtures("native_kernels")
 def test_run_calibrate_writes_the_host_profile_that_load_profile_prefers(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setenv("SPARSESPEC_HOME", str(tmp_path))
     assert "Placeholder" in load_profile("host").sources["dram_bandwidth"]  # packaged, before calibrating
@@ -157,6 +157,7 @@ def test_run_calibrate_writes_the_host_profile_that_load_profile_prefers(tmp_pat
     assert "host" in list_profiles()
 
 
+@pytest.mark.usefixtures("native_kernels")
 def test_out_overrides_the_default(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setenv("SPARSESPEC_HOME", str(tmp_path / "home"))
     out = tmp_path / "elsewhere" / "box.json"
@@ -205,17 +206,15 @@ def test_kv_bytes_are_the_arena_s():
     assert arena.nbytes == arena.capacity * kv_bytes_per_token(cfg, "bf16")
 
 
-def test_without_native_kernels_the_profile_describes_the_torch_path(monkeypatch, tmp_path):
-    """No compiler: no native streaming rates and no streaming probes; the per-layer cost comes from the tiny probe
-    on torch's dense weights, and the profile says so."""
+def test_without_native_kernels_calibrate_refuses_in_one_sentence(monkeypatch):
+    """No compiler: the engine it would measure cannot decode, and it says so before measuring anything."""
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no compiler (test)")
-    cal = calibrate(TINY, threads=1, quiet=True)
-    profile = build_profile(cal, TINY)
-    assert profile.native_stream == {} and "probes" not in cal.raw
-    assert cal.stream_overhead_fraction == 0.0 and cal.per_layer_overhead_s >= 0
-    assert "torch path" in profile.description and "torch path" in profile.sources["per_layer_overhead_s"]
-    assert profile.missing_sources() == []
+    monkeypatch.setattr(measure, "measure_all", lambda *args: pytest.fail("measured without the kernels"))
+    with pytest.raises(UserError) as refused:
+        calibrate(TINY, threads=1, quiet=True)
+    assert str(refused.value) == ("The KV cache's attention runs in the native kernels, which are not available here "
+                                  "(no compiler (test)).")
 
 
 def test_two_attention_shapes_separate_the_query_heads_flops_from_each_kv_heads_work():
@@ -253,7 +252,7 @@ def test_the_fitted_overheads_price_each_streaming_probe_at_its_measured_step():
         head_bytes = file_bytes("Q8_0", 512, shape[0])
         times = {"stream_1": stream_1, "around": around, "evicting": 0.0, "extra_rows": 0.0, "evicting_rows": 0.0}
         probes.append(ProbeTimes(shape, layers, times, layer_bytes, head_bytes, 512))
-    fit = fit_overheads(settings, probes, pass_s, 0.0, native, per_vocab, attention, head_reads)
+    fit = fit_overheads(settings, probes, pass_s, native, per_vocab, attention, head_reads)
     assert fit.per_layer_s > 0 and fit.stream_fraction > 0  # the line's own figures, not a fallback
     profile = DeviceProfile(
         name="fit", description="", compute_unit="cpu", memory_bytes=1 << 34, dram_bandwidth=30e9, sram_level="L3",

@@ -352,38 +352,46 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, caps
     assert not lock.exists() and capsys.readouterr().err == ""
 
 
-def test_forced_torch_fallback_runs_without_the_kernels(tmp_path):
-    """``SPARSESPEC_KERNELS=torch``: no native op is loaded, ``auto`` picks the torch formats, generation runs."""
-    code = (
-        "import torch; from sparsespec import kernels; from sparsespec.loading.load import load_model\n"
-        "assert not kernels.available()\n"
-        "m = load_model('smollm2-135m', torch.bfloat16, 'auto', tokenizer=False, tensor_cache=False)\n"
-        "print(m.weights, kernels.info())\n"
-    )
-    env = dict(os.environ, SPARSESPEC_KERNELS="torch")
-    from sparsespec.loading.fixtures import MODEL_FIXTURES
-
-    if not MODEL_FIXTURES["smollm2-135m"].path.is_file():
-        pytest.skip("SmolLM2-135M not fetched")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("int8 kernels: torch (disabled by SPARSESPEC_KERNELS=torch)")
-
-
-def test_without_a_compiler_one_warning_and_the_torch_kernels(tmp_path):
-    """A machine whose C++ compiler fails: the line saying the build starts, one warning line, the torch kernels,
-    exit 0, no traceback."""
-    env = dict(os.environ, SPARSESPEC_HOME=str(tmp_path), CXX="/bin/false")
+def _without_a_compiler(tmp_path: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    """``sparsespec argv`` on a machine whose C++ compiler fails, in a fresh kernel folder, with ``env`` set too."""
+    env = dict(os.environ, SPARSESPEC_HOME=str(tmp_path), CXX="/bin/false", **env)
     env.pop("SPARSESPEC_KERNELS", None)
-    out = subprocess.run([sys.executable, "-m", "sparsespec.cli", "info"], env=env, capture_output=True, text=True,
-                         timeout=300)
+    return subprocess.run([sys.executable, "-m", "sparsespec.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_without_a_compiler_one_warning_and_info_runs(tmp_path):
+    """A machine whose C++ compiler fails: the line saying the build starts, one warning line, ``info`` saying the
+    kernels are unavailable and why, exit 0, no traceback."""
+    out = _without_a_compiler(tmp_path, "info")
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 2, lines
     assert lines[0].startswith("sparsespec: building native kernels (once, about a minute) in ")
     assert lines[1].startswith("sparsespec: warning: native kernels unavailable")
-    assert "kernels: torch" in out.stdout
+    assert "kernels: unavailable (" in out.stdout
+
+
+def test_without_a_compiler_generating_fails_in_one_sentence(tmp_path):
+    """The KV cache attends through the native kernels alone: a command that builds one (here after loading
+    SmolLM2 in a torch weight format, its tensors not stored) fails after the build's warning with one sentence
+    saying so and why, exit non-zero, no traceback."""
+    from sparsespec.loading.fixtures import MODEL_FIXTURES
+
+    model = MODEL_FIXTURES["smollm2-135m"].path
+    if not model.is_file():
+        pytest.skip("SmolLM2-135M not fetched")
+    (tmp_path / "models").symlink_to(model.parent)
+    out = _without_a_compiler(tmp_path, "generate", "-m", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "2",
+                              SPARSESPEC_TENSOR_CACHE="off")
+    assert out.returncode != 0 and out.stdout == ""
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-2].startswith("sparsespec: warning: native kernels unavailable"), lines
+    assert lines[-1].startswith("sparsespec: error: The KV cache's attention runs in the native kernels, which are "
+                                "not available here ("), lines
+    assert lines[-1].endswith(").")
 
 
 def test_a_build_says_so_and_a_built_library_loads_silently(tmp_path, monkeypatch, capsys):

@@ -107,7 +107,6 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
     model = tiny_model(num_hidden_layers=1)
     arena = KVArena(model.config, make_policy("h2o", 12), dtype=torch.float32, max_block=4, max_inflight=4,
                     positions=mode, kv_dtype=kv_dtype)
-    assert arena.native_attention
     written = {}
     attend = arena.attend
 
@@ -171,19 +170,17 @@ def test_keys_with_an_offset_are_stored_without_it_and_read_back_with_it(native_
                 kv_dtype=kv_dtype, key_offset=offset[:1])
 
 
-def test_without_the_native_kernels_quantized_entries_are_refused_in_one_sentence(monkeypatch):
-    """The torch fallback stores entries in the compute dtype or bfloat16 only."""
+def test_without_the_native_kernels_every_kv_dtype_is_refused_in_one_sentence(monkeypatch):
+    """The native op is the arena's only attention: without the kernels no arena is built, whatever it stores."""
     from sparsespec import kernels
 
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no C++ compiler found")
-    for kv_dtype in ("int8", "int4"):
-        with pytest.raises(UserError, match=rf"kv_dtype {kv_dtype} entries are written and read by the native "
-                                            r"kernels, which are not available here \(no C\+\+ compiler found\)"):
+    for kv_dtype in ("auto", "bf16", "int8", "int4"):
+        with pytest.raises(UserError) as refused:
             KVArena(tiny_config(), make_policy("hybrid", 16), dtype=torch.float32, kv_dtype=kv_dtype)
-    for kv_dtype in ("auto", "bf16"):
-        arena = KVArena(tiny_config(), make_policy("hybrid", 16), dtype=torch.float32, kv_dtype=kv_dtype)
-        assert not arena.native_attention
+        assert str(refused.value) == ("The KV cache's attention runs in the native kernels, which are not available "
+                                      "here (no C++ compiler found).")
 
 
 def test_the_key_offset_is_the_models_key_bias_and_only_where_keys_are_stored_before_rope():

@@ -1,5 +1,6 @@
-"""Recall from the cold tier (cache/recall.py): the merge, the page choice and the row's attention against float64
-references, what the arena moves to the tier, speculative == autoregressive with recall, and the flags' errors."""
+"""Recall from the cold tier (cache/recall.py): the native op's page choice, its attention over the recalled entries
+and its merge with the resident ones against naive float64 references written here (sharing no code with the
+library), what the arena moves to the tier, speculative == autoregressive with recall, and the flags' errors."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import math
 import pytest
 import torch
 
-from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
-from sparsespec.cache.quant import dequantize
-from sparsespec.cache.recall import PAGE, ColdTier, Recall, merge_attention, recall_for
+from sparsespec.cache.recall import PAGE, ColdTier, Recall, recall_for
 from sparsespec.cache.retention import Retention
 from sparsespec.cli import main
 from sparsespec.errors import UserError
@@ -22,6 +21,7 @@ from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
 from conftest import random_state, tiny_config
+from test_arena_reference import _naive_dequantize
 
 CONFIG = tiny_config("llama", tie_word_embeddings=False)
 STATE = random_state(CONFIG, seed=0, scale=1.0)
@@ -29,35 +29,18 @@ TARGET = Transformer(CONFIG, STATE, torch.float32)
 _noise = torch.Generator().manual_seed(5)
 DRAFT = Transformer(CONFIG, {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=_noise) for k, v in STATE.items()},
                     torch.float32)
-PATHS = [False, True] if kernels.available() else [False]
 
 
 def ids(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, CONFIG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def make_arena(model, policy, positions="original", recall=Recall(2), max_inflight=1, retention=None, native=None):
-    arena = KVArena(model.config, policy, dtype=model.dtype, max_tokens=1024, max_block=8, max_inflight=max_inflight,
-                    positions=positions, retention=retention, recall=recall, key_offset=model.key_biases())
-    if native is not None:
-        arena.native_attention = native
-    return arena
+def make_arena(model, policy, positions="original", recall=Recall(2), max_inflight=1, retention=None):
+    return KVArena(model.config, policy, dtype=model.dtype, max_tokens=1024, max_block=8, max_inflight=max_inflight,
+                   positions=positions, retention=retention, recall=recall, key_offset=model.key_biases())
 
 
 # ------------------------------------------------------------------------------------------ the pieces
-def test_merge_equals_softmax_over_the_union():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 20, generator=g, dtype=torch.float64) * 3
-    values = torch.randn(3, 20, 8, generator=g, dtype=torch.float64)
-    expected = torch.einsum("hs,hsd->hd", torch.softmax(logits, -1), values)
-    parts = []
-    for part in (slice(0, 7), slice(7, 20)):
-        lse = torch.logsumexp(logits[:, part], -1)
-        parts += [torch.einsum("hs,hsd->hd", torch.softmax(logits[:, part], -1), values[:, part]), lse]
-    got = merge_attention(*(p.float() for p in parts))
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
-
-
 def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2):
     """A tier of 2 layers x 2 KV heads holding ``n_entries`` random entries (appended in three parts), and the
     entries' unrotated keys, values and positions ``[L, n, n_kv, hd]``."""
@@ -73,6 +56,11 @@ def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2)
     for a, b in zip(cuts, cuts[1:]):
         tier.append(keys[:, a:b], values[:, a:b], positions[:, a:b])
     return tier, keys, values, positions
+
+
+def inverse_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE's inverse frequencies in float32, as Hugging Face computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
 def rotated64(keys: torch.Tensor, by: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -92,13 +80,13 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     n = tier.count
     packed, hd = tier.entries[layer, :n], tier.head_dim
     params = packed[..., hd:].view(torch.float16).unflatten(-1, (2, -1, 2))  # key, value: [n, n_kv, groups, 2]
-    raw = dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4, torch.float64)
+    raw = _naive_dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4).double()
     if tier.key_offset is not None:
         raw = raw + tier.key_offset[layer].double()
-    values = dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4, torch.float64).transpose(0, 1)
+    values = _naive_dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4).double().transpose(0, 1)
     positions = tier.positions[layer, :n].T  # [n_kv, n]
     raw = raw.transpose(0, 1)  # [n_kv, n, hd]
-    inv_freq = tier.rope.inv_freq
+    inv_freq = inverse_frequencies(hd)
     keys = rotated64(raw, positions if tier.rank is None else torch.full_like(positions, tier.rank), inv_freq)
     q = query.double()
     n_pages = n // PAGE
@@ -121,30 +109,26 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     return torch.stack(out), torch.stack(lse), bounds, keys
 
 
-def recalled_alone(tier: ColdTier, layer: int, query: torch.Tensor, pending, native: bool):
-    """The row's attention over what it recalls, alone: ``(out, lse)`` from the torch steps, or ``(out, None)`` from
-    the native op merged into an empty resident part (log-sum-exp -inf). ``query`` is rotated already: the native op
-    turns it by RoPE table row 0, which leaves it as it is."""
-    if not native:
-        return tier.attend_row(layer, query, pending)
+def recalled_alone(tier: ColdTier, layer: int, query: torch.Tensor, pending) -> torch.Tensor:
+    """The row's attention over what it recalls, alone: the native op's, merged into an empty resident part
+    (log-sum-exp -inf; a merge with resident entries is checked on the arena's decode rows below). ``query`` is
+    rotated already: the op turns it by RoPE table row 0, which leaves it as it is."""
     out = torch.zeros(query.numel())
     tier.merge_native(layer, query.contiguous(), 0, pending, out, torch.full((query.shape[0] * query.shape[1],),
                                                                                -math.inf))
-    return out.view_as(query), None
+    return out.view_as(query)
 
 
-@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
 @pytest.mark.parametrize("n_entries", [5, 16, 75, 130])
-def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries, native):
+def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries):
     tier, *_ = random_tier(n_entries, rank)
     query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(9)) * 2
     for layer in range(2):
-        ref_out, ref_lse, bounds, keys = reference_row(tier, layer, query)
-        out, lse = recalled_alone(tier, layer, query, None, native)
+        ref_out, _, bounds, keys = reference_row(tier, layer, query)
+        out = recalled_alone(tier, layer, query, None)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
-        if lse is not None:
-            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
         # The bounds bound: no key of a page, rotated as the summaries are, scores above its page's bound.
         n_pages = tier.count // PAGE
         if n_pages:
@@ -152,9 +136,9 @@ def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries,
             assert (actual.unflatten(1, (n_pages, PAGE)).amax(-1) <= bounds + 1e-9).all()
 
 
-@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
-def test_pending_entries_are_read_as_if_committed(rank, native):
+def test_pending_entries_are_read_as_if_committed(rank):
     """A row that sees entries evicted by in-flight rows before it reads exactly what it reads once they are
     committed (bit for bit: verification rows recall what autoregressive steps recall)."""
     tier, keys, values, positions = random_tier(70, rank)
@@ -165,9 +149,9 @@ def test_pending_entries_are_read_as_if_committed(rank, native):
         partial.append(keys[:, :split], values[:, :split], positions[:, :split])
         for layer in range(2):
             pending = partial.encode(keys[layer, split:], values[layer, split:], positions[layer, split:], layer)
-            got = recalled_alone(partial, layer, query, pending, native)
-            expected = recalled_alone(committed, layer, query, None, native)
-            assert torch.equal(got[0], expected[0]) and (native or torch.equal(got[1], expected[1])), split
+            got = recalled_alone(partial, layer, query, pending)
+            expected = recalled_alone(committed, layer, query, None)
+            assert torch.equal(got, expected), split
 
 
 def test_the_tier_reports_the_bytes_it_holds():
@@ -179,12 +163,12 @@ def test_the_tier_reports_the_bytes_it_holds():
 
 
 # ------------------------------------------------------------------------------------------- the arena
-@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
-def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(native, positions):
+def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(positions):
     policy = make_policy("hybrid", 20, sinks=2, heavy=9)
-    with_recall = make_arena(TARGET, policy, positions, native=native)
-    without = make_arena(TARGET, policy, positions, recall=None, native=native)
+    with_recall = make_arena(TARGET, policy, positions)
+    without = make_arena(TARGET, policy, positions, recall=None)
     tokens = ids(90)
     for arena in (with_recall, without):
         prefill(TARGET, arena, tokens[:60], 8)
@@ -201,25 +185,26 @@ def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(native, po
         assert torch.equal(union, torch.arange(90).expand_as(union))  # every token is resident or cold, once
 
 
-@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
-def test_a_decode_row_attends_to_resident_and_recalled_entries(native):
+@pytest.mark.usefixtures("native_kernels")
+def test_a_decode_row_attends_to_resident_and_recalled_entries():
     """One decode row's output in every layer equals float64 attention over the union of the resident entries
-    (the row's own included) and what a float64 reference of the page choice recalls."""
+    (the row's own included) and what a float64 reference of the page choice recalls, the two merged by their
+    log-sum-exps."""
     policy = make_policy("hybrid", 20, sinks=2, heavy=9)
-    arena = make_arena(TARGET, policy, "original", native=native)
+    arena = make_arena(TARGET, policy, "original")
     prefill(TARGET, arena, ids(120), 8)
     n_heads, n_kv, hd = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 1, hd, generator=g) for n in (n_heads, n_kv, n_kv))
-    position = arena.next_position
-    rope = arena.rope
-    q_rot = rope.rotate(q.double(), torch.tensor([position])).view(n_kv, n_heads // n_kv, hd)
+    position = torch.tensor([arena.next_position])
+    inv_freq = inverse_frequencies(hd, CONFIG.rope_theta)
+    q_rot = rotated64(q.double(), position, inv_freq).view(n_kv, n_heads // n_kv, hd)
     expected = []
     for layer in range(CONFIG.num_hidden_layers):
         stop = arena.n_committed
-        keys = torch.cat((arena.keys[layer][:, :stop].double(), rope.rotate(k.double(), torch.tensor([position]))), 1)
+        keys = torch.cat((arena.keys[layer][:, :stop].double(), rotated64(k.double(), position, inv_freq)), 1)
         values = torch.cat((arena.values[layer][:, :stop].double(), v.double()), 1)
-        logits = torch.einsum("kgd,ksd->kgs", q_rot, keys) * arena.scale
+        logits = torch.einsum("kgd,ksd->kgs", q_rot, keys) / math.sqrt(hd)
         resident = torch.einsum("kgs,ksd->kgd", torch.softmax(logits, -1), values)
         cold_out, cold_lse, _, _ = reference_row(arena.cold, layer, q_rot.float())
         total = torch.logaddexp(torch.logsumexp(logits, -1), cold_lse)
@@ -235,29 +220,25 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries(native):
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-@pytest.mark.parametrize(("name", "positions", "retention", "native"), [
-    ("hybrid", "original", None, True), ("hybrid", "in-cache", None, True), ("h2o", "in-cache", None, True),
-    ("streaming", "original", None, True),
-    ("hybrid-decay", "in-cache", Retention(max_held=96, observation_rows=6), True),
-    ("hybrid", "in-cache", None, False),
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize(("name", "positions", "retention"), [
+    ("hybrid", "original", None), ("hybrid", "in-cache", None), ("h2o", "in-cache", None),
+    ("streaming", "original", None), ("hybrid-decay", "in-cache", Retention(max_held=96, observation_rows=6)),
 ])
-def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, retention, native):
-    if native and not kernels.available():
-        pytest.skip("native kernels not built here")
+def test_greedy_speculative_equals_autoregressive_with_recall(name, positions, retention):
     sizes = {"sinks": 2, "heavy": 9} if name in ("hybrid", "hybrid-decay") else {"heavy": 9} if name == "h2o" else {}
     policy = make_policy(name, 20, **sizes)
     tokens = ids(100)
     run = dict(max_new_tokens=64, sampling=SamplingParams(), prefill_chunk=8)
-    expected_arena = make_arena(TARGET, policy, positions, retention=retention, native=native)
+    expected_arena = make_arena(TARGET, policy, positions, retention=retention)
     expected = list(generate_tokens(TARGET, expected_arena, tokens, **run))
-    plain = list(generate_tokens(TARGET, make_arena(TARGET, policy, positions, recall=None, retention=retention,
-                                                    native=native), tokens, **run))
+    plain = list(generate_tokens(TARGET, make_arena(TARGET, policy, positions, recall=None, retention=retention),
+                                 tokens, **run))
     assert plain != expected  # recall changed what was decoded
     for gamma in (1, 3, 5):
-        target = make_arena(TARGET, policy, positions, max_inflight=target_inflight_rows(gamma), retention=retention,
-                            native=native)
+        target = make_arena(TARGET, policy, positions, max_inflight=target_inflight_rows(gamma), retention=retention)
         draft = make_arena(DRAFT, make_policy("hybrid", 12, sinks=2, heavy=5), positions,
-                           max_inflight=draft_inflight_rows(gamma), native=native)
+                           max_inflight=draft_inflight_rows(gamma))
         stats = SpeculativeStats()
         got = list(speculative_tokens(TARGET, target, DRAFT, draft, tokens, gamma=gamma, stats=stats, **run))
         assert got == expected, gamma

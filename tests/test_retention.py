@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
-from sparsespec.cache.retention import Retention, observation_scores, pool_by_position, retention_for
+from sparsespec.cache.retention import Retention, retention_for
 from sparsespec.cli import main
 from sparsespec.errors import UserError
 from sparsespec.generate import generate_tokens, prefill
@@ -48,43 +47,6 @@ def kept_positions(arena: KVArena, layer: int) -> list[set[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- the scores
-def test_observation_scores_match_a_float64_reference():
-    g = torch.Generator().manual_seed(0)
-    n_kv, group, rows, slots, hd = 2, 3, 4, 11, 8
-    queries = torch.randn(n_kv, group, rows, hd, generator=g)
-    keys = torch.randn(n_kv, slots, hd, generator=g)
-    key_positions = torch.stack([torch.randperm(slots, generator=g) for _ in range(n_kv)])  # slots out of order
-    query_positions = torch.arange(slots - rows, slots)
-    visible = torch.rand(n_kv, slots, generator=g) > 0.2
-    scale = 1 / math.sqrt(hd)
-    got = observation_scores(queries, keys, query_positions, key_positions, visible, scale)
-
-    expected = torch.zeros(n_kv, slots, dtype=torch.float64)
-    for h in range(n_kv):
-        for j in range(group):
-            for r in range(rows):
-                seen = [s for s in range(slots) if visible[h, s] and key_positions[h, s] <= query_positions[r]]
-                logits = torch.tensor([float(queries[h, j, r].double() @ keys[h, s].double()) * scale for s in seen],
-                                      dtype=torch.float64)
-                for s, p in zip(seen, torch.softmax(logits, dim=0)):
-                    expected[h, s] += p
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    assert (got[~visible] == 0).all()
-
-
-def test_pooling_takes_the_largest_score_among_position_neighbours():
-    positions = torch.tensor([[4, 0, 3, 1, 2, 5, 6]])
-    visible = torch.tensor([[True, True, True, True, True, False, True]])
-    scores = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0, 9.0, 1.0]])
-    got = pool_by_position(scores, positions, visible, kernel=3)
-    # By position, the visible scores are 0:0, 1:5, 2:0, 3:0, 4:0, 6:1 (position 5 is not visible).
-    expected = {0: 5.0, 1: 5.0, 2: 5.0, 3: 0.0, 4: 1.0, 6: 1.0}
-    for slot in range(7):
-        want = expected.get(int(positions[0, slot]), 0.0) if visible[0, slot] else 0.0
-        assert float(got[0, slot]) == want
-
-
-# ----------------------------------------------------------------------------------------- the selection
 def _reference_selection(model, policy, tokens, rows, pool):
     """Per layer and KV head, the positions a float64 observation window keeps: every row attends to the whole
     prompt (a full cache), the last ``rows`` rows' attention is summed, pooled and ranked (ties: the newer stays);
@@ -123,16 +85,11 @@ def _reference_selection(model, policy, tokens, rows, pool):
     return kept
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
-def test_the_arena_keeps_what_a_float64_observation_window_chooses(monkeypatch, attention):
-    if attention == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    elif not kernels.available():
-        pytest.skip("native kernels unavailable")
+@pytest.mark.usefixtures("native_kernels")
+def test_the_arena_keeps_what_a_float64_observation_window_chooses():
     policy = make_policy("hybrid", 20, sinks=2, heavy=10)
     tokens = ids(70)
     arena = make_arena(TARGET, policy)
-    assert arena.native_attention == (attention == "native")
     prefill(TARGET, arena, tokens, chunk=8)
     expected = _reference_selection(TARGET, policy, tokens, RETENTION.observation_rows, RETENTION.pool)
     for layer in range(TARGET.config.num_hidden_layers):

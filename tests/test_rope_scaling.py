@@ -4,8 +4,8 @@ Tiny random Llamas are built from one Hugging Face config dictionary read by bot
 and ``transformers.LlamaConfig``), with ``original_max_position_embeddings`` 64 and prompts of 224 tokens: with
 head_dim 8 the four frequencies have wavelengths 6.3, 63, 628 and 6283 positions, so llama3 keeps the first, blends
 the second and divides the last two, and YaRN's ramp spans the same range. Logits must match transformers float32
-to 1e-4 of their largest magnitude through both attention paths (native op and torch) and both position modes, while
-the unscaled RoPE must miss by far more, so a scaling that is read but not applied fails.
+to 1e-4 of their largest magnitude through the native attention op in both position modes, while the unscaled RoPE
+must miss by far more, so a scaling that is read but not applied fails.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import transformers
 from transformers import GenerationConfig
 
 from conftest import random_state, tiny_config, write_gguf_model
-from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.config import ModelConfig, RopeScaling
@@ -75,13 +74,11 @@ def prompt(vocab: int, n: int = PROMPT_TOKENS, seed: int = 7) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def our_logits(config: ModelConfig, state, tokens: torch.Tensor, *, native: bool = False,
-               positions: str = "original") -> torch.Tensor:
+def our_logits(config: ModelConfig, state, tokens: torch.Tensor, *, positions: str = "original") -> torch.Tensor:
     """``[T, vocab]`` logits of our float32 model on ``tokens`` with the full cache (prefill in chunks of 64)."""
     model = Transformer(config, state, torch.float32)
     arena = KVArena(config, make_policy("full"), dtype=torch.float32, max_tokens=len(tokens), max_block=64,
                     positions=positions)
-    arena.native_attention = native
     rows = []
     for first in range(0, len(tokens), 64):
         rows.append(model.forward(tokens[first: first + 64], arena))
@@ -101,18 +98,13 @@ def scaled_pair(request):
     return request.param, config, state, expected, reference
 
 
-ATTENTION_PATHS = [pytest.param(False, id="torch"),
-                   pytest.param(True, id="native", marks=pytest.mark.skipif(not kernels.available(),
-                                                                          reason="native kernels not built"))]
-
-
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
-@pytest.mark.parametrize("native", ATTENTION_PATHS)
-def test_scaled_logits_match_transformers(scaled_pair, native, positions):
-    """Every row, up to position 223, through the native op's tables or the torch rotations, keys rotated when
-    written (original) or at attention time (in-cache: the ranks of the full cache are the positions)."""
+def test_scaled_logits_match_transformers(scaled_pair, positions):
+    """Every row, up to position 223, through the native op's tables, keys rotated when written (original) or at
+    attention time (in-cache: the ranks of the full cache are the positions)."""
     _, config, state, expected, _ = scaled_pair
-    logits = our_logits(config, state, prompt(config.vocab_size), native=native, positions=positions)
+    logits = our_logits(config, state, prompt(config.vocab_size), positions=positions)
     assert_logits_close(logits, expected)
 
 

@@ -9,7 +9,6 @@ import torch
 from scipy.stats import chisquare
 
 import sparsespec.speculative as speculative
-from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.errors import UserError
 from sparsespec.generate import generate_tokens, prefill
@@ -91,9 +90,7 @@ DRAFT = noisy_copy(noise=0.01)
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
 @pytest.mark.parametrize("name", list(POLICY_SPECS))
-def test_greedy_speculative_equals_autoregressive(monkeypatch, name, positions, row_by_row, attention_path):
-    if attention_path == "fallback":
-        monkeypatch.setattr(kernels, "available", lambda: False)
+def test_greedy_speculative_equals_autoregressive(native_kernels, name, positions, row_by_row):
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 256)
@@ -118,8 +115,7 @@ def test_greedy_speculative_equals_autoregressive(monkeypatch, name, positions, 
 def test_greedy_speculative_equals_autoregressive_with_quantized_kv(native_kernels, name, positions, kv_dtype,
                                                                       draft_kv_dtype):
     """A row is quantized once, when it is written; the verification pass and autoregressive decoding read the
-    same stored entries, so the quantized cache is one more cache definition that speculation reproduces (on the
-    native op, which alone stores int8 / int4 entries)."""
+    same stored entries, so the quantized cache is one more cache definition that speculation reproduces."""
     pol = policy(name)
     ids = prompt(20, TARGET.config.vocab_size)
     expected = ar_tokens(TARGET, pol, positions, ids, 160, kv_dtype=kv_dtype)
@@ -131,7 +127,6 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_kv(native_kerne
     assert 10 < stats.accepted < stats.drafted - 10
     stored = {"bf16": torch.bfloat16, "int8": torch.uint8, "int4": torch.uint8}
     assert t_cache.keys.dtype == stored[kv_dtype] and d_cache.keys.dtype == stored[draft_kv_dtype]
-    assert t_cache.native_attention and d_cache.native_attention
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])

@@ -42,9 +42,9 @@ def check_generate_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    """Fetch what was asked, build the native kernels if they are not built yet (a failed build warns and leaves
-    the torch kernels), then prepare each fetched model for ``generate``'s defaults (``load.prepare_model``), so
-    that the set-up command leaves nothing to compile, repack or convert on first use."""
+    """Fetch what was asked, build the native kernels if they are not built yet (a failed build warns, once), then
+    prepare each fetched model for ``generate``'s defaults (``load.prepare_model``), so that the set-up command
+    leaves nothing to compile, repack or convert on first use."""
     import gc
     import time
 

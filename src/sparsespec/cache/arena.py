@@ -40,8 +40,9 @@ budget by the attention its rows pay each entry; the buffers then shrink back to
 
 With recall (``recall.py``) the entries a commit evicts move to a cold tier of int4 pages instead of being lost, and
 every row of a row-by-row block (not a prefill chunk) also attends to the pages its query points at: its attention
-over the resident slots (native op or torch path, which report each row's log-sum-exp) is merged with its attention
-over the recalled entries. Recall changes outputs only: scores, evictions and slots are those of the arena without it.
+over the resident slots (the native op reports each row's log-sum-exp) is merged with its attention over the
+recalled entries (``kernels.recall_attention``). Recall changes outputs only: scores, evictions and slots are those
+of the arena without it.
 
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
@@ -64,11 +65,12 @@ row's own, so a row reads the same entries in a prefill chunk, a decode step or 
 leaves the window of the next row intact (dropping more rows is refused). The ring moves with positions, not slots,
 so compaction leaves it alone; its bytes are part of :attr:`nbytes`.
 
-Attention runs through the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it
-also stores the block's rows, quantizing them, and rotates queries and keys) when the native kernels are available;
-else through the torch fallback, ``fallback.py``, which stores entries in the compute dtype or bfloat16 only (int8 /
-int4 arenas are refused without the kernels). Both follow the rules above; both are tested against the naive decoder
-of ``tests/test_arena_reference.py``, the one reference.
+The attention is the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it also
+stores the block's rows, quantizing them, and rotates queries and keys), for every KV dtype and policy; its portable
+scalar path is the fallback on CPUs without the vector paths. Where the native kernels are not available (no
+compiler, a failed build) no arena can be built: the constructor says so in one sentence (:func:`require_kernels`).
+The op follows the rules above, and its one reference is the naive decoder of ``tests/test_arena_reference.py``,
+which shares no code with the library.
 """
 
 from __future__ import annotations
@@ -83,16 +85,23 @@ from ..config import ModelConfig
 from .. import kernels
 from ..errors import ConfigError, UserError
 from ..rope import Rope
-from . import fallback
 from .policy import CachePolicy
 from .quant import KVStore, bytes_per_vector, recent_window_for
-from .recall import ColdTier, Entries, Recall, merge_attention
-from .retention import Retention, choose_unretained, observation_scores, pool_by_position
+from .recall import ColdTier, Entries, Recall
+from .retention import Retention
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
 MAX_POSITION = torch.iinfo(torch.int64).max
-QUANTIZED_NEEDS_KERNELS = "entries are written and read by the native kernels"  # the refusal without them
+# The refusal without the native kernels (tests/conftest.py skips a test that meets it where they may be missing).
+NEEDS_KERNELS = "The KV cache's attention runs in the native kernels, which are not available here"
+
+
+def require_kernels() -> None:
+    """Raise :class:`ConfigError` in one sentence, naming why, where the native kernels are not available: the KV
+    cache attends through them alone."""
+    if not kernels.available():
+        raise ConfigError(NEEDS_KERNELS + " ({reason}).", reason=kernels.unavailable_reason())
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -186,6 +195,7 @@ class KVArena:
             initial_tokens: the full cache's room to start with (it grows as commits fill it, up to
                 ``max_tokens``); None: all of ``max_tokens`` at once. Ignored by budgeted policies.
         """
+        require_kernels()
         if positions not in POSITION_MODES:
             raise UserError(f"Unknown position mode {positions!r}; choose original or in-cache.")
         self.config = config
@@ -244,12 +254,6 @@ class KVArena:
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
         self._window_rows = 0  # rows of the open hold's observation window
         self._block_mode = "evict"  # the open block's: evict (as the policy says), hold (nothing), select (retention)
-        # The native op serves every KV dtype and policy; fallback.py runs where the kernels are not built.
-        self.native_attention = kernels.available()
-        if self._keys.bits is not None and not self.native_attention:
-            raise ConfigError("{kv_dtype} {value} {needs}, which are not available here ({reason}); use {kv_dtype} "
-                              "auto or bf16.", value=kv_dtype, needs=QUANTIZED_NEEDS_KERNELS,
-                              reason=kernels.unavailable_reason())
 
         self.n_committed = 0  # slots [0, n_committed) hold committed tokens
         self.next_position = 0  # true position of the next token to be committed
@@ -271,7 +275,6 @@ class KVArena:
             self.committed_scores = torch.zeros(shape, dtype=torch.float32)
             # Scores after each in-flight row that a partial commit can end on (never the last possible row).
             self.row_scores = torch.zeros(max(self.max_inflight - 1, 0), *shape, dtype=torch.float32)
-        self._slot_index = torch.arange(self.capacity)
         # The slot each row of a tree block evicted, per layer and KV head (-1: none), kept for its path's commit.
         self.row_evicted = torch.full((max(self.max_inflight, 1), *shape[:2]), -1, dtype=torch.int32)
 
@@ -492,9 +495,9 @@ class KVArena:
     def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
         """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
         the route each model layer's place in it; None where a layer needs more than the native op (rows that
-        recall from the cold tier) or the native kernels are not built."""
+        recall from the cold tier)."""
         block = self._pass
-        if not self.native_attention or (self.cold is not None and not block.per_block):
+        if self.cold is not None and not block.per_block:
             return None
         return [self.arena_pass()], self._route
 
@@ -645,7 +648,8 @@ class KVArena:
                 visible_before: int, evicts_between_rows: bool) -> torch.Tensor:
         """The block's outputs ``out [T, n_heads * head_dim]`` (over the resident entries, with log-sum-exps ``lse
         [T, n_heads]``) merged, row by row, with each row's attention over what it recalls from the cold tier
-        (``recall.py``); ``q: [n_heads, T, head_dim]`` not rotated."""
+        (``recall.py``, through the native op ``kernels.recall_attention``); ``q: [n_heads, T, head_dim]`` not
+        rotated."""
         n_heads, n_rows, hd = q.shape
         n_kv = self.config.num_key_value_heads
         group = n_heads // n_kv
@@ -656,15 +660,8 @@ class KVArena:
             position = self.next_position + first + i
             rotate_by = position if self.positions_mode == "original" else rank
             pending = self._pending(layer, first + i, start + i)
-            if self.native_attention:
-                query = q[:, i].float().contiguous().view(n_kv, group, hd)
-                self.cold.merge_native(layer, query, rotate_by, pending, out[i], lse[i])
-                continue
-            query = self.rope.rotate_range(q[:, i : i + 1].float(), rotate_by).view(n_kv, group, hd)
-            recalled = self.cold.attend_row(layer, query, pending)
-            if recalled is not None:
-                merged = merge_attention(out[i].view(n_kv, group, hd), lse[i].view(n_kv, group), *recalled)
-                out[i] = merged.view(-1).to(out.dtype)
+            query = q[:, i].float().contiguous().view(n_kv, group, hd)
+            self.cold.merge_native(layer, query, rotate_by, pending, out[i], lse[i])
         return out
 
     # ---------------------------------------------------------------------------------------------- attention
@@ -685,11 +682,7 @@ class KVArena:
         # Rows of row-by-row blocks recall from the cold tier; their attention over the resident entries gives its
         # log-sum-exps for the merge.
         lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not block.per_block else None
-        if self.native_attention:
-            out = self._attend_native(layer, q, k, v, lse)
-        else:
-            out = fallback.attend(self, layer, q, k, v, first=first, start=start, visible_before=visible_before,
-                                  per_block=block.per_block, per_row=block.per_row, budget=block.budget, lse=lse)
+        out = self._attend_native(layer, q, k, v, lse)
         if lse is not None:
             out = self._recall(layer, q, out, lse, first, start, visible_before, block.per_row)
         return out
@@ -699,19 +692,3 @@ class KVArena:
         """The block's rows through the native op, which also stores them: ``[T, n_heads * head_dim]`` in the dtype
         of ``q``; each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
         return kernels.arena_attention(self.arena_pass(), layer, q, k, v, lse)
-
-    def _ranks(self, layer: int, visible: torch.Tensor) -> torch.Tensor:
-        """``[n_kv, S]`` rank of each visible slot among the visible slots of its head, ordered by position."""
-        S = visible.shape[-1]
-        order = self.positions[layer][:, :S].masked_fill(~visible, MAX_POSITION).argsort(dim=-1)
-        ranks = torch.empty_like(order)
-        return ranks.scatter_(-1, order, self._slot_index[:S].expand_as(order).contiguous())
-
-    def _keys_for_attention(self, layer: int, visible: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n_kv, S, head_dim]`` keys as attention sees them (rotated by rank in the in-cache mode): the stored
-        ones, or ``keys`` (as stored, in the compute dtype) if given."""
-        if keys is None:
-            keys = self._keys.read(layer, visible.shape[-1])
-        if self.positions_mode == "original":
-            return keys
-        return self.rope.rotate(keys, self._ranks(layer, visible))

@@ -1,6 +1,6 @@
 """``hybrid-decay``: the hybrid cache (sinks + heavy hitters + window) with heavy hitters ranked by attention that
 fades: every row first multiplies each slot's score by ``SCORE_DECAY``, then adds the attention the slot received
-from that row (``score ← λ · score + p``, in float32, on the arena's torch path and in the native op alike).
+from that row (``score ← λ · score + p``, in float32, in the native attention op).
 
 Accumulated attention (H2O) lets a token that collected attention early keep its place long after the text moved
 on; ``hybrid-age`` divides by age instead, which also forgets a token's useful past. A decay of 0.999 remembers

@@ -1,4 +1,4 @@
-"""Which KV entries to keep: the cache policies, each a small pure function of (scores, positions, counts).
+"""Which KV entries to keep: the cache policies and their sizes.
 
 A policy keeps three kinds of tokens (any part may be zero):
 
@@ -10,17 +10,16 @@ The budget is their sum. ``full`` keeps everything. ``hybrid-age`` is ``hybrid``
 attention per row that saw them (``hybrid_age.py``), ``hybrid-decay`` with heavy hitters ranked by attention that
 fades row by row (``hybrid_decay.py``). When the visible tokens outnumber the budget, the protected
 tokens (sinks and window) stay and the rest are ranked by score; the lowest-scoring go first, ties broken towards
-the oldest position so that the choice never depends on where a token sits in memory.
+the oldest position so that the choice never depends on where a token sits in memory. The rule runs in the native
+attention op, after every row or block (``kernels/csrc/attention.cpp``: ``evict``); its reference is the naive
+decoder of ``tests/test_arena_reference.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ConfigError, UserError
-from .hybrid_age import age_normalised
 from .hybrid_decay import SCORE_DECAY
 
 POLICIES = ("full", "window", "streaming", "h2o", "hybrid", "hybrid-age", "hybrid-decay")
@@ -131,51 +130,3 @@ def make_policy(
         raise ConfigError("{sinks} {s} + {heavy} {h} + {window} {w} = {total}, which does not match {budget} {b}.",
                           s=s, h=h, w=w, total=policy.budget, b=budget)
     return policy
-
-
-def choose_evictions(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    visible: torch.Tensor,
-    newest_position: int,
-    policy: CachePolicy,
-    n_visible: int | None = None,
-) -> torch.Tensor:
-    """Slots to evict so that at most ``policy.budget`` visible tokens remain in each KV head.
-
-    Args:
-        scores: ``[n_kv_heads, slots]`` float32 accumulated attention (ignored unless the policy has heavy hitters).
-        positions: ``[n_kv_heads, slots]`` int64 original token positions.
-        visible: ``[n_kv_heads, slots]`` bool, the tokens currently in the cache (same count in every head).
-        newest_position: position of the most recent visible token (defines the window).
-        policy: the cache policy.
-        n_visible: the number of visible tokens per head, if the caller knows it (saves a reduction).
-
-    Returns:
-        ``[n_kv_heads, slots]`` bool mask of slots to evict (a subset of ``visible``; same count in every head).
-    """
-    evict = torch.zeros_like(visible)
-    if policy.is_full:
-        return evict
-    if n_visible is None:
-        n_visible = int(visible[0].sum())
-    n_evict = n_visible - policy.budget
-    if n_evict <= 0:
-        return evict
-    protected = (positions < policy.sinks) | (positions > newest_position - policy.window)
-    candidates = visible & ~protected
-    if policy.heavy == 0:
-        # Sinks + window only: every unprotected token goes (exactly n_evict of them).
-        return candidates
-    if policy.age_normalised:
-        scores = age_normalised(scores, positions, newest_position)
-    key = scores.masked_fill(~candidates, float("inf"))
-    if n_evict == 1:
-        lowest = key.min(dim=-1, keepdim=True).values
-        tied = candidates & (key == lowest)
-        oldest = positions.masked_fill(~tied, torch.iinfo(torch.int64).max).argmin(dim=-1, keepdim=True)
-        return evict.scatter_(-1, oldest, True)
-    by_position = positions.masked_fill(~candidates, torch.iinfo(torch.int64).max).argsort(dim=-1)
-    by_score = key.gather(-1, by_position).argsort(dim=-1, stable=True)
-    chosen = by_position.gather(-1, by_score[:, :n_evict])
-    return evict.scatter_(-1, chosen, True)

@@ -169,13 +169,6 @@ class KVStore:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def write(self, layer: int, start: int, stop: int, x: torch.Tensor) -> None:
-        """Store ``x: [n_kv_heads, stop - start, head_dim]`` in slots ``[start, stop)`` of ``layer`` (float formats:
-        the torch fallback's writes; int8 / int4 codes are written by the native op)."""
-        if self.bits is not None:
-            raise ValueError(f"{self.kv_dtype} entries are written by the native attention op")
-        self.data[layer, :, start:stop] = x
-
     def gather(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """float32 entries of ``slots`` (int64 slot indices), dequantized with the offset added back: ``[n_layers,
         n_kv_heads, n, head_dim]`` for ``slots [n_layers, n_kv_heads, n]``, or with ``layer``, ``[n_kv_heads, n,

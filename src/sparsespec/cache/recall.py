@@ -21,7 +21,7 @@ cache's. The page summaries there are of keys rotated by that first rank, so the
 q · k rather than bounds; in the ``original`` mode they bound it.
 
 A row of a row-by-row block (decode steps, verification rows, draft steps; prefill chunks read the resident entries
-only) recalls in three steps (:meth:`ColdTier.attend_row`):
+only) recalls in three steps, in the native op ``kernels.recall_attention`` (:meth:`ColdTier.merge_native`):
 
 1. its view of the tier: the committed entries, then those evicted by in-flight rows before it, in the order an
    autoregressive run would have committed them; pages are runs of :data:`PAGE` consecutive entries of that view,
@@ -31,7 +31,10 @@ only) recalls in three steps (:meth:`ColdTier.attend_row`):
    recalls its own pages);
 3. the ``pages`` pages with the highest bounds (ties: the older page) and the tail are dequantized and attended
    together with the resident entries: the row's output is softmax attention over the union, merged from the two
-   parts by their log-sum-exps (:func:`merge_attention`).
+   parts by their log-sum-exps.
+
+The reference of these steps is a naive float64 implementation in ``tests/test_recall.py``, which shares no code
+with the library.
 
 Recalled entries gain no heavy-hitter score and never return to the arena: the resident cache keeps and evicts
 exactly what it would without recall. Exactness: everything a row reads is decided by the committed tier, the
@@ -110,13 +113,6 @@ class Entries:
         return Entries(torch.cat((self.packed, other.packed)), torch.cat((self.positions, other.positions)))
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over the union of two disjoint sets of entries from each set's own: ``out_*: [..., d]``
-    outputs, ``lse_*: [...]`` log-sum-exps of their scaled logits; float32 ``[..., d]``."""
-    total = torch.logaddexp(lse_a, lse_b)
-    return (lse_a - total).exp_()[..., None] * out_a.float() + (lse_b - total).exp_()[..., None] * out_b.float()
-
-
 class ColdTier:
     """The entries a budgeted arena evicted, for every layer, as int4 pages with key summaries (see the top)."""
 
@@ -136,9 +132,8 @@ class ColdTier:
         self.groups = head_dim // group_size(head_dim, BITS)
         self.codes_width = head_dim * BITS // 8  # bytes of one vector's codes
         self.width = 2 * self.codes_width + 2 * self.groups * 4  # codes, then float16 (scale, zero) per group
-        # In the in-cache mode every recalled key turns by the same rank: its cos / sin rows, once.
-        self._rank_rotation = None if rank is None else rope.cos_sin(torch.tensor(rank))  # the summaries' rotation
-        self._page_offsets = torch.arange(PAGE)
+        # In the in-cache mode the summaries' keys all turn by the first rank: its cos / sin rows, once.
+        self._rank_rotation = None if rank is None else rope.cos_sin(torch.tensor(rank))
         self.count = 0  # entries per layer and KV head
         self.capacity = 0
         self.highest_position = -1  # of every entry appended (the RoPE tables the native op needs reach it)
@@ -184,11 +179,10 @@ class ColdTier:
         params = torch.stack((key_params, value_params), dim=-3).view(torch.uint8).flatten(-3)
         return Entries(torch.cat((key_codes, value_codes, params), dim=-1), positions)
 
-    def decode(self, entries: Entries, layer: int,
-               ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, entries: Entries, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values) [n_kv, n, head_dim]`` float32 of head-major ``entries [n_kv, n]``: keys dequantized, bias
-        in, rotated by their positions (the original mode), else by ``ranks [n_kv, n]`` or, None, the first rank
-        (the summaries' keys); values dequantized."""
+        in, rotated as the summaries rotate them (by their positions in the original mode, else by the first rank);
+        values dequantized."""
         packed = entries.packed
         codes = packed[..., : 2 * self.codes_width].unflatten(-1, (2, self.codes_width))  # [n_kv, n, k/v, hd / 2]
         codes = torch.cat((codes & 15, codes >> 4), dim=-1).unflatten(-1, (self.groups, -1))
@@ -197,10 +191,7 @@ class ColdTier:
         keys, values = both[..., 0, :], both[..., 1, :]
         if self.key_offset is not None:
             keys = keys + self.key_offset[layer][:, None]
-        if self.rank is None:
-            cos, sin = self.rope.cos_sin(entries.positions)
-        else:
-            cos, sin = self._rank_rotation if ranks is None else self.rope.cos_sin(ranks)
+        cos, sin = self.rope.cos_sin(entries.positions) if self.rank is None else self._rank_rotation
         half = self.head_dim // 2
         keys = keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), dim=-1) * sin
         return keys, values
@@ -250,52 +241,14 @@ class ColdTier:
         complete = total // PAGE * PAGE - extra_start
         return extra_start, extra, self.summarise(extra[:complete], layer) if complete else None, total
 
-    def attend_row(self, layer: int, query: torch.Tensor, pending: Entries | None):
-        """One row's attention over what it recalls from ``layer``, in torch (the reference of
-        :meth:`merge_native`'s op, and the path without native kernels).
-
-        Args:
-            query: ``[n_kv, group, head_dim]`` float32, rotated as the row attends (the in-cache mode: by its rank).
-            pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
-                None.
-
-        Returns:
-            ``(out [n_kv, group, head_dim], lse [n_kv, group])`` float32 over the recalled entries, or None when the
-            row's view of the tier is empty.
-        """
-        extra_start, extra, extra_summaries, total = self.view(layer, pending)
-        if not total:
-            return None
-        n_pages = total // PAGE
-        summaries = self.summaries[layer, : extra_start // PAGE]
-        if extra_summaries is not None:
-            summaries = torch.cat((summaries, extra_summaries))
-        read = torch.arange(n_pages * PAGE, total).expand(self.n_kv, -1)  # the tail: always read
-        if n_pages:
-            signed = torch.cat((query.clamp(min=0), query.clamp(max=0)), dim=-1)  # [n_kv, group, 2 hd]
-            bound = torch.matmul(signed, summaries.permute(1, 2, 0)).amax(dim=1)  # [n_kv, n_pages]
-            chosen = torch.sort(bound, dim=-1, descending=True, stable=True).indices[:, : self.pages]
-            chosen = chosen.sort(dim=-1).values  # page order
-            read = torch.cat(((chosen[..., None] * PAGE + self._page_offsets).flatten(1), read), dim=-1)
-        stored = self.stored(layer)
-        if pending is None:  # the view is the stored tier
-            recalled = stored[read, torch.arange(self.n_kv)[:, None]]
-        else:
-            recalled = self._gather(stored, extra, extra_start, read)
-        ranks = None if self.rank is None else self.rank + recalled.positions.argsort(dim=-1).argsort(dim=-1)
-        keys, values = self.decode(recalled, layer, ranks)  # [n_kv, R, hd]
-        logits = torch.matmul(query, keys.transpose(1, 2)).mul_(self.scale)  # [n_kv, group, R]
-        lse = torch.logsumexp(logits, dim=-1)
-        out = torch.matmul(logits.sub_(lse[..., None]).exp_(), values)
-        return out, lse
-
     def merge_native(self, layer: int, query: torch.Tensor, query_row: int, pending: Entries | None,
                      out_row: torch.Tensor, lse_row: torch.Tensor) -> None:
         """One row's recall through the native op, merged into its resident attention in place.
 
         Args:
             query: ``[n_kv, group, head_dim]`` float32 before RoPE; it rotates by ``query_row`` (position or rank).
-            pending: as in :meth:`attend_row`.
+            pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
+                None.
             out_row: ``[n_kv * group * head_dim]`` the row's attention over the resident entries, and ``lse_row [n_kv
                 * group]`` its log-sum-exps: replaced by the attention over the union.
         """
@@ -317,15 +270,3 @@ class ColdTier:
             key_offset=None if self.key_offset is None else self.key_offset[layer], cos=cos, sin=sin,
             rank=-1 if self.rank is None else self.rank, pages=self.pages, page_size=PAGE, scale=self.scale,
             out_row=out_row, lse_row=lse_row)
-
-    def _gather(self, stored: Entries, extra: Entries, extra_start: int, index: torch.Tensor) -> Entries:
-        """Entries ``index [n_kv, R]`` of a row's view (head-major ``[n_kv, R]``): below ``extra_start`` from the
-        stored tier, from there on from ``extra`` (the view's entries from ``extra_start`` on)."""
-        heads = torch.arange(self.n_kv)[:, None]
-        from_extra = extra[(index - extra_start).clamp_(min=0), heads]
-        if not extra_start:
-            return from_extra
-        from_stored = stored[index.clamp(max=extra_start - 1), heads]
-        in_extra = index >= extra_start
-        return Entries(torch.where(in_extra[..., None], from_extra.packed, from_stored.packed),
-                       torch.where(in_extra, from_extra.positions, from_stored.positions))

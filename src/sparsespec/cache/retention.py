@@ -8,13 +8,17 @@ choice to the end of the prompt, where the question is:
    evicted (the arena grows for the duration: the peak, :meth:`KVArena.hold`);
 2. its last :attr:`Retention.observation_rows` rows (the observation window, which holds the question) are read as
    one block; in every layer their attention to every held entry is summed over the rows and over the query heads
-   of each KV head (GQA-aware: each KV head keeps its own entries), :func:`observation_scores`;
-3. those sums are max-pooled over neighbouring positions (:func:`pool_by_position`: a phrase is kept whole, not
-   only its most-attended token), and the cache policy's protected entries (sinks, window) stay while the rest
-   are ranked by the pooled sums: the lowest go until the budget is met, as eviction always ranks
-   (``policy.choose_evictions``);
+   of each KV head (GQA-aware: each KV head keeps its own entries);
+3. those sums are max-pooled over the :attr:`Retention.pool` entries nearest in position (a phrase is kept whole,
+   not only its most-attended token), and the cache policy's protected entries (sinks, window) stay while the rest
+   are ranked by the pooled sums: the lowest go until the budget is met (ties: the older goes), as eviction always
+   ranks;
 4. every kept entry's heavy-hitter score becomes the attention the window paid it, so decoding goes on with the
    policy as before, ranking from what the question looked at rather than from what the prompt's reading did.
+
+Steps 2-4 run in the native attention op, as part of the window's block (``kernels/csrc/attention.h``:
+``AttnBlock::pool``); the arena asks for them (``KVArena.hold``), and ``tests/test_retention.py`` checks the kept
+entries against a float64 reference of these steps.
 
 Exactness: the selection is made once, from the prompt alone, by the same code whether decoding that follows is
 autoregressive or speculative; a verification row sees exactly what the autoregressive step sees (the tests prove
@@ -26,14 +30,10 @@ their sinks and window at the next step.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-
-import torch
-import torch.nn.functional as F
+from dataclasses import dataclass
 
 from ..errors import ConfigError, UserError
-from .policy import CachePolicy, choose_evictions
+from .policy import CachePolicy
 
 RETENTION_MODES = ("auto", "query", "off")
 # SnapKV's observation window and pooling kernel (its defaults: 32 rows, a pool of 7 positions).
@@ -42,7 +42,6 @@ POOL_KERNEL = 7
 # Prompt tokens held in full before the selection: a 16k-token prompt is chosen from whole. The arena holds
 # budget + this many entries while the prompt is read (the peak) and returns to budget + staging after.
 DEFAULT_MAX_HELD = 16384
-MAX_POSITION = torch.iinfo(torch.int64).max
 
 
 @dataclass(frozen=True)
@@ -84,41 +83,3 @@ def retention_for(mode: str, policy: CachePolicy, max_held: int | None = None,
         max_held = DEFAULT_MAX_HELD if context is None else min(DEFAULT_MAX_HELD, context - policy.budget)
         max_held = max(max_held, OBSERVATION_ROWS)
     return Retention(max_held=max_held)
-
-
-def observation_scores(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                       key_positions: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention the observation rows pay each entry, summed over rows and over the query heads of each KV head.
-
-    Args:
-        queries: ``[n_kv, group, W, head_dim]`` the window's queries, rotated as attention rotates them.
-        keys: ``[n_kv, S, head_dim]`` the slots' keys, rotated as attention sees them.
-        query_positions: ``[W]`` int64 true positions of the rows (a row sees entries at or before it).
-        key_positions: ``[n_kv, S]`` int64 true positions of the slots.
-        visible: ``[n_kv, S]`` bool, the slots in the cache.
-        scale: the softmax scale (1 / sqrt(head_dim)).
-
-    Returns:
-        ``[n_kv, S]`` float32 sums of softmax probabilities (0 for slots not visible).
-    """
-    logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)[:, None]) * scale  # [n_kv, group, W, S]
-    seen = visible[:, None, :] & (key_positions[:, None, :] <= query_positions[None, :, None])  # [n_kv, W, S]
-    logits = logits.masked_fill_(~seen[:, None], -math.inf)
-    return torch.softmax(logits, dim=-1).sum(dim=(1, 2))
-
-
-def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``[n_kv, S]``: each visible slot's score replaced by the largest score among the ``kernel`` visible slots
-    nearest it in position order (slots are not stored in position order); slots not visible get 0."""
-    order = positions.masked_fill(~visible, MAX_POSITION).argsort(dim=-1)
-    by_position = scores.masked_fill(~visible, 0.0).gather(-1, order)
-    pooled = F.max_pool1d(by_position[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    return torch.zeros_like(scores).scatter_(-1, order, pooled).masked_fill_(~visible, 0.0)
-
-
-def choose_unretained(pooled: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, newest_position: int,
-                      policy: CachePolicy, n_visible: int) -> torch.Tensor:
-    """``[n_kv, S]`` bool: the visible slots to evict so that ``policy.budget`` remain in each KV head: sinks and
-    window stay, the rest are ranked by ``pooled`` (lowest first, ties towards the oldest), as the policy ranks
-    heavy hitters by score (``hybrid-age``'s per-age ranking applies to accumulated scores, not to these)."""
-    return choose_evictions(pooled, positions, visible, newest_position, replace(policy, name="hybrid"), n_visible)

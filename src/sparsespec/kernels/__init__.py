@@ -5,14 +5,18 @@ into ``$SPARSESPEC_HOME/kernels/<hash of sources and toolchain>/``, so a later s
 by ``sparsespec fetch`` (the set-up command), else on first use, each time with a line saying so. The instruction
 set is chosen at run time from what the CPU offers (AVX-512 VNNI, AVX2, NEON dot product, else portable scalar
 code). Every path of the matmul computes the same canonical sums, bit for bit, for a given weight layout
-(``csrc/qmatmul.h``); the attention op's paths each agree with the torch path to float rounding, not with one
-another bit for bit (``csrc/attention.h``).
+(``csrc/qmatmul.h``); the attention op's paths each agree with the naive reference decoder
+(``tests/test_arena_reference.py``) to float rounding, not with one another bit for bit (``csrc/attention.h``).
 
-Without a compiler (or with ``SPARSESPEC_KERNELS=torch``) :func:`available` is False, one warning line says why,
-and the engine keeps to its torch weight formats. ``SPARSESPEC_KERNELS`` set to an instruction set's name
-(``scalar``, ``avx2``, ``avx512-vnni``, ``avx512-vnni+amx``, ``neon-dotprod``) runs the native kernels on that one
-instead of the best (A/B runs: the matmul's results are the same bit for bit, the attention's to float rounding, and
-``scalar`` also loads the weights in rows rather than column tiles, which sum in another order).
+The KV cache attends through these kernels alone (their portable scalar code is the fallback where no vector path
+runs). Without a compiler :func:`available` is False and one warning line says why: the torch weight formats still
+load (Hugging Face folders, ``--weights dense|int8|int4``), but nothing decodes (the cache refuses in one sentence,
+``cache/arena.py``).
+
+``SPARSESPEC_KERNELS`` set to an instruction set's name (``scalar``, ``avx2``, ``avx512-vnni``, ``avx512-vnni+amx``,
+``neon-dotprod``) runs the native kernels on that one instead of the best (A/B runs: the matmul's results are the
+same bit for bit, the attention's to float rounding, and ``scalar`` also loads the weights in rows rather than column
+tiles, which sum in another order).
 
 Ops (functions of the extension module, called here: not through the torch dispatcher, which adds a fixed cost to
 every call; benchmarks/history/source-notes.md#kernels-dispatcher):
@@ -93,18 +97,15 @@ ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512-vnni": ISA_AVX512, 
              "neon-dotprod": ISA_NEON}
 
 
-def _chosen_isa() -> int | None:
-    """The instruction set ``SPARSESPEC_KERNELS`` names (ISA_AUTO when unset or ``native``; None for ``torch``)."""
+def _chosen_isa() -> int:
+    """The instruction set ``SPARSESPEC_KERNELS`` names (ISA_AUTO when unset or ``native``)."""
     from ..errors import UserError
 
     value = os.environ.get(KERNELS_ENV, "").strip().lower()
-    if value == "torch":
-        return None
     if value in ("", "native"):
         return ISA_AUTO
     if value not in ISA_NAMES:
-        raise UserError(f"{KERNELS_ENV}={value} names no kernels; use torch, native or one of "
-                        f"{', '.join(ISA_NAMES)}.")
+        raise UserError(f"{KERNELS_ENV}={value} names no kernels; use native or one of {', '.join(ISA_NAMES)}.")
     return ISA_NAMES[value]
 
 
@@ -150,8 +151,6 @@ def _import_finished_build(folder: Path):
 def _load():
     """The compiled extension module, or the reason it is unavailable (a string)."""
     isa = _chosen_isa()
-    if isa is None:
-        return f"disabled by {KERNELS_ENV}=torch"
     try:
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
@@ -173,9 +172,9 @@ def _load():
                     build_directory=str(folder),
                     verbose=False,
                 )
-    except Exception as exc:  # no compiler, no ninja, a failed build: fall back to the torch kernels
+    except Exception as exc:  # no compiler, no ninja, a failed build: said once; what needs the kernels refuses
         reason = _failure_reason(exc)
-        print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); using torch kernels.",
+        print(f"sparsespec: warning: native kernels unavailable ({reason[:200]}); no model can decode without them.",
               file=sys.stderr)
         return reason
     if building:
@@ -227,7 +226,7 @@ def info() -> str:
     """One line: which kernels, which instruction set, how many threads, and where the native build is."""
     threads = torch.get_num_threads()
     if not available():
-        return f"kernels: torch ({unavailable_reason()}), {threads} threads"
+        return f"kernels: unavailable ({unavailable_reason()}), {threads} threads"
     return f"kernels: native ({isa_name()}), {threads} threads; built in {_build_dir()}"
 
 
@@ -287,9 +286,8 @@ def recall_attention(
     lse_row: torch.Tensor,
 ) -> None:
     """One row's attention over what it recalls from one layer of the cold tier, merged into its attention over
-    the resident entries in place: the steps of the torch path (``KVArena._recall``, ``ColdTier.attend_row``,
-    ``recall.merge_attention``; ``cache/recall.py``), whose float steps run in another order, so the two agree to
-    rounding.
+    the resident entries in place: the steps ``cache/recall.py`` describes (the reference: a naive float64
+    implementation in ``tests/test_recall.py``, which it matches to rounding).
 
     Args:
         query: ``[n_kv, group, hd]`` float32 before RoPE, rotated by table row ``query_row``.

@@ -76,9 +76,8 @@ class Overheads:
     evict_row_layer_s: float
 
 
-def fit_overheads(s: CalibrationSettings, probes: list[ProbeTimes], pass_s: float, cached_layer_s: float,
-                  native: dict[str, dict[str, Any]], per_vocab: float, attention: dict[str, float],
-                  head_reads: dict[str, float]) -> Overheads:
+def fit_overheads(s: CalibrationSettings, probes: list[ProbeTimes], pass_s: float, native: dict[str, dict[str, Any]],
+                  per_vocab: float, attention: dict[str, float], head_reads: dict[str, float]) -> Overheads:
     """The engine's own costs from the streaming probes: each step less its weights' streaming time at the
     ``native`` rates (the time the simulator gives them), the pass's fixed cost ``pass_s``, its sampling at
     ``per_vocab`` seconds per vocabulary entry and the attention op's time over its entries at the measured
@@ -87,10 +86,7 @@ def fit_overheads(s: CalibrationSettings, probes: list[ProbeTimes], pass_s: floa
     wide probe. What a narrow layer's small calls cost beyond their bytes at the rates (measured over large calls)
     lands in that line, where the simulator adds it; a line through the projections' own measured time would leave
     it out. The extra rows' and the eviction's costs come from beside the same passes alone, less the attention
-    op's own difference. Without probes (the torch path), a layer costs what the tiny probe's did
-    (``cached_layer_s``)."""
-    if not probes:
-        return Overheads(pass_s, cached_layer_s, 0.0, 0.0, 0.0, 0.0)
+    op's own difference."""
     rows, ctx = s.rows, s.probe_context
     decoding = ctx + s.probe_steps * s.probe_rounds / 2  # mean entries of a decode step over the full cache
 

@@ -27,11 +27,9 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     efficiency = cal.stream_bandwidth / dram
     lo, hi = cal.raw["tiny_probe"]["layers"]
     h, i, heads, kv_heads, hd = cal.raw["tiny_probe"]["shape"]
-    native = bool(cal.native_stream)
-    tiny = (f"a tiny random model with {'native Q8_0' if native else 'bf16 (torch path: no native kernels)'} "
-            f"weights (hidden {h}, MLP {i}, {heads} query / {kv_heads} KV heads of {hd}) with {lo} and {hi} layers, "
-            f"its weights in the caches, run through the engine's decode loop (median step of "
-            f"{settings.probe_steps}, median of {settings.probe_rounds} rounds)")
+    tiny = (f"a tiny random model with native Q8_0 weights (hidden {h}, MLP {i}, {heads} query / {kv_heads} KV heads "
+            f"of {hd}) with {lo} and {hi} layers, its weights in the caches, run through the engine's decode loop "
+            f"(median step of {settings.probe_steps}, median of {settings.probe_rounds} rounds)")
     probes = "; ".join(f"{p['layers']} layers of hidden {p['shape'][0]}, MLP {p['shape'][1]}, {p['shape'][2]} "
                        f"query / {p['shape'][3]} KV heads of {p['shape'][4]}" for p in cal.raw.get("probes", []))
     streaming = (f"two random models with native {settings.probe_type} weights streaming from memory ({probes}) run "
@@ -61,26 +59,20 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         "peak_flops.fp32": f"{stamp}: {settings.gemm_n}x{settings.gemm_n} fp32 torch.mm, best trial.",
         "overhead_s": f"{stamp}: intercept over layers of the decode-step time of {tiny}, less its head's "
                       "streaming and its sampling cost.",
-        "per_layer_overhead_s": (f"{stamp}: per layer, the decode step less its weights' streaming time at "
-                                 f"native_stream's rates, the pass's fixed cost and the attention op's time over its "
-                                 f"entries at attention_flops, for "
-                                 f"{streaming}: the part that does not grow with the layer's streaming time (a line "
-                                 "through the narrow and the wide model)." if native else
-                                 f"{stamp}: slope per layer of the decode-step time of {tiny}, less its weights' "
-                                 "streaming time."),
-        "stream_overhead_fraction": (f"{stamp}: the same line's slope against the layer's streaming time." if native
-                                     else f"{read}: not measured on the torch path (no native kernels)."),
+        "per_layer_overhead_s": f"{stamp}: per layer, the decode step less its weights' streaming time at "
+                                f"native_stream's rates, the pass's fixed cost and the attention op's time over its "
+                                f"entries at attention_flops, for {streaming}: the part that does not grow with the "
+                                "layer's streaming time (a line through the narrow and the wide model).",
+        "stream_overhead_fraction": f"{stamp}: the same line's slope against the layer's streaming time.",
         "per_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass − 1-row pass), less the same difference of "
                                     "the projections alone and of the attention op at attention_flops, per layer "
-                                    f"and extra row, mean over {streaming}."
-                                    if native else f"{read}: not measured on the torch path.",
+                                    f"and extra row, mean over {streaming}.",
         "evict_layer_overhead_s": f"{stamp}: (decode step over a full hybrid cache of {settings.probe_context} − "
                                   f"over the full cache of about as many entries) per layer, less the attention "
-                                  f"op's difference at attention_flops, mean over {streaming}."
-                                  if native else f"{read}: not measured on the torch path.",
+                                  f"op's difference at attention_flops, mean over {streaming}.",
         "evict_row_layer_overhead_s": f"{stamp}: ({settings.rows}-row pass over the full hybrid cache − over the "
                                       "full cache) per layer, less evict_layer_overhead_s, per extra row, for the same "
-                                      "models." if native else f"{read}: not measured on the torch path.",
+                                      "models.",
         "threads": f"{read}: the torch threads it measured with (--threads); the engine decodes with as many.",
         "per_vocab_overhead_s": f"{stamp}: greedy choice (argmax) over one row of logits, slope between vocabularies of "
                                 f"{settings.vocab_sizes[0]} and {settings.vocab_sizes[1]} entries.",
@@ -120,8 +112,8 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
     vm = " under a hypervisor" if cal.hypervisor else ""
     return DeviceProfile(
         name=name,
-        description=f"This machine: {cal.cores} × {cal.cpu}{vm}, decoding with sparsespec's "
-                    f"{'native kernels' if native else 'torch path'} on the CPU at {cal.threads} threads",
+        description=f"This machine: {cal.cores} × {cal.cpu}{vm}, decoding with sparsespec's native kernels on the "
+                    f"CPU at {cal.threads} threads",
         compute_unit=f"CPU: {cal.cores} cores" + (f" ({', '.join(isa)})" if isa else ""),
         memory_bytes=cal.memory_bytes,
         dram_bandwidth=dram,

@@ -103,9 +103,13 @@ class _Progress:
 
 
 def calibrate(settings: CalibrationSettings = FULL, *, threads: int | None = None, quiet: bool = False) -> Calibration:
-    """Run every measurement at ``threads`` torch threads (default: torch's current setting) and return them."""
+    """Run every measurement at ``threads`` torch threads (default: torch's current setting) and return them. Raises
+    :class:`ConfigError` where the native kernels are not available: the engine it measures decodes through them."""
     import torch
 
+    from ...cache.arena import require_kernels
+
+    require_kernels()
     previous_threads = torch.get_num_threads()
     if threads is not None:
         if threads < 1:
@@ -132,11 +136,11 @@ def measure_all(settings: CalibrationSettings, threads: int, progress: _Progress
     residency, kv_fraction = _kv_residency_fraction(settings, machine, progress)
     native = measure_native_streaming(settings, progress)
     per_vocab = _sampling_cost(settings, raw, progress)
-    pass_s, cached_layer_s = _tiny_probe_overhead(settings, stream["bytes_per_s"], native, per_vocab, raw)
+    pass_s = _tiny_probe_overhead(settings, native, per_vocab, raw)
     probes = _probe_engine(settings, raw, progress)
     attention, head_reads = measure_attention_rates(settings, raw, progress)
-    overheads = fit_overheads(settings, probes, pass_s, cached_layer_s, native, per_vocab, attention, head_reads)
-    _report_overheads(overheads, bool(probes), progress)
+    overheads = fit_overheads(settings, probes, pass_s, native, per_vocab, attention, head_reads)
+    _report_overheads(overheads, progress)
     return Calibration(
         date=machine.date, threads=threads, loadavg_before=machine.load_before, loadavg_after=loadavg(),
         seconds=time.perf_counter() - started, cpu=machine.cpu, cores=machine.cores, hypervisor=machine.hypervisor,
@@ -210,16 +214,8 @@ def _weight_streaming(s: CalibrationSettings, raw: dict, progress: _Progress) ->
 
 
 def measure_native_streaming(s: CalibrationSettings, progress: _Progress) -> dict[str, dict[str, Any]]:
-    """The native kernels' streaming curve and extra-row rate of every block type (``native_stream``); none where
-    the kernels are not available (the profile then describes the torch path)."""
-    from ... import kernels
-
+    """The native kernels' streaming curve and extra-row rate of every block type (``native_stream``)."""
     out: dict[str, dict[str, Any]] = {}
-    if not kernels.available():
-        progress.line(f"native kernels unavailable ({kernels.unavailable_reason()}): measuring the torch path")
-        for _ in s.native_types:
-            progress.done("native streaming")
-        return out
     # Every type once per round, rounds in turn: a slow moment of the machine spoils one round of one type, and the
     # median over the rounds leaves it out.
     rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in s.native_types}
@@ -265,48 +261,36 @@ def _sampling_cost(s: CalibrationSettings, raw: dict, progress: _Progress) -> fl
     return max(0.0, slope(vocab_small, sample_small, vocab_large, sample_large))
 
 
-def _tiny_probe_overhead(s: CalibrationSettings, torch_rate: float, native: dict[str, dict[str, Any]],
-                         per_vocab: float, raw: dict) -> tuple[float, float]:
-    """The pass's fixed cost and the cost of a layer whose weights stay in the caches: the intercept and the slope
-    over layers of the decode step of a tiny model (native Q8_0; bf16 on the torch path), less its weights'
-    streaming and its sampling."""
+def _tiny_probe_overhead(s: CalibrationSettings, native: dict[str, dict[str, Any]], per_vocab: float,
+                         raw: dict) -> float:
+    """The pass's fixed cost: the intercept over layers of the decode step of a tiny model with native Q8_0 weights
+    (which stay in the caches), less its head's streaming and its sampling."""
     import torch
 
-    from ... import kernels
     from ...cache.policy import make_policy
     from ...model import Transformer
 
     lo, hi = s.tiny_probe_layers
-    use_native = kernels.available()
     state = random_state(probe_config(hi, s.tiny_probe_shape))
-    models = {n: Transformer(probe_config(n, s.tiny_probe_shape), state, torch.bfloat16,
-                             "native" if use_native else "dense") for n in (lo, hi)}
-    per_weight = 34 / 32 if use_native else 2.0
+    models = {n: Transformer(probe_config(n, s.tiny_probe_shape), state, torch.bfloat16, "native") for n in (lo, hi)}
     head = models[lo].lm_head
-    head_bytes = head.out_features * head.in_features * per_weight
-    q8 = native.get("Q8_0")
-    rate = q8["bytes_per_s"] if q8 else torch_rate
+    head_bytes = head.out_features * head.in_features * 34 / 32  # Q8_0: 34 bytes per block of 32 weights
     steps = {n: statistics.median(decode_step_seconds(m, make_policy("full"), s.probe_context, s.probe_steps)
                                   for _ in range(s.probe_rounds)) for n, m in models.items()}
     layer_s = slope(lo, steps[lo], hi, steps[hi])
-    layer_bytes = sum(lin.out_features * lin.in_features * per_weight for lin in (
-        models[lo].layers[0].qkv, models[lo].layers[0].o_proj, models[lo].layers[0].gate_up, models[lo].layers[0].down))
-    overhead = steps[lo] - lo * layer_s - head_bytes / rate - models[lo].config.vocab_size * per_vocab
+    overhead = (steps[lo] - lo * layer_s - head_bytes / native["Q8_0"]["bytes_per_s"]
+                - models[lo].config.vocab_size * per_vocab)
     raw["tiny_probe"] = {"layers": [lo, hi], "shape": list(s.tiny_probe_shape),
                          "step_seconds": {str(n): t for n, t in steps.items()}}
-    return max(0.0, overhead), max(0.0, layer_s - layer_bytes / rate)
+    return max(0.0, overhead)
 
 
 def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> list[ProbeTimes]:
     """The streaming probe models' decode steps and passes, every kind in turn with the pass over its projections
     alone, ``probe_steps × probe_rounds`` turns (medians of the turn-by-turn differences: the machine's drift falls
-    on both sides of each). On the torch path (no native kernels) there are none."""
-    from ... import kernels
+    on both sides of each)."""
     from ...cache.policy import make_policy
 
-    if not kernels.available():
-        progress.done("engine overheads")
-        return []
     ctx, rows = s.probe_context, s.rows
     turns = s.probe_steps * s.probe_rounds
     full, evict = make_policy("full"), make_policy("hybrid", ctx)
@@ -351,11 +335,9 @@ def _probe_engine(s: CalibrationSettings, raw: dict, progress: _Progress) -> lis
 def measure_attention_rates(s: CalibrationSettings, raw: dict,
                             progress: _Progress) -> tuple[dict[str, float], dict[str, float]]:
     """FLOP rates and KV-head rates (:func:`~.fits.fit_attention_rates`) of the arena's attention paths, from two
-    cache sizes and two shapes each, at every KV dtype (quantized ones only with the native kernels, which alone
-    store them), the cache read from memory (a buffer of ``flush_bytes`` is read before each call)."""
+    cache sizes and two shapes each, at every KV dtype, the cache read from memory (a buffer of ``flush_bytes`` is
+    read before each call)."""
     import torch
-
-    from ... import kernels
 
     flush = torch.ones(max(s.flush_bytes // 4, 256), dtype=torch.float32)
     entries = s.attention_entries
@@ -363,7 +345,7 @@ def measure_attention_rates(s: CalibrationSettings, raw: dict,
     head_rates: dict[str, float] = {}
     raw["attention_seconds"] = {}
     paths = (("single", 1, False), ("multi", s.rows, False), ("evicting", 1, True))
-    for kv_dtype in ("auto", *(s.kv_dtypes if kernels.available() else ())):
+    for kv_dtype in ("auto", *s.kv_dtypes):
         for path, rows, evicting in paths:
             key = path if kv_dtype == "auto" else f"{path}:{kv_dtype}"
             seconds = {}
@@ -384,12 +366,8 @@ def measure_attention_rates(s: CalibrationSettings, raw: dict,
     return rates, head_rates
 
 
-def _report_overheads(o: Overheads, probed: bool, progress: _Progress) -> None:
-    """One line with the fitted overheads (``probed``: from the streaming probes, else the torch path's)."""
-    if not probed:
-        progress.line(f"overheads (torch path): {o.overhead_s * 1e3:.3f} ms per pass + {o.per_layer_s * 1e6:.1f} µs "
-                      "per layer")
-        return
+def _report_overheads(o: Overheads, progress: _Progress) -> None:
+    """One line with the overheads fitted from the streaming probes."""
     progress.line(
         f"overheads: {o.overhead_s * 1e3:.3f} ms per pass + {o.per_layer_s * 1e6:.1f} µs per layer + "
         f"{o.stream_fraction:.3f} of the weights' streaming time; +{o.per_row_layer_s * 1e6:.1f} µs per layer and "
