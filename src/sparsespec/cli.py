@@ -129,6 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
     prefetch_models(args)  # first: the stored weights are mapped while torch imports
     from .engine import RunStats, run_generation
     from .generate import stream_text
+    from .cache.arena import require_kernels
     from .loading.load import load_model
     from .loading.tokenizer import eos_token_ids
     from .sampling import SamplingParams
@@ -150,6 +151,7 @@ def _generate(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
+    require_kernels()  # before the minutes a load may take: nothing decodes without them
     target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     draft = load_draft(args, target, dtype, draft_setup)
     load_seconds = time.perf_counter() - started

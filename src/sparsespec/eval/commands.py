@@ -101,6 +101,7 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def run_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text through the chosen KV cache."""
     from ..engine import check_fits_context
+    from ..cache.arena import require_kernels
     from ..loading.load import load_model
     from .perplexity import measure_perplexity, plot_nll
     from .texts import resolve_text, text_token_ids
@@ -126,6 +127,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     dtype = setup_torch(args)
 
     started = time.perf_counter()
+    require_kernels()  # before the minutes a load may take: nothing decodes without them
     loaded = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     load_seconds = time.perf_counter() - started
     ids = text_token_ids(loaded.tokenizer, args.text, args.max_tokens)
@@ -358,6 +360,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.text is not None:
         resolve_text(args.text)
 
+    from ..cache.arena import require_kernels
     from ..loading.load import load_model
     from .sweep import SweepEvaluator, SweepOptions, log_record, run_grid, setup_id
     from .texts import text_token_ids
@@ -366,6 +369,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if any(p.draft for p in points):
         _draft_cache(args, "original", None)
     dtype = setup_torch(args)
+    require_kernels()  # before the minutes a load may take: nothing decodes without them
     target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
 
     text_ids = None
@@ -580,12 +584,14 @@ def run_needle(args: argparse.Namespace) -> int:
     """Plant a needle at each depth of prompts of each length, ask for it greedily, score the answers."""
     from dataclasses import replace
 
+    from ..cache.arena import require_kernels
     from ..loading.load import load_model
     from .needle import Haystack, build_prompts, cache_fields, cache_label, engine_answerer, plot_heatmap
     from .needle import run_needle_grid, summary_table
 
     setup, cache, draft_setup, text = _check_needle_args(args)
     dtype = setup_torch(args)
+    require_kernels()  # before the minutes a load may take: nothing decodes without them
     target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     has_template = bool(getattr(target.tokenizer, "chat_template", None))
     if args.chat and not has_template:

@@ -33,10 +33,12 @@ def engine_options(args: argparse.Namespace):
 def load_engine(args: argparse.Namespace, options):
     """Load the target (and draft) named by the flags: ``(target, cache, draft options or None)``."""
     from ..flags import load_draft, setup_torch
+    from ..cache.arena import require_kernels
     from ..loading.load import load_model
 
     cache, draft_setup = options
     dtype = setup_torch(args)
+    require_kernels()  # before the minutes a load may take: nothing decodes without them
     target = load_model(args.model, dtype, args.weights, role="target", activations=args.activations)
     return target, cache, load_draft(args, target, dtype, draft_setup)
 
