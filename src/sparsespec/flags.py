@@ -10,6 +10,7 @@ import argparse
 
 from .activations import ACTIVATION_CHOICES, FLOAT_ACTIVATIONS_MAX_PARAMETERS
 from .errors import UserError, reworded
+from .speedup import DEFAULT_GAMMA
 
 WEIGHT_CHOICES = ("auto", "native", "dense", "bf16", "int8", "int4")
 KV_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4")  # as cache/quant.py's KV_DTYPES (kept torch-free here)
@@ -20,11 +21,7 @@ SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # draft time:
 # benchmarks/history/speculative.md#draft-budget-against-context-bench_draft_budgetpy
 DEFAULT_DRAFT_BUDGET = 256
-# Draft proposals per round when --gamma is not given: 3, measured against 4 on the 0.5B -> 1.5B pair: as fast or
-# faster on most short prompts (code, prose, chat) and on long prose:
-# benchmarks/history/source-notes.md#default-gamma
 # Without --gamma, greedy decoding drafts only while that is measured faster than the target alone (DraftWhileFaster).
-DEFAULT_GAMMA = 3
 CACHE_SIZE_FLAGS = ("budget", "sinks", "heavy", "window")
 
 # The library's parameters (errors.ConfigError) as the command line names them, for the sentence the user sees

@@ -80,7 +80,6 @@ class Rope:
         self.attention_factor = scaling.attention_factor if scaling is not None else 1.0
         self._cos = torch.empty(0, head_dim)
         self._sin = torch.empty(0, head_dim)
-        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_model(cls, config: ModelConfig) -> "Rope":
@@ -92,7 +91,6 @@ class Rope:
         if upto > self._cos.shape[0]:
             size = max(upto, 2 * self._cos.shape[0], 256)
             self._cos, self._sin = self._computed(torch.arange(size))
-            self._typed = {}
         return self._cos, self._sin
 
     def table_rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -113,25 +111,6 @@ class Rope:
         if self.attention_factor == 1.0:
             return emb.cos(), emb.sin()
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
-
-    def _tables_in(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`tables` rounded to ``dtype`` once (the values :meth:`rotate` multiplies by)."""
-        cos, sin = self.tables(upto)
-        if dtype not in self._typed:
-            self._typed[dtype] = (cos.to(dtype), sin.to(dtype))
-        return self._typed[dtype]
-
-    def rotate_range(self, x: torch.Tensor, first: int) -> torch.Tensor:
-        """``rotate(x, arange(first, first + T))`` for ``x: [heads, T, head_dim]``, from slices of the tables (the
-        decode step's few-op path: no index, no max, no dtype conversion)."""
-        count = x.shape[-2]
-        if first + count > TABLE_LIMIT:
-            return self.rotate(x, torch.arange(first, first + count))
-        cos, sin = self._tables_in(first + count, x.dtype)
-        cos, sin = cos[first : first + count], sin[first : first + count]
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [heads, tokens, head_dim]`` by ``positions: [tokens]`` or ``[heads, tokens]`` (int64)."""

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from .errors import UserError
 
+# Draft proposals per round when a caller names none: 3, measured against 4 on the 0.5B -> 1.5B pair: as fast or
+# faster on most short prompts (code, prose, chat) and on long prose:
+# benchmarks/history/source-notes.md#default-gamma
+DEFAULT_GAMMA = 3
+
 
 def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
     """Expected tokens per target pass with γ drafted tokens and per-token acceptance α (Leviathan et al. 2023).

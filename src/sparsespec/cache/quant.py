@@ -184,13 +184,3 @@ class KVStore:
         if self.offset is None:
             return x
         return x.add_((self.offset if layer is None else self.offset[layer])[..., None, :])
-
-    def read(self, layer: int, stop: int) -> torch.Tensor:
-        """``[n_kv_heads, stop, head_dim]`` entries of slots ``[0, stop)`` of ``layer`` in the compute dtype."""
-        data = self.data[layer, :, :stop]
-        if self.bits is None:
-            return data.to(self.compute_dtype)
-        if self.offset is None:
-            return dequantize(data, self.params[layer, :, :stop], self.bits, self.compute_dtype)
-        x = dequantize(data, self.params[layer, :, :stop], self.bits, torch.float32)
-        return x.add_(self.offset[layer][:, None]).to(self.compute_dtype)

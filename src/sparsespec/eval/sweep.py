@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ConfigError, UserError
-from ..flags import DEFAULT_GAMMA
+from ..speedup import DEFAULT_GAMMA
 
 if TYPE_CHECKING:  # needle.py imports torch, which only a run needs
     from .needle import NeedleSetup
