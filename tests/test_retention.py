@@ -100,6 +100,75 @@ def test_the_arena_keeps_what_a_float64_observation_window_chooses():
     assert any(kept_positions(plain, layer) != expected[layer] for layer in range(TARGET.config.num_hidden_layers))
 
 
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64_window_would(positions):
+    """A conversation's second prompt: after decoding's evictions and compactions the entries kept so far sit out of
+    position order, and the new prompt is held beside them. The window must rank and pool them by position: its
+    choice equals a float64 window's over the same stored entries and new rows."""
+    policy = make_policy("hybrid", 20, sinks=2, heavy=10)
+    arena = make_arena(TARGET, policy, positions=positions)
+    prefill(TARGET, arena, ids(40), chunk=8)
+    for token in ids(12, seed=2):  # decode steps: each evicts one entry and fills its hole
+        TARGET.forward(torch.tensor([token]), arena)
+        arena.commit(1)
+    held = arena.positions[0][:, : arena.n_committed]
+    assert any(not torch.equal(row.sort().values, row) for row in held)  # out of position order
+    before, rows = {}, {}
+    begin, attend = arena.begin, arena.attend
+
+    def spy_begin(n_rows, per_block=False, parents=None):
+        begin(n_rows, per_block, parents)
+        if arena._block_mode == "select":  # the window: what it chooses among, as stored
+            start = arena._pass.start
+            before.update(start=start, first_position=arena._pass.first_position,
+                          positions=arena.positions[:, :, :start].clone(), keys=arena.keys[:, :, :start].clone(),
+                          alive=arena.evicted_at[:, :, :start] == torch.iinfo(torch.int32).max)
+
+    def spy_attend(layer, q, k, v):
+        if arena._block_mode == "select":
+            rows[layer] = (q.clone(), k.clone())
+        return attend(layer, q, k, v)
+
+    arena.begin, arena.attend = spy_begin, spy_attend
+    prefill(TARGET, arena, ids(30, seed=3), chunk=8)
+    assert rows, "the second prompt ended with a selection"
+    cfg = TARGET.config
+    rope = Rope.for_model(cfg)
+    n_kv, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    for layer, (q, k) in rows.items():
+        n_rows = q.shape[1]
+        new_positions = torch.arange(n_rows) + before["first_position"]
+        for h in range(n_kv):
+            alive = before["alive"][layer, h]
+            old_positions = before["positions"][layer, h][alive]
+            old_keys = before["keys"][layer, h][alive].double()
+            n_old = len(old_positions)
+            if positions == "original":  # stored rotated; new rows and queries by their true positions
+                new_keys = rope.rotate(k[h : h + 1].double(), new_positions)[0]
+                queries = rope.rotate(q[h * group : (h + 1) * group].double(), new_positions)
+            else:  # every key and query by its rank among the visible entries, in position order
+                ranks = old_positions.argsort().argsort()
+                old_keys = rope.rotate(old_keys[None], ranks)[0]
+                new_keys = rope.rotate(k[h : h + 1].double(), torch.arange(n_rows) + n_old)[0]
+                queries = rope.rotate(q[h * group : (h + 1) * group].double(), torch.arange(n_rows) + n_old)
+            keys = torch.cat((old_keys, new_keys))
+            key_positions = torch.cat((old_positions, new_positions))
+            logits = torch.matmul(queries, keys.T) / math.sqrt(cfg.head_dim)  # [group, rows, entries]
+            seen = key_positions[None, :] <= new_positions[:, None]
+            attention = torch.softmax(logits.masked_fill(~seen, -math.inf), dim=-1).sum(dim=(0, 1))
+            order = key_positions.argsort()
+            by_position = attention[order]
+            pooled_in_order = torch.nn.functional.max_pool1d(by_position[None, None], RETENTION.pool, stride=1,
+                                                             padding=RETENTION.pool // 2)[0, 0]
+            pooled = {int(key_positions[order[i]]): float(pooled_in_order[i]) for i in range(len(order))}
+            newest = int(new_positions[-1])
+            protected = {p for p in pooled if p < policy.sinks or p > newest - policy.window}
+            ranked = sorted((p for p in pooled if p not in protected), key=lambda p: (-pooled[p], -p))
+            expected = protected | set(ranked[: policy.budget - len(protected)])
+            assert kept_positions(arena, layer)[h] == expected, f"layer {layer}, KV head {h}"
+
+
 def test_a_hold_grows_the_arena_for_the_prompt_and_returns_it_to_the_budget():
     policy = make_policy("h2o", 24, heavy=12)
     arena = make_arena(TARGET, policy)
