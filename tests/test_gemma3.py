@@ -169,6 +169,46 @@ def test_speculative_equals_autoregressive_over_an_evicting_cache(untied_path, n
     assert 0 < stats.accepted < stats.drafted
 
 
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_a_tree_block_over_both_kinds_of_layer_equals_the_steps_along_each_path(tmp_path, positions):
+    """Native weights (rows independent of one another), the global layer evicting to a budget and the sliding ones
+    to their windows: each row of a tree block computes what the one-row steps along its path compute, bit for bit,
+    and committing a path leaves both arenas as those steps leave them."""
+    import copy
+
+    loaded = load(write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, q8=True), torch.float32, "native")
+    model = loaded.model
+    parents = [-1, 0, 0, 1, 2, 4]
+    cache = arena(loaded, "hybrid", 12, len(parents) + 1, 8, positions, sinks=2, heavy=4)
+    ids = tokens(20).tolist()
+    for start in range(0, len(ids), 8):
+        model.forward(torch.tensor(ids[start : start + 8]), cache, per_block=True, last_only=True)
+        cache.commit(len(ids[start : start + 8]))
+    before = copy.deepcopy(cache)
+    block = tokens(len(parents), seed=9).tolist()
+    logits = model.forward(torch.tensor(block), cache, parents=parents)
+    chains = []
+    for row in range(len(parents)):
+        path = [row]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        chains.append(copy.deepcopy(before))
+        for r in path:
+            want = model.forward(torch.tensor([block[r]]), chains[-1])
+            chains[-1].commit(1)
+        assert torch.equal(logits[row], want[0]), f"row {row}"
+    cache.commit_path([0, 2, 4, 5])
+    for got, expected in ((cache.global_arena, chains[5].global_arena), (cache.sliding_arena, chains[5].sliding_arena)):
+        n = expected.n_committed
+        assert (got.n_committed, got.next_position) == (n, expected.next_position)
+        assert torch.equal(got.positions[..., :n], expected.positions[..., :n])
+        assert torch.equal(got.keys[..., :n, :], expected.keys[..., :n, :])
+    assert cache.global_arena.evicted_tokens > 0 and cache.sliding_arena.evicted_tokens > 0
+    step = torch.tensor([7])
+    assert torch.equal(model.forward(step, cache), model.forward(step, chains[5]))
+
+
 def test_budget_bounds_the_global_layers_and_windows_the_sliding_ones(untied_path):
     """A budget above the window: the sliding layers still hold window − 1 entries between rows, the global
     layer the budget; their bytes are sized so (not the budget for every layer)."""

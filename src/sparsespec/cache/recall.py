@@ -249,8 +249,9 @@ class ColdTier:
             query: ``[n_kv, group, head_dim]`` float32 before RoPE; it rotates by ``query_row`` (position or rank).
             pending: the entries evicted by in-flight rows before this one (``[n, n_kv]``, in eviction order), or
                 None.
-            out_row: ``[n_kv * group * head_dim]`` the row's attention over the resident entries, and ``lse_row [n_kv
-                * group]`` its log-sum-exps: replaced by the attention over the union.
+            out_row: ``[n_kv * group * head_dim]`` the row's attention over the resident entries, replaced by the
+                attention over the union; ``lse_row [n_kv * group]`` its log-sum-exps over the resident entries (read
+                only).
         """
         pending_given = pending is not None
         if not pending_given:  # the view is the stored tier

@@ -300,7 +300,8 @@ def recall_attention(
         cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by its position (``rank`` -1), or by
             ``rank`` plus its place in position order among the row's recalled entries.
         out_row: ``[n_kv * group * hd]`` float32 or bfloat16, the row's attention over the resident entries, and
-            ``lse_row [n_kv * group]`` float32 its log-sum-exps: replaced by the attention over the union.
+            ``lse_row [n_kv * group]`` float32 its log-sum-exps (read only): ``out_row`` becomes the attention over
+            the union.
     """
     _load().recall_attention(query, query_row, entries, positions, summaries, total, extra, extra_positions,
                              extra_summaries, extra_start, key_offset, cos, sin, rank, pages, page_size, scale,
