@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 import sparsespec.speculative as speculative
 from sparsespec.cache import KVArena, make_policy
+from sparsespec.cli import main
 from sparsespec.errors import UserError
 from sparsespec.generate import generate_tokens, prefill
 from sparsespec.model import Transformer
@@ -75,12 +76,12 @@ def ar_tokens(model, pol, positions, ids, n, sampling=SamplingParams(), generato
 
 
 def spec_tokens(target, draft, pol, draft_pol, positions, ids, n, gamma, sampling=SamplingParams(),
-                generator=None, stats=None, kv_dtype="auto", draft_kv_dtype="auto"):
+                generator=None, stats=None, kv_dtype="auto", draft_kv_dtype="auto", sibling=False):
     cap = gamma if isinstance(gamma, int) else gamma.gamma_max
-    t_cache = arena(target, pol, positions, target_inflight_rows(cap), kv_dtype=kv_dtype)
+    t_cache = arena(target, pol, positions, target_inflight_rows(cap, sibling), kv_dtype=kv_dtype)
     d_cache = arena(draft, draft_pol, positions, draft_inflight_rows(cap), kv_dtype=draft_kv_dtype)
     out = list(speculative_tokens(target, t_cache, draft, d_cache, ids, max_new_tokens=n, sampling=sampling,
-                                  gamma=gamma, generator=generator, prefill_chunk=8, stats=stats))
+                                  gamma=gamma, generator=generator, prefill_chunk=8, stats=stats, sibling=sibling))
     return out, t_cache, d_cache
 
 
@@ -137,6 +138,22 @@ def test_self_speculation_with_sparse_draft_is_exact(positions):
     got, _, _ = spec_tokens(TARGET, TARGET, pol, make_policy("streaming", 6, sinks=1), positions, ids, 256,
                             gamma=AdaptiveGamma())
     assert got == expected
+
+
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+@pytest.mark.parametrize("name", ["full", "h2o", "hybrid", "streaming"])
+def test_greedy_speculative_with_the_runner_up_beside_the_chain_equals_autoregressive(native_kernels, name, positions):
+    """Tree rounds (``sibling``): a draft that often misses the first token, whose runner-up the target then takes
+    from its own row; the tokens are the target's alone, over caches that evict."""
+    pol = policy(name)
+    ids = prompt(20, TARGET.config.vocab_size)
+    expected = ar_tokens(TARGET, pol, positions, ids, 48)
+    stats = SpeculativeStats()
+    got, t_cache, _ = spec_tokens(TARGET, noisy_copy(noise=0.3), pol, pol, positions, ids, 48, gamma=3, stats=stats,
+                                  sibling=True)
+    assert got == expected
+    assert stats.sibling_rounds > 0 and stats.sibling_accepted > 0
+    assert t_cache.evicted_tokens > 0 or pol.is_full
 
 
 def test_qwen2_target_with_random_draft():
@@ -213,11 +230,20 @@ N_SAMPLES = 10_000
 SMALL = tiny_config("llama", vocab_size=VOCAB, num_hidden_layers=1, hidden_size=16, intermediate_size=32)
 SMALL_TARGET = Transformer(SMALL, random_state(SMALL, seed=11, scale=1.0), torch.float32)
 SMALL_DRAFT = Transformer(SMALL, random_state(SMALL, seed=12, scale=1.0), torch.float32)
+# A draft near the target, so that where the target rejects the draft's token its residual falls on the draft's
+# runner-up now and then, but not always (at temperature 4 the residual spreads over several tokens).
+_small_noise = torch.Generator().manual_seed(13)
+SMALL_NEAR_DRAFT = Transformer(SMALL, {k: v + 1.0 * v.std() * torch.randn(v.shape, generator=_small_noise)
+                                       for k, v in random_state(SMALL, seed=11, scale=1.0).items()}, torch.float32)
 SMALL_PROMPT = [1, 3, 0, 2]
 SAMPLING_CASES = {
     "full-t1": (make_policy("full"), SamplingParams(temperature=1.0)),
     # Temperature 1.5: at 1.0 the top-p filter leaves target and draft one-hot on the same token at the first step.
     "hybrid-top-p": (make_policy("hybrid", 3, sinks=1, heavy=1), SamplingParams(temperature=1.5, top_p=0.9)),
+}
+SIBLING_CASES = {
+    "full-t4": (make_policy("full"), SamplingParams(temperature=4.0)),
+    "hybrid-top-p": SAMPLING_CASES["hybrid-top-p"],
 }
 
 
@@ -237,12 +263,12 @@ def exact_ar_distribution(pol, sampling):
     return probs
 
 
-def speculative_histogram(pol, sampling):
+def speculative_histogram(pol, sampling, sibling=False, stats=None, draft=SMALL_DRAFT):
     generator = torch.Generator().manual_seed(1234)
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=K_TOKENS), 0)
     for _ in range(N_SAMPLES):
-        out, _, _ = spec_tokens(SMALL_TARGET, SMALL_DRAFT, pol, pol, "original", SMALL_PROMPT, K_TOKENS, gamma=2,
-                                sampling=sampling, generator=generator)
+        out, _, _ = spec_tokens(SMALL_TARGET, draft, pol, pol, "original", SMALL_PROMPT, K_TOKENS, gamma=2,
+                                sampling=sampling, generator=generator, sibling=sibling, stats=stats)
         counts[tuple(out)] += 1
     return counts
 
@@ -265,6 +291,18 @@ def chi_square_p(counts, probs):
 def test_speculative_sampling_matches_autoregressive_distribution(case):
     pol, sampling = SAMPLING_CASES[case]
     assert chi_square_p(speculative_histogram(pol, sampling), exact_ar_distribution(pol, sampling)) > 0.01
+
+
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("case", list(SIBLING_CASES))
+def test_sampling_with_the_runner_up_beside_the_chain_matches_autoregressive_distribution(case):
+    """Tree rounds (the draft's runner-up verified beside its chain, ``sibling``): the same χ² against exact
+    enumeration, with the runner-up's row giving the next token in a share of the rounds."""
+    pol, sampling = SIBLING_CASES[case]
+    stats = SpeculativeStats()
+    counts = speculative_histogram(pol, sampling, sibling=True, stats=stats, draft=SMALL_NEAR_DRAFT)
+    assert chi_square_p(counts, exact_ar_distribution(pol, sampling)) > 0.01
+    assert stats.sibling_rounds > 0 and stats.sibling_accepted > 100  # the runner-up's row was used, often
 
 
 def _resample_from_p(p, q, drafts, generator):
@@ -301,6 +339,30 @@ def test_broken_acceptance_rule_is_caught(monkeypatch, case, broken):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.slow  # shows the power of the χ² test above, not a property of the code
+@pytest.mark.usefixtures("native_kernels")
+def test_a_runner_up_taken_after_every_rejection_is_caught(monkeypatch):
+    """A rule that follows the runner-up's row whenever the first proposal is rejected (not only when the target's
+    replacement is the runner-up) biases the output: χ² sees it."""
+    monkeypatch.setattr(speculative, "_takes_sibling", lambda accepted, token, second: second is not None and
+                        accepted == 0)
+    pol, sampling = SIBLING_CASES["full-t4"]
+    counts = speculative_histogram(pol, sampling, sibling=True, draft=SMALL_NEAR_DRAFT)
+    assert chi_square_p(counts, exact_ar_distribution(pol, sampling)) < 0.01
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--draft-sibling"], ["--draft-sibling", "nothing without --draft"]),
+    (["--draft", "ngram", "--draft-sibling"], ["--draft-sibling", "without a draft model"]),
+])
+def test_draft_sibling_mistakes_are_one_sentence(capsys, flags, words):
+    assert main(["generate", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sparsespec: error: ")
+    for word in words:
+        assert word in err, err
+
+
 def test_gamma_below_one_is_rejected():
     with pytest.raises(UserError, match="at least 1"):
         spec_tokens(TARGET, DRAFT, policy("full"), policy("full"), "original", [1, 2, 3], 4, gamma=0)

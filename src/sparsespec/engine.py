@@ -240,6 +240,8 @@ class RunStats:
                 ngram_rounds=s.ngram_rounds,
                 ngram_drafted=s.ngram_drafted,
                 ngram_accepted=s.ngram_accepted,
+                sibling_rounds=s.sibling_rounds,
+                sibling_accepted=s.sibling_accepted,
             )
         return out
 
@@ -258,6 +260,8 @@ class DraftOptions:
     # must not depend on timings): speculative.DraftWhileFaster.
     only_while_faster: bool = False
     ngram: NgramOptions | None = None
+    # A draft model's rounds also verify its runner-up for the first token (speculative_steps' ``sibling``).
+    sibling: bool = False
 
 
 # The most draft tokens a round may propose: a verification pass stages γ + 1 rows in both arenas, and acceptance
@@ -394,7 +398,8 @@ class Session:
         if self.draft is None:
             inflight = [1]
         else:
-            inflight = [target_inflight_rows(self._gamma_cap), draft_inflight_rows(self._gamma_cap)]
+            inflight = [target_inflight_rows(self._gamma_cap, self.draft.sibling),
+                        draft_inflight_rows(self._gamma_cap)]
         self.arenas = []  # free the old buffers before allocating new ones
         start = None if self.capacity is None else CONVERSATION_CACHE_START
         self.arenas = [
@@ -537,7 +542,7 @@ class Session:
                 self.target.model, self.arenas[0], draft_model, self.arenas[1] if draft_model is not None else None,
                 suffix, max_new_tokens=max_new_tokens, sampling=sampling, gamma=gamma, generator=generator,
                 eos_ids=eos_ids, prefill_chunk=chunk, stats=stats.speculative, on_prefilled=on_prefilled,
-                ngram=ngram,
+                ngram=ngram, sibling=self.draft.sibling,
             )
         finally:
             stats.final_gamma = gamma if gamma is None or isinstance(gamma, int) else gamma.gamma

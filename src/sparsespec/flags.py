@@ -197,6 +197,10 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the draft's weight format (default: as --weights)")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the draft scores only the first N token ids (a smaller head to read; output unchanged)")
+    parser.add_argument("--draft-sibling", action="store_const", const=True, default=None,
+                        help="a draft model's rounds also verify its runner-up for the first token beside the chain (a "
+                        "tree of one more row): a token more where the target rejects the first proposal for the "
+                        "runner-up; pays where verification rows are cheap")
     parser.add_argument("--gamma", default=None,
                         help=f"draft tokens per round, or 'auto' (default: {DEFAULT_GAMMA}, greedy decoding drafting "
                         "only while measured faster than the target alone; needs --draft)")
@@ -228,7 +232,7 @@ NGRAM_FLAGS = ("--draft-ngram", "--ngram-min", "--ngram-max", "--ngram-tokens")
 
 
 def draft_settings(args: argparse.Namespace):
-    """``(draft CacheOptions or None, γ or None, only while faster, NgramOptions or None)`` from the flags, or None
+    """``(draft CacheOptions or None, γ or None, only while faster, NgramOptions or None, sibling)`` from the flags, or None
     without ``--draft``: checked before anything loads. Without ``--gamma``: γ = :data:`DEFAULT_GAMMA` while
     drafting pays (``DraftOptions.only_while_faster``). n-gram proposals are on unless ``--draft-ngram off``."""
     from .engine import parse_gamma
@@ -241,10 +245,10 @@ def draft_settings(args: argparse.Namespace):
     with reworded(NGRAM_PARAMETER_FLAGS):
         ngram = NgramOptions(**sizes) if args.draft_ngram != "off" else None
     if args.draft == NGRAM_DRAFT:
-        return None, None, False, ngram
+        return None, None, False, ngram, False
     with reworded({**PARAMETER_FLAGS, **DRAFT_CACHE_FLAGS}):
         cache = cache_options(args, "draft_")
-    return cache, parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None, ngram
+    return cache, parse_gamma(args.gamma or str(DEFAULT_GAMMA)), args.gamma is None, ngram, bool(args.draft_sibling)
 
 
 def load_draft(args: argparse.Namespace, target, dtype, settings):
@@ -256,15 +260,16 @@ def load_draft(args: argparse.Namespace, target, dtype, settings):
 
     if settings is None:
         return None
-    cache, gamma, only_while_faster, ngram = settings
+    cache, gamma, only_while_faster, ngram, sibling = settings
     if args.draft == NGRAM_DRAFT:
         return DraftOptions(None, None, None, ngram=ngram)
     if args.draft == "self":
-        return DraftOptions(target, cache, gamma, is_self=True, only_while_faster=only_while_faster, ngram=ngram)
+        return DraftOptions(target, cache, gamma, is_self=True, only_while_faster=only_while_faster, ngram=ngram,
+                            sibling=sibling)
     model = load_model(args.draft, dtype, args.draft_weights, role="draft", share_tokenizer=target.tokenizer)
     if args.draft_vocab is not None:
         model.model.limit_vocabulary(args.draft_vocab)
-    return DraftOptions(model, cache, gamma, only_while_faster=only_while_faster, ngram=ngram)
+    return DraftOptions(model, cache, gamma, only_while_faster=only_while_faster, ngram=ngram, sibling=sibling)
 
 
 def draft_flags_given(args: argparse.Namespace) -> list[str]:
@@ -273,7 +278,7 @@ def draft_flags_given(args: argparse.Namespace) -> list[str]:
     Their defaults are all None, so "set" means "not None".
     """
     names = ["weights", "policy", "vocab", *CACHE_SIZE_FLAGS, "kv_dtype", "kv_recent", "retention",
-             "retention_tokens", "recall_pages", "ngram"]
+             "retention_tokens", "recall_pages", "ngram", "sibling"]
     given = [f"--draft-{n.replace('_', '-')}" for n in names if getattr(args, f"draft_{n}", None) is not None]
     given += [f"--ngram-{n}" for n in ("min", "max", "tokens") if getattr(args, f"ngram_{n}", None) is not None]
     if getattr(args, "gamma", None) is not None:

@@ -42,10 +42,11 @@ Program = Generator["Pass | int", "torch.Tensor | None", None]
 
 def forward_pass(
     model: Transformer, tokens: list[int], cache: KVArena, *, per_block: bool = False, last_only: bool = False,
-    draft: bool = False,
+    draft: bool = False, parents: list[int] | None = None,
 ) -> Pass:
-    """The :class:`Pass` of ``tokens`` through ``model`` over ``cache`` (see ``Transformer.forward``)."""
-    return Pass(model, Block(torch.tensor(tokens, dtype=torch.long), cache, per_block, last_only), draft)
+    """The :class:`Pass` of ``tokens`` through ``model`` over ``cache`` (see ``Transformer.forward``; ``parents``:
+    the rows as a tree)."""
+    return Pass(model, Block(torch.tensor(tokens, dtype=torch.long), cache, per_block, last_only, parents), draft)
 
 
 def run_passes(passes: Sequence[Pass]) -> list[torch.Tensor]:

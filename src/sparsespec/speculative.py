@@ -20,6 +20,7 @@ flip (measured: benchmarks/history/source-notes.md#speculative-torch-formats).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -51,9 +52,10 @@ def draft_inflight_rows(gamma_max: int = GAMMA_MAX) -> int:
     return 2 * gamma_max + 2
 
 
-def target_inflight_rows(gamma_max: int = GAMMA_MAX) -> int:
-    """Rows a target arena must hold in flight: the pending token plus up to γ_max proposals."""
-    return gamma_max + 1
+def target_inflight_rows(gamma_max: int = GAMMA_MAX, sibling: bool = False) -> int:
+    """Rows a target arena must hold in flight: the pending token plus up to γ_max proposals, and with ``sibling``
+    the runner-up beside them as a tree block (which keeps every row's score snapshot: one row more)."""
+    return gamma_max + 1 + (2 if sibling else 0)
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
@@ -310,6 +312,9 @@ class SpeculativeStats:
     # Of those, the proposals matched in other requests' text (a server's shared texts, ngram.SharedTexts).
     ngram_shared_drafted: int = 0
     ngram_shared_accepted: int = 0
+    # Rounds that verified the draft's runner-up beside its chain (``sibling``), and how often it was the token.
+    sibling_rounds: int = 0
+    sibling_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -363,6 +368,18 @@ def _accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int,
     return accepted, choices[accepted]
 
 
+def _takes_sibling(accepted: int, next_token: int, second: int | None) -> bool:
+    """Whether the runner-up's row gives the token after ``next_token``: the chain's first proposal was rejected and
+    the token that replaced it (the target's argmax, or its draw from the residual) is the runner-up ``second``."""
+    return second is not None and accepted == 0 and next_token == second
+
+
+def runner_up(scores: torch.Tensor, first: int) -> int:
+    """The draft's most likely first token after ``first`` (``scores [vocab]``: its logits or probabilities): the
+    sibling a tree round verifies beside the chain that starts with ``first``."""
+    return int(scores.masked_fill(torch.arange(scores.shape[-1]) == first, -math.inf).argmax())
+
+
 def speculative_tokens(target: Transformer, target_cache: KVArena, draft: Transformer, draft_cache: KVArena,
                        prompt_ids: list[int], **options) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` token ids decoded speculatively (:func:`speculative_steps` run alone)."""
@@ -385,6 +402,7 @@ def speculative_steps(
     stats: SpeculativeStats | None = None,
     on_prefilled: Callable[[], None] | None = None,
     ngram: NgramDrafter | None = None,
+    sibling: bool = False,
 ) -> Program:
     """The program of speculative decoding: up to ``max_new_tokens`` new tokens (stops after an EOS id).
 
@@ -399,6 +417,13 @@ def speculative_steps(
     draft model, if any, then sits the round out and reads its tokens later), and the draft model (``draft``,
     ``gamma``; None for n-gram drafting alone) the others. Their proposals are point masses, so rejection sampling
     stays exact.
+
+    ``sibling``: a draft model's round also verifies the draft's runner-up for the first position (:func:`runner_up`)
+    beside its chain, as a tree block (``KVArena.begin(parents=...)``) of one more row, where the target arena can
+    run one (:func:`target_inflight_rows` with ``sibling``; no recall, no int4 window). The rounds accept what they
+    would without it; only where the chain's first proposal is rejected and the token that replaces it (the
+    target's argmax, or its draw from the residual) is the runner-up, the runner-up's row also gives the next token
+    (the target's argmax or draw after it): one token more, and exactly the target's distribution.
     """
     if isinstance(gamma, int) and gamma < 1:
         raise ConfigError("{gamma} must be at least 1 (got {value}).", value=gamma)
@@ -450,6 +475,7 @@ def speculative_steps(
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         feed = draft_pending
+        first_scores = None  # the draft's scores of the first position (its logits, or q when sampling)
         for _ in range(g):
             logits = (yield forward_pass(draft, feed, draft_cache, draft=True))[-1]
             if sampling.greedy:
@@ -457,6 +483,8 @@ def speculative_steps(
             else:
                 q.append(warp(logits, sampling))
                 drafts.append(sample(q[-1], generator))
+            if first_scores is None:
+                first_scores = logits if sampling.greedy else q[0]
             feed = drafts[-1:]
         draft_fed = len(draft_pending) + g - 1 if g else 0
         draft_seconds = time.perf_counter() - started
@@ -466,16 +494,31 @@ def speculative_steps(
                 vocab = target.config.vocab_size
                 q = [torch.nn.functional.one_hot(torch.tensor(x), vocab).float() for x in drafts]
 
-        # 2. One target pass over the pending token(s) and all proposals.
+        # 2. One target pass over the pending token(s) and all proposals (and the runner-up, as a tree: row 0 the
+        #    pending token, rows 1..γ the chain, the last row the runner-up beside the chain's first proposal).
         started = time.perf_counter()
-        logits = yield forward_pass(target, target_pending + drafts, target_cache)
+        rows, parents, second = target_pending + drafts, None, None
+        if sibling and first_scores is not None and len(target_pending) == 1 and \
+                target_cache.takes_tree(len(rows) + 1):
+            second = runner_up(first_scores, drafts[0])
+            parents = [-1] + list(range(len(drafts))) + [0]
+            rows = rows + [second]
+        logits = yield forward_pass(target, rows, target_cache, parents=parents)
+        scoring = logits[len(target_pending) - 1 : len(target_pending) + len(drafts)]
         if sampling.greedy:
-            accepted, next_token = _accept_greedy(logits[len(target_pending) - 1 :], drafts)
+            accepted, next_token = _accept_greedy(scoring, drafts)
         else:
-            accepted, next_token = _accept(warp(logits[len(target_pending) - 1 :], sampling), q, drafts, generator)
+            accepted, next_token = _accept(warp(scoring, sampling), q, drafts, generator)
+        # The token that replaced a rejected first proposal is the runner-up: its row gives the token after it.
+        sibling_taken = _takes_sibling(accepted, next_token, second)
+        after_sibling = None
+        if sibling_taken and next_token not in eos:
+            sibling_logits = logits[-1:]
+            after_sibling = greedy_tokens(sibling_logits)[0] if sampling.greedy else sample(
+                warp(sibling_logits, sampling)[0], generator)
         target_seconds = time.perf_counter() - started
         if ngram is not None:
-            ngram.observe_pass(target_seconds, len(target_pending) + len(drafts))
+            ngram.observe_pass(target_seconds, len(rows))
             if proposal:
                 ngram.update(len(drafts), accepted)
             else:
@@ -485,18 +528,29 @@ def speculative_steps(
         # are neither yielded nor committed: the arenas then hold only the text this generator yielded.
         ends = next((i for i, x in enumerate(drafts[:accepted]) if x in eos), None)
         emitted = drafts[:accepted] + [next_token] if ends is None else drafts[: ends + 1]
-        target_cache.commit(len(target_pending) + len(emitted) - 1)
+        if after_sibling is not None:
+            emitted.append(after_sibling)
+        if parents is None:
+            target_cache.commit(len(target_pending) + len(emitted) - 1)
+        elif after_sibling is not None:
+            target_cache.commit_path([0, len(rows) - 1])
+        else:
+            target_cache.commit_path(list(range(len(emitted))))
         target_pending = emitted[-1:]
         stream = draft_pending + emitted
-        kept = min(draft_fed, len(draft_pending) + len(emitted) - 1)
+        chain_kept = 0 if sibling_taken else len(emitted) - 1  # the draft's rows hold its chain, not the sibling
+        kept = min(draft_fed, len(draft_pending) + chain_kept)
         if draft_fed:  # else the draft sat the round out: nothing in flight
             draft_cache.commit(kept)
         draft_pending = stream[kept:] if draft is not None else []
 
         stats.target_passes += 1
         stats.draft_passes += g + catch_up_passes
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
+        stats.drafted += len(rows) - len(target_pending)
+        stats.accepted += accepted + sibling_taken
+        if second is not None:
+            stats.sibling_rounds += 1
+            stats.sibling_accepted += sibling_taken
         stats.draft_seconds += draft_seconds
         stats.target_seconds += target_seconds
         stats.gammas.append(len(drafts))

@@ -431,6 +431,12 @@ class KVArena:
         self._pass = self._block_pass(n_rows, per_block, parents)
         self._tree = None if parents is None else list(parents)
 
+    def takes_tree(self, n_rows: int) -> bool:
+        """Whether a tree block of ``n_rows`` rows can begin now (:meth:`_check_tree` would pass it)."""
+        snapshots = self.row_scores.shape[0] if self.policy.needs_scores else n_rows
+        return (not self.n_inflight and not self._hold_left and self.cold is None and not self.recent_window
+                and n_rows <= min(self.max_inflight, snapshots, self.staging))
+
     def _check_tree(self, n_rows: int, per_block: bool, parents: list[int]) -> None:
         """Raise ValueError for a tree block this arena cannot run (see :meth:`begin`)."""
         if len(parents) != n_rows or any(not -1 <= p < i for i, p in enumerate(parents)):

@@ -97,6 +97,9 @@ class LayeredArena:
         for arena in self._arenas:
             arena.commit(n_rows)
 
+    def takes_tree(self, n_rows: int) -> bool:
+        return all(arena.takes_tree(n_rows) for arena in self._arenas)
+
     def commit_path(self, path: list[int]) -> None:
         for arena in self._arenas:
             arena.commit_path(path)
