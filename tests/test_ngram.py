@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from sparsespec import speculative
-from sparsespec.cache import make_policy
 from sparsespec.cli import main
 from sparsespec.engine import CacheOptions, DraftOptions, RunStats, Session
 from sparsespec.errors import ConfigError, UserError
@@ -298,8 +297,10 @@ def test_generate_with_ngram_drafts_equals_plain_decoding(capsys, smollm2_path):
     (["--draft", "ngram", "--ngram-min", "4", "--ngram-max", "2"], ["--ngram-min <= --ngram-max", "4 and 2"]),
     (["--draft", "ngram", "--ngram-max", "100"], ["<= 64"]),
     (["--draft", "ngram", "--ngram-tokens", "0"], ["--ngram-tokens must be from 1 to 64"]),
+    (["--draft-sibling"], ["--draft-sibling", "nothing without --draft"]),
+    (["--draft", "ngram", "--draft-sibling"], ["--draft-sibling", "without a draft model"]),
 ])
-def test_ngram_flag_mistakes_are_one_sentence(capsys, flags, words):
+def test_drafting_flag_mistakes_are_one_sentence(capsys, flags, words):
     assert main(["generate", "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("sparsespec: error: ")

@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-import torch
-
 from .cache.arena import KVArena
 from .cache.layered import LayeredArena, global_config, sliding_config, window_policy
 from .cache.policy import CachePolicy, make_policy
