@@ -432,23 +432,27 @@ class KVArena:
         self._tree = None if parents is None else list(parents)
 
     def takes_tree(self, n_rows: int) -> bool:
-        """Whether a tree block of ``n_rows`` rows can begin now (:meth:`_check_tree` would pass it)."""
+        """Whether a tree block of ``n_rows`` rows can begin now."""
+        return self._tree_refusal(n_rows) is None
+
+    def _tree_refusal(self, n_rows: int) -> str | None:
+        """Why a tree block of ``n_rows`` rows cannot begin now, or None."""
+        if self.n_inflight or self._hold_left:
+            return "a tree block is a row-by-row block that starts from a committed state"
+        if self.cold is not None or self.recent_window:
+            return "tree blocks run without recall and without a full-precision window"
         snapshots = self.row_scores.shape[0] if self.policy.needs_scores else n_rows
-        return (not self.n_inflight and not self._hold_left and self.cold is None and not self.recent_window
-                and n_rows <= min(self.max_inflight, snapshots, self.staging))
+        if n_rows > min(self.max_inflight, snapshots, self.staging):
+            return f"a tree block of {n_rows} rows needs max_inflight > {n_rows} (every row keeps its score snapshot)"
+        return None
 
     def _check_tree(self, n_rows: int, per_block: bool, parents: list[int]) -> None:
         """Raise ValueError for a tree block this arena cannot run (see :meth:`begin`)."""
         if len(parents) != n_rows or any(not -1 <= p < i for i, p in enumerate(parents)):
             raise ValueError(f"a tree block's parents name, for each of its {n_rows} rows, an earlier row or -1")
-        if per_block or self.n_inflight or self._hold_left:
-            raise ValueError("a tree block is a row-by-row block that starts from a committed state")
-        if self.cold is not None or self.recent_window:
-            raise ValueError("tree blocks run without recall and without a full-precision window")
-        snapshots = self.row_scores.shape[0] if self.policy.needs_scores else n_rows
-        if n_rows > min(self.max_inflight, snapshots):
-            raise ValueError(f"a tree block of {n_rows} rows needs max_inflight > {n_rows} (every row keeps its "
-                             "score snapshot)")
+        reason = "a tree block is a row-by-row block, not a prefill chunk" if per_block else self._tree_refusal(n_rows)
+        if reason is not None:
+            raise ValueError(reason)
 
     def _block_pass(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> "BlockPass":
         """What :meth:`attend` does with the block just begun, the same in every layer."""
