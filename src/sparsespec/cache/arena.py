@@ -545,7 +545,6 @@ class KVArena:
             raise ValueError("commit inside an open block")
         if self._tree is not None and n_rows:
             raise ValueError("a tree block commits a path (commit_path), or nothing")
-        self._tree = None
         if not 0 <= n_rows <= self.n_inflight:
             raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
         if 0 < n_rows < self.n_inflight and (n_rows >= self.max_inflight or self._per_block_inflight):
@@ -555,6 +554,7 @@ class KVArena:
                              "overwrite the full-precision window of the rows kept")
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
+        self._tree = None  # a tree block is rolled back like a chain: its rows' evictions were never marked
         if not self.policy.is_full:  # the full cache evicts nothing: dropped rows are simply written over later
             self._compact(n_rows, extent, survivors)
         self.evicted_tokens += extent - survivors
