@@ -7,7 +7,7 @@ qwen2.5-coder-1.5b: 28 layers, 12 query heads, 2 KV heads, head_dim 128) holding
 each of ``--kv-dtypes``, then times decode steps (``begin(rows)``, ``attend`` in every layer, ``end``,
 ``commit(rows)``; ``--rows`` above 1 times a verification block of that many rows). Prints one JSON line per
 (entries, KV dtype, rows): milliseconds per step for all layers; microseconds per layer in the attention op itself
-(``_attend_native``, which also stores the new rows, so its time includes that store); and the effective GB/s of the
+(``attend``, which also stores the new rows and recalls, so its time includes those); and the effective GB/s of the
 KV bytes a step must read (keys and values of every visible entry, once) over the op's own time.
 
     python benchmarks/bench_attention.py --entries 1024,8192,16384 --threads 2
@@ -38,7 +38,7 @@ from common import emit, machine, results_dir
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
-from sparsespec.cache.quant import BITS, KVStore, bytes_per_vector, quantize
+from sparsespec.cache.quant import BITS, KVStore, bytes_per_vector
 from sparsespec.cache.recall import Recall
 from sparsespec.config import ModelConfig
 
@@ -65,7 +65,8 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     a budgeted one its budget (4 sinks and the most recent tokens) with random scores. Shapes with key biases (the
     Qwen2 models) get a random key bias, which quantized keys are stored without in the in-cache mode. Quantized
     entries keep ``recent_window`` (None: the dtype's default) positions in full precision, the ring filled with the
-    newest rows. ``recall_pages``: a cold tier holding the evicted ``entries - budget`` tokens (0: none)."""
+    newest rows (quantized entries are random codes: the op's time does not depend on their values).
+    ``recall_pages``: a cold tier holding the evicted ``entries - budget`` tokens (0: none)."""
     policy = make_policy(policy_name, budget)
     positions = "original" if policy.is_full else "in-cache"
     gen = torch.Generator().manual_seed(0)
@@ -81,8 +82,8 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     ring = (torch.arange(newest) + entries - newest) % max(arena.recent_slots, 1)
     for layer in range(config.num_hidden_layers):
         k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
-        store(arena._keys, layer, k)
-        store(arena._values, layer, v)
+        store(arena._keys, layer, k, gen)
+        store(arena._values, layer, v, gen)
         arena.recent_keys[layer][:, ring] = k[:, kept - newest :]
         arena.recent_values[layer][:, ring] = v[:, kept - newest :]
     recent = torch.arange(entries - (kept - min(4, kept)), entries)
@@ -100,30 +101,20 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     return arena
 
 
-def store(entries: KVStore, layer: int, x: torch.Tensor) -> None:
-    """``x: [n_kv, n, head_dim]`` into slots ``[0, n)`` of ``layer``, as the attention op stores rows (quantized
-    formats: the codes of ``x`` minus the store's offset)."""
+def store(entries: KVStore, layer: int, x: torch.Tensor, gen: torch.Generator) -> None:
+    """``x: [n_kv, n, head_dim]`` into slots ``[0, n)`` of ``layer`` (quantized formats: random codes with a step of
+    0.1 from -0.75)."""
     n = x.shape[1]
     if entries.bits is None:
         entries.data[layer, :, :n] = x
         return
-    if entries.offset is not None:
-        x = x.float() - entries.offset[layer][:, None]
-    entries.data[layer, :, :n], entries.params[layer, :, :n] = quantize(x, entries.bits)
+    codes = entries.data[layer, :, :n]
+    codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
+    entries.params[layer, :, :n] = torch.tensor([0.1, -0.75], dtype=torch.float16)
 
 
 def time_steps(arena: KVArena, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """Seconds of each decode step (every layer's ``attend`` for ``rows`` rows), and of the attention op inside it."""
-    inside = [0.0]
-    attend_native = arena._attend_native
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = attend_native(*args, **kwargs)
-        inside[0] += time.perf_counter() - t0
-        return out
-
-    arena._attend_native = timed
     config = arena.config
     gen = torch.Generator().manual_seed(1)
     n_heads, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -132,16 +123,18 @@ def time_steps(arena: KVArena, rows: int, steps: int, warmup: int) -> tuple[list
     v = torch.randn(n_kv, rows, hd, generator=gen).bfloat16()
     times, attention = [], []
     for step in range(warmup + steps):
-        inside[0] = 0.0
+        inside = 0.0
         t0 = time.perf_counter()
         arena.begin(rows)
         for layer in range(config.num_hidden_layers):
+            t1 = time.perf_counter()
             arena.attend(layer, q, k, v)
+            inside += time.perf_counter() - t1
         arena.end()
         arena.commit(rows)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-            attention.append(inside[0])
+            attention.append(inside)
     return times, attention
 
 

@@ -463,7 +463,7 @@ def _attend(args: dict) -> torch.Tensor:
     budget = a.pop("budget")
     arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
                   a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
-                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0)
+                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0, a.pop("recall", False))
     return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v"))
 
 
@@ -483,8 +483,9 @@ def test_the_checks_pass_the_valid_calls_the_tests_below_break():
     (lambda: _op_args(first_position=-3), "first_position"),  # negative positions index the ranks' bitmap
     (lambda: _op_args(visible_before=-4), "visible_before"),  # a negative rank reads before the RoPE tables
     (lambda: _op_args(budget=None), "need a budget"),  # the ranks would stop at -1
+    (lambda: _op_args(recall=True), "recall needs the arena's cold tier"),  # a null tier
 ], ids=["no-kv-heads", "no-query-heads", "head-dim-0", "negative-first-position", "negative-visible-before",
-        "per-row-without-budget"])
+        "per-row-without-budget", "recall-without-a-tier"])
 def test_integers_the_op_would_misuse_are_errors(args, says):
     with pytest.raises(RuntimeError, match=says):
         _attend(args())

@@ -31,7 +31,7 @@ def test_age_normalisation_evicts_the_old_token_that_hybrid_keeps():
             torch.tensor(scores + [0.0]).view(1, 1, cap), torch.zeros(1, 1, cap), None, None, None, None, 0, None,
             None, None, 0, policy.sinks, policy.heavy, policy.window, policy.age_normalised, 1.0, 1.0)
         row = (arena, 9, 0, 9, 9, 0, True, policy.budget, False, torch.ones(cap, hd), torch.zeros(cap, hd), 0, None,
-               0, 0)
+               0, 0, False)
         kernels.arena_attention(row, 0, torch.zeros(2, 1, hd), torch.zeros(1, 1, hd), torch.zeros(1, 1, hd))
         outcome[name] = set((evicted_at[0, 0] == NEVER).nonzero().flatten().tolist())
     assert outcome["hybrid"] == {0, 1, 6, 8, 9}

@@ -1,4 +1,5 @@
-"""The quantized KV arena: round trips within the stated bound, bytes by the formula, and SmolLM2's logits."""
+"""The quantized KV arena: the format's definition (a reference written here, which the native op's codes equal bit for
+bit) with its round trips within the stated bound, bytes by the formula, and SmolLM2's logits."""
 
 from __future__ import annotations
 
@@ -8,10 +9,39 @@ import pytest
 import torch
 
 from sparsespec.cache import KVArena, make_policy
-from sparsespec.cache.quant import dequantize, quantize
+from sparsespec.cache.quant import MIN_SCALE, group_size
 from sparsespec.errors import UserError
 
 from conftest import tiny_config, tiny_model
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and group parameters of ``x: [..., head_dim]`` as ``cache/quant.py`` defines them (computed in float32):
+    ``codes`` uint8 ``[..., head_dim * bits / 8]`` (int4: channel c in the low nibble of byte c, c + head_dim/2 in
+    the high one), ``params`` float16 ``[..., head_dim // group, 2]``, (scale, zero) per group."""
+    head_dim = x.shape[-1]
+    group = group_size(head_dim, bits)
+    levels = 2**bits - 1
+    grouped = x.float().unflatten(-1, (head_dim // group, group))
+    low = grouped.amin(dim=-1)
+    scale = ((grouped.amax(dim=-1) - low) / levels).clamp_min_(MIN_SCALE).half()
+    zero = low.half()
+    codes = (grouped - zero.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, levels)
+    codes = codes.flatten(-2).to(torch.uint8)
+    if bits == 4:
+        half = head_dim // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
+    return codes, torch.stack((scale, zero), dim=-1)
+
+
+def dequantize(codes: torch.Tensor, params: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., head_dim]`` float32 from :func:`quantize`'s codes and params: ``code · scale + zero``."""
+    if bits == 4:
+        codes = torch.cat((codes & 15, codes >> 4), dim=-1)
+    n_groups = params.shape[-2]
+    grouped = codes.unflatten(-1, (n_groups, codes.shape[-1] // n_groups)).float()
+    params = params.float()
+    return torch.addcmul(params[..., 1:], grouped, params[..., :1]).flatten(-2)
 
 
 def _bound(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -36,7 +66,7 @@ def test_round_trip_within_the_stated_bound(bits, head_dim):
     assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], head_dim * bits // 8)
     group = min({8: 32, 4: 16}[bits], head_dim)
     assert params.dtype == torch.float16 and params.shape == (*x.shape[:-1], head_dim // group, 2)
-    back = dequantize(codes, params, bits, torch.float32)
+    back = dequantize(codes, params, bits)
     err = (back - x).abs()
     bound = _bound(x, bits, group)
     assert bool((err <= bound).all()), f"max error / bound = {float((err / bound).max()):.3f}"
@@ -138,8 +168,11 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
 
 
 def _stored_keys(arena: KVArena, layer: int, n: int) -> torch.Tensor:
-    """``[n_kv, n, head_dim]`` float32: the keys of slots ``[0, n)`` of ``layer`` as stored, dequantized."""
-    return arena._keys.gather(torch.arange(n).expand(arena.config.num_key_value_heads, n), layer)
+    """``[n_kv, n, head_dim]`` float32: the keys of slots ``[0, n)`` of ``layer`` as stored, dequantized, the offset
+    added back."""
+    store = arena._keys
+    keys = dequantize(store.data[layer, :, :n], store.params[layer, :, :n], store.bits)
+    return keys if store.offset is None else keys + store.offset[layer][:, None]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -165,7 +198,7 @@ def test_keys_with_an_offset_are_stored_without_it_and_read_back_with_it(native_
     codes, params = quantize(x - offset[1][:, None], bits)
     assert torch.equal(shifted.keys[1, :, :5], codes) and torch.equal(shifted._keys.params[1, :, :5], params)
     back = _stored_keys(shifted, 1, 5)
-    torch.testing.assert_close(back, dequantize(codes, params, bits, torch.float32) + offset[1][:, None])
+    torch.testing.assert_close(back, dequantize(codes, params, bits) + offset[1][:, None])
     group = {8: 32, 4: 16}[bits]
     assert bool(((back - x).abs() <= _bound(x - offset[1][:, None], bits, group) * 1.001 + 1e-4).all())
     plain_error = float((_stored_keys(plain, 1, 5) - x).abs().max())

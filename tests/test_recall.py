@@ -5,12 +5,15 @@ library), what the arena moves to the tier, speculative == autoregressive with r
 from __future__ import annotations
 
 import math
+from copy import deepcopy
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
-from sparsespec.cache.recall import PAGE, ColdTier, Recall, recall_for
+from sparsespec.cache.recall import PAGE, Recall, bytes_per_entry, cold_tier, recall_for
 from sparsespec.cache.retention import Retention
 from sparsespec.cli import main
 from sparsespec.errors import UserError
@@ -41,20 +44,34 @@ def make_arena(model, policy, positions="original", recall=Recall(2), max_inflig
 
 
 # ------------------------------------------------------------------------------------------ the pieces
+@dataclass
+class Tier:
+    """A native cold tier with what the references need to know of it."""
+
+    native: object
+    key_offset: torch.Tensor | None  # [L, n_kv, hd]
+    rank: int | None
+    pages: int
+    scale: float
+    head_dim: int
+
+
 def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2):
     """A tier of 2 layers x 2 KV heads holding ``n_entries`` random entries (appended in three parts), and the
     entries' unrotated keys, values and positions ``[L, n, n_kv, hd]``."""
     g = torch.Generator().manual_seed(seed)
     L, n_kv, hd = 2, 2, 16
     offset = torch.randn(L, n_kv, hd, generator=g) * 4
-    tier = ColdTier(L, n_kv, hd, Rope(hd, 10000.0), 1 / math.sqrt(hd), offset, rank, Recall(pages))
+    scale = 1 / math.sqrt(hd)
+    tier = Tier(cold_tier(L, n_kv, hd, Rope(hd, 10000.0), scale, offset, rank, Recall(pages)), offset, rank, pages,
+                scale, hd)
     keys = torch.randn(L, n_entries, n_kv, hd, generator=g) + offset[:, None]
     values = torch.randn(L, n_entries, n_kv, hd, generator=g)
     positions = torch.stack([torch.randperm(4 * n_entries, generator=g)[:n_entries] for _ in range(n_kv)], -1)
     positions = positions.expand(L, -1, -1).contiguous()
     cuts = [0, n_entries // 3, n_entries // 3 + 5, n_entries]
     for a, b in zip(cuts, cuts[1:]):
-        tier.append(keys[:, a:b], values[:, a:b], positions[:, a:b])
+        tier.native.append(keys[:, a:b].contiguous(), values[:, a:b].contiguous(), positions[:, a:b].contiguous())
     return tier, keys, values, positions
 
 
@@ -71,22 +88,22 @@ def rotated64(keys: torch.Tensor, by: torch.Tensor, inv_freq: torch.Tensor) -> t
     return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
 
 
-def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
+def reference_row(tier: Tier, layer: int, query: torch.Tensor, theta: float = 10000.0):
     """float64 attention of ``query [n_kv, group, hd]`` over what the tier's row should recall: per KV head, the
     ``pages`` pages with the highest bound Σ_d max(q_d min_d, q_d max_d) (max over the group; ties: older page)
     over keys rotated by their positions (or the first rank), then the tail; the read keys rotated by their
     positions, or by the first rank plus their place in position order. Returns ``(out, lse, bounds, the keys the
     bounds are of [n_kv, n, hd])``."""
-    n = tier.count
-    packed, hd = tier.entries[layer, :n], tier.head_dim
+    packed, hd = tier.native.entries(layer), tier.head_dim
+    n = packed.shape[0]
     params = packed[..., hd:].view(torch.float16).unflatten(-1, (2, -1, 2))  # key, value: [n, n_kv, groups, 2]
     raw = _naive_dequantize(packed[..., : hd // 2], params[..., 0, :, :], 4).double()
     if tier.key_offset is not None:
         raw = raw + tier.key_offset[layer].double()
     values = _naive_dequantize(packed[..., hd // 2 : hd], params[..., 1, :, :], 4).double().transpose(0, 1)
-    positions = tier.positions[layer, :n].T  # [n_kv, n]
+    positions = tier.native.positions(layer).T  # [n_kv, n]
     raw = raw.transpose(0, 1)  # [n_kv, n, hd]
-    inv_freq = inverse_frequencies(hd)
+    inv_freq = inverse_frequencies(hd, theta)
     keys = rotated64(raw, positions if tier.rank is None else torch.full_like(positions, tier.rank), inv_freq)
     q = query.double()
     n_pages = n // PAGE
@@ -109,13 +126,13 @@ def reference_row(tier: ColdTier, layer: int, query: torch.Tensor):
     return torch.stack(out), torch.stack(lse), bounds, keys
 
 
-def recalled_alone(tier: ColdTier, layer: int, query: torch.Tensor, pending) -> torch.Tensor:
-    """The row's attention over what it recalls, alone: the native op's, merged into an empty resident part
+def recalled_alone(tier: Tier, layer: int, query: torch.Tensor) -> torch.Tensor:
+    """The row's attention over what it recalls, alone: the native tier's, merged into an empty resident part
     (log-sum-exp -inf; a merge with resident entries is checked on the arena's decode rows below). ``query`` is
-    rotated already: the op turns it by RoPE table row 0, which leaves it as it is."""
+    rotated already: the tier turns it by RoPE row 0, which leaves it as it is."""
     out = torch.zeros(query.numel())
-    tier.merge_native(layer, query.contiguous(), 0, pending, out, torch.full((query.shape[0] * query.shape[1],),
-                                                                               -math.inf))
+    tier.native.recall_row(layer, query.contiguous(), 0, out,
+                           torch.full((query.shape[0] * query.shape[1],), -math.inf))
     return out.view_as(query)
 
 
@@ -123,43 +140,58 @@ def recalled_alone(tier: ColdTier, layer: int, query: torch.Tensor, pending) -> 
 @pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
 @pytest.mark.parametrize("n_entries", [5, 16, 75, 130])
 def test_a_row_attends_to_the_pages_a_float64_reference_chooses(rank, n_entries):
-    tier, *_ = random_tier(n_entries, rank)
+    tier, keys, _, positions = random_tier(n_entries, rank)
+    assert tier.native.count == n_entries
     query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(9)) * 2
     for layer in range(2):
-        ref_out, _, bounds, keys = reference_row(tier, layer, query)
-        out = recalled_alone(tier, layer, query, None)
+        assert torch.equal(tier.native.positions(layer), positions[layer])  # kept in the order they came
+        ref_out, _, bounds, ref_keys = reference_row(tier, layer, query)
+        out = recalled_alone(tier, layer, query)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
         # The bounds bound: no key of a page, rotated as the summaries are, scores above its page's bound.
-        n_pages = tier.count // PAGE
+        n_pages = n_entries // PAGE
+        assert tier.native.summaries(layer).shape == (n_pages, 2, 32)
         if n_pages:
-            actual = torch.einsum("kgd,knd->kgn", query.double(), keys[:, : n_pages * PAGE]).amax(1)
+            actual = torch.einsum("kgd,knd->kgn", query.double(), ref_keys[:, : n_pages * PAGE]).amax(1)
             assert (actual.unflatten(1, (n_pages, PAGE)).amax(-1) <= bounds + 1e-9).all()
-
-
-@pytest.mark.usefixtures("native_kernels")
-@pytest.mark.parametrize("rank", [None, 3], ids=["true-positions", "ranks"])
-def test_pending_entries_are_read_as_if_committed(rank):
-    """A row that sees entries evicted by in-flight rows before it reads exactly what it reads once they are
-    committed (bit for bit: verification rows recall what autoregressive steps recall)."""
-    tier, keys, values, positions = random_tier(70, rank)
-    committed, _, _, _ = random_tier(70, rank)
-    query = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
-    for split in (70 - 1, 70 - 3, 70 - 12):
-        partial = ColdTier(2, 2, 16, tier.rope, tier.scale, tier.key_offset, rank, Recall(tier.pages))
-        partial.append(keys[:, :split], values[:, :split], positions[:, :split])
-        for layer in range(2):
-            pending = partial.encode(keys[layer, split:], values[layer, split:], positions[layer, split:], layer)
-            got = recalled_alone(partial, layer, query, pending)
-            expected = recalled_alone(committed, layer, query, None)
-            assert torch.equal(got, expected), split
+        # The stored keys are the given ones to int4's rounding (a step of a group's range / 15).
+        stored = reference_row(tier, layer, query)[3]
+        expected = rotated64(keys[layer].transpose(0, 1).double(), positions[layer].T if rank is None else
+                             torch.full_like(positions[layer].T, rank), inverse_frequencies(16))
+        assert (stored - expected).abs().max() < 0.5
 
 
 def test_the_tier_reports_the_bytes_it_holds():
     tier, *_ = random_tier(40, None)
-    stored = tier.entries[0, 0, 0].nbytes + tier.positions[0, 0, 0].nbytes
-    summary = tier.summaries[0, 0, 0].nbytes / PAGE
-    assert ColdTier.bytes_per_entry(16) == stored + summary
-    assert tier.nbytes == 40 * 2 * 2 * ColdTier.bytes_per_entry(16)
+    stored = tier.native.entries(0)[0, 0].nbytes + tier.native.positions(0)[0, 0].nbytes
+    summary = tier.native.summaries(0)[0, 0].nbytes / PAGE
+    assert bytes_per_entry(16) == stored + summary
+    assert tier.native.nbytes == 40 * 2 * 2 * bytes_per_entry(16)
+    tier.native.reset()
+    assert tier.native.count == tier.native.nbytes == 0
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_a_copy_of_the_tier_is_its_own():
+    tier, keys, values, positions = random_tier(20, None)
+    copy = deepcopy(tier.native)
+    tier.native.append(keys[:, :3].contiguous(), values[:, :3].contiguous(), positions[:, :3].contiguous())
+    assert (copy.count, tier.native.count) == (20, 23)
+    assert torch.equal(copy.entries(1), tier.native.entries(1)[:20])
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_the_tier_refuses_what_does_not_fit():
+    tier, keys, values, positions = random_tier(20, None)
+    with pytest.raises(RuntimeError, match="keys and values must be"):
+        tier.native.append(keys[:1].contiguous(), values[:1].contiguous(), positions[:1].contiguous())
+    with pytest.raises(RuntimeError, match="negative positions"):
+        tier.native.append(keys[:, :2].contiguous(), values[:, :2].contiguous(), -positions[:, :2].contiguous() - 1)
+    with pytest.raises(RuntimeError, match="outside the tier"):
+        tier.native.recall_row(2, torch.zeros(2, 3, 16), 0, torch.zeros(96), torch.zeros(6))
+    with pytest.raises(RuntimeError, match="inv_freq"):
+        kernels.cold_tier(2, 2, 16, torch.zeros(3), 1.0, 0.25, None, -1, 2, PAGE)
+    assert tier.native.count == 20
 
 
 # ------------------------------------------------------------------------------------------- the arena
@@ -180,7 +212,7 @@ def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(positions)
     for layer in range(CONFIG.num_hidden_layers):
         kept = with_recall.positions[layer][:, : with_recall.n_committed]
         assert torch.equal(kept.sort().values, without.positions[layer][:, : without.n_committed].sort().values)
-        cold = with_recall.cold.positions[layer, : with_recall.cold.count].T  # [n_kv, n]
+        cold = with_recall.cold.positions(layer).T  # [n_kv, n]
         union = torch.cat((kept, cold), dim=-1).sort().values
         assert torch.equal(union, torch.arange(90).expand_as(union))  # every token is resident or cold, once
 
@@ -206,7 +238,8 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries():
         values = torch.cat((arena.values[layer][:, :stop].double(), v.double()), 1)
         logits = torch.einsum("kgd,ksd->kgs", q_rot, keys) / math.sqrt(hd)
         resident = torch.einsum("kgs,ksd->kgd", torch.softmax(logits, -1), values)
-        cold_out, cold_lse, _, _ = reference_row(arena.cold, layer, q_rot.float())
+        tier = Tier(arena.cold, TARGET.key_biases(), None, 2, 1 / math.sqrt(hd), hd)
+        cold_out, cold_lse, _, _ = reference_row(tier, layer, q_rot.float(), CONFIG.rope_theta)
         total = torch.logaddexp(torch.logsumexp(logits, -1), cold_lse)
         expected.append((torch.logsumexp(logits, -1) - total).exp()[..., None] * resident
                         + (cold_lse - total).exp()[..., None] * cold_out)
@@ -220,6 +253,36 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries():
 
 
 # ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_verification_rows_recall_what_one_row_steps_recall(positions):
+    """A row-by-row block's rows, each seeing what the rows before it evicted (pending, not yet in the tier), give
+    the outputs of one-row steps that commit as they go, bit for bit, and its commit leaves the same tier."""
+    policy = make_policy("hybrid", 20, sinks=2, heavy=9)
+    block, steps = (make_arena(TARGET, policy, positions, max_inflight=6) for _ in range(2))
+    for arena in (block, steps):
+        prefill(TARGET, arena, ids(70), 8)
+    n_heads, n_kv, hd = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim
+    g = torch.Generator().manual_seed(7)
+    layers = range(CONFIG.num_hidden_layers)
+    q, k, v = ([torch.randn(n, 5, hd, generator=g) for _ in layers] for n in (n_heads, n_kv, n_kv))
+    block.begin(5)
+    together = [block.attend(layer, q[layer], k[layer], v[layer]) for layer in layers]
+    block.end()
+    block.commit(5)
+    for i in range(5):
+        steps.begin(1)
+        for layer in layers:
+            one = steps.attend(layer, q[layer][:, i : i + 1], k[layer][:, i : i + 1], v[layer][:, i : i + 1])
+            assert torch.equal(one[0], together[layer][i]), (i, layer)
+        steps.end()
+        steps.commit(1)
+    assert block.cold.count == steps.cold.count == block.evicted_tokens == 75 - 20
+    for layer in layers:
+        assert torch.equal(block.cold.entries(layer), steps.cold.entries(layer))
+        assert torch.equal(block.cold.summaries(layer), steps.cold.summaries(layer))
+
+
 @pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize(("name", "positions", "retention"), [
     ("hybrid", "original", None), ("hybrid", "in-cache", None), ("h2o", "in-cache", None),

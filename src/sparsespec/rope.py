@@ -119,13 +119,6 @@ class Rope:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`rotate` (a rotation by ``-positions``), to within the rounding of ``x``'s dtype."""
-        cos, sin = self.cos_sin(positions, x.dtype)
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos - rotated * sin
-
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[..., head_dim]`` of ``positions`` (>= 0) in ``dtype``: rows of the tables while they reach."""

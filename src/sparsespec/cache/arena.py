@@ -38,11 +38,11 @@ With retention (``retention.py``) a prompt's last tokens are read inside :meth:`
 them all, their chunks evict nothing, and the chunk that ends the hold (the observation window) evicts down to the
 budget by the attention its rows pay each entry; the buffers then shrink back to ``budget + staging`` slots.
 
-With recall (``recall.py``) the entries a commit evicts move to a cold tier of int4 pages instead of being lost, and
-every row of a row-by-row block (not a prefill chunk) also attends to the pages its query points at: its attention
-over the resident slots (the native op reports each row's log-sum-exp) is merged with its attention over the
-recalled entries (``kernels.recall_attention``). Recall changes outputs only: scores, evictions and slots are those
-of the arena without it.
+With recall (``recall.py``) the entries a commit evicts move to a cold tier of int4 pages instead of being lost (the
+native commit moves them; the tier is a native object owning its memory), and every row of a row-by-row block (not
+a prefill chunk) also attends to the pages its query points at: the native op merges its attention over the resident
+slots with its attention over the recalled entries by their log-sum-exps. Recall changes outputs only: scores,
+evictions and slots are those of the arena without it.
 
 Position modes: ``original`` rotates keys by their true positions when they are written (H2O); ``in-cache`` stores
 keys unrotated and rotates them at attention time by their rank inside the cache (StreamingLLM), so no position
@@ -87,12 +87,11 @@ from ..errors import ConfigError, UserError
 from ..rope import Rope
 from .policy import CachePolicy
 from .quant import KVStore, bytes_per_vector, recent_window_for
-from .recall import ColdTier, Entries, Recall
+from .recall import Recall, cold_tier
 from .retention import Retention
 
 POSITION_MODES = ("original", "in-cache")
 NEVER = torch.iinfo(torch.int32).max  # evicted_at value of a slot that is alive
-MAX_POSITION = torch.iinfo(torch.int64).max
 # The refusal without the native kernels (tests/conftest.py skips a test that meets it where they may be missing).
 NEEDS_KERNELS = "The KV cache's attention runs in the native kernels, which are not available here"
 
@@ -247,7 +246,7 @@ class KVArena:
         if recall is not None and policy.is_full:
             raise ValueError("recall needs a budgeted policy")
         # Recalled keys rotate by their true positions, or (in-cache) by the rank just after the sinks.
-        self.cold = None if recall is None else ColdTier(
+        self.cold = None if recall is None else cold_tier(
             n_layers, n_kv, hd, self.rope, self.scale, key_offset,
             rank=policy.sinks if self.positions_mode == "in-cache" else None, recall=recall)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
@@ -491,7 +490,7 @@ class KVArena:
                 self.row_evicted, self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
                 self.recent_keys if self.recent_window else None, self.recent_values if self.recent_window else None,
                 self.recent_window, policy.sinks, policy.heavy, policy.window, policy.age_normalised,
-                policy.score_decay, self.scale)
+                policy.score_decay, self.scale, self.cold)
         return self._native
 
     def arena_pass(self) -> tuple:
@@ -500,15 +499,12 @@ class KVArena:
         block = self._pass
         return (self._handle(), block.start, block.first, block.visible_before, block.first_position,
                 block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
-                block.cos, block.sin, block.table_offset, block.parents, block.pool, block.select_budget)
+                block.cos, block.sin, block.table_offset, block.parents, block.pool, block.select_budget,
+                self.cold is not None and not block.per_block)
 
-    def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
+    def native_pass(self) -> tuple[list, list[tuple[int, int]]]:
         """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
-        the route each model layer's place in it; None where a layer needs more than the native op (rows that
-        recall from the cold tier)."""
-        block = self._pass
-        if self.cold is not None and not block.per_block:
-            return None
+        the route each model layer's place in it."""
         return [self.arena_pass()], self._route
 
     @property
@@ -555,8 +551,11 @@ class KVArena:
         extent = self.n_committed + n_rows
         survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
         self._tree = None  # a tree block is rolled back like a chain: its rows' evictions were never marked
-        if not self.policy.is_full:  # the full cache evicts nothing: dropped rows are simply written over later
-            self._compact(n_rows, extent, survivors)
+        # The native commit (kernels/csrc/arena.h): what the kept rows evicted moves to the cold tier (with recall),
+        # the scores become the last kept row's, the survivors are laid out as one-row commits would lay them out,
+        # and every slot is alive again. The full cache evicts nothing: dropped rows are simply written over later.
+        if not self.policy.is_full:
+            self._handle().commit(self.n_committed, n_rows, self.n_inflight, survivors)
         self.evicted_tokens += extent - survivors
         self.n_committed = survivors
         self.next_position += n_rows
@@ -607,73 +606,6 @@ class KVArena:
         """Drop every in-flight row, restoring the committed state exactly."""
         self.commit(0)
 
-    def _compact(self, n_rows: int, extent: int, survivors: int) -> None:
-        """Keep the first ``n_rows`` in-flight rows, ``survivors`` entries in all: what they evicted moves to the cold
-        tier (with recall), the rest is the native commit's (``kernels/csrc/arena.h``: scores restored to the last
-        accepted row's, the survivors laid out as one-row commits would lay them out, every slot alive again)."""
-        if self.cold is not None and extent > survivors:
-            self._retire(n_rows, extent, extent - survivors)
-        self._handle().commit(self.n_committed, n_rows, self.n_inflight, survivors)
-
-    # ------------------------------------------------------------------------------------------------- recall
-    def _departed(self, evicted_at: torch.Tensor, positions: torch.Tensor, before_row: int, n: int) -> torch.Tensor:
-        """``[..., n]`` slots evicted by in-flight rows before ``before_row``, in the order they leave (by the row that
-        evicted them, then by position), from ``evicted_at`` and ``positions [..., S]``."""
-        order = torch.where(evicted_at < before_row, (evicted_at.long() << 40) | positions, MAX_POSITION)
-        return order.argsort(dim=-1)[..., :n]
-
-    def _raw_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Stored keys ``[heads, n, head_dim]`` (float32) as the model produced them: unrotated (the original mode
-        stores them rotated by ``positions [heads, n]``)."""
-        return self.rope.unrotate(keys, positions) if self.positions_mode == "original" else keys
-
-    def _retire(self, n_rows: int, extent: int, n: int) -> None:
-        """Move the ``n`` entries per layer and KV head that the first ``n_rows`` in-flight rows evicted into the cold
-        tier (before compaction writes over them)."""
-        slots = self._departed(self.evicted_at[..., :extent], self.positions[..., :extent], n_rows, n)
-        positions = self.positions.gather(-1, slots)  # [L, n_kv, n]
-        flat = positions.flatten(0, 1)
-        keys = self._raw_keys(self._keys.gather(slots).flatten(0, 1), flat).view(*slots.shape, -1)
-        values = self._values.gather(slots)
-        self.cold.append(keys.transpose(1, 2), values.transpose(1, 2), positions.transpose(1, 2))
-
-    def _pending(self, layer: int, row: int, slot_stop: int) -> Entries | None:
-        """The entries of ``layer`` that in-flight rows before in-flight row ``row`` evicted (slots below
-        ``slot_stop``), in the cold tier's format and order: what an autoregressive run would have committed to the
-        tier before that row. None when there are none."""
-        if row == 0:
-            return None
-        evicted_at, positions = self.evicted_at[layer][:, :slot_stop], self.positions[layer][:, :slot_stop]
-        before = evicted_at < row
-        n = int(before[0].sum())
-        if not n:
-            return None
-        slots = self._departed(evicted_at, positions, row, n)  # [n_kv, n]
-        positions = positions.gather(-1, slots)
-        keys = self._raw_keys(self._keys.gather(slots, layer), positions)
-        values = self._values.gather(slots, layer)
-        return self.cold.encode(keys.transpose(0, 1), values.transpose(0, 1), positions.T, layer)
-
-    def _recall(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, first: int, start: int,
-                visible_before: int, evicts_between_rows: bool) -> torch.Tensor:
-        """The block's outputs ``out [T, n_heads * head_dim]`` (over the resident entries, with log-sum-exps ``lse
-        [T, n_heads]``) merged, row by row, with each row's attention over what it recalls from the cold tier
-        (``recall.py``, through the native op ``kernels.recall_attention``); ``q: [n_heads, T, head_dim]`` not
-        rotated."""
-        n_heads, n_rows, hd = q.shape
-        n_kv = self.config.num_key_value_heads
-        group = n_heads // n_kv
-        rank = visible_before  # the row's rank in the cache: the tokens visible before it
-        for i in range(n_rows):
-            if i:
-                rank = min(rank + 1, self.policy.budget) if evicts_between_rows else rank + 1
-            position = self.next_position + first + i
-            rotate_by = position if self.positions_mode == "original" else rank
-            pending = self._pending(layer, first + i, start + i)
-            query = q[:, i].float().contiguous().view(n_kv, group, hd)
-            self.cold.merge_native(layer, query, rotate_by, pending, out[i], lse[i])
-        return out
-
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the open block's rows in one layer, updating that layer's scores and evictions.
@@ -687,18 +619,4 @@ class KVArena:
         Returns:
             ``[T, n_heads * head_dim]`` attention output.
         """
-        block = self._pass
-        first, n_rows, start, visible_before = block.first, block.n_rows, block.start, block.visible_before
-        # Rows of row-by-row blocks recall from the cold tier; their attention over the resident entries gives its
-        # log-sum-exps for the merge.
-        lse = torch.empty(n_rows, q.shape[0]) if self.cold is not None and not block.per_block else None
-        out = self._attend_native(layer, q, k, v, lse)
-        if lse is not None:
-            out = self._recall(layer, q, out, lse, first, start, visible_before, block.per_row)
-        return out
-
-    def _attend_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       lse: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's rows through the native op, which also stores them: ``[T, n_heads * head_dim]`` in the dtype
-        of ``q``; each row's log-sum-exps into ``lse [T, n_heads]`` if given."""
-        return kernels.arena_attention(self.arena_pass(), layer, q, k, v, lse)
+        return kernels.arena_attention(self.arena_pass(), layer, q, k, v)

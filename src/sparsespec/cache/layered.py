@@ -85,11 +85,9 @@ class LayeredArena:
         for arena in self._arenas:
             arena.end()
 
-    def native_pass(self) -> tuple[list, list[tuple[int, int]]] | None:
+    def native_pass(self) -> tuple[list, list[tuple[int, int]]]:
         """:meth:`KVArena.native_pass` of both arenas, each model layer routed to its arena and its index there."""
         passes = [arena.native_pass() for arena in self._arenas]
-        if any(p is None for p in passes):
-            return None
         which = {id(arena): n for n, arena in enumerate(self._arenas)}
         return [p[0][0] for p in passes], [(which[id(arena)], index) for arena, index in self._route]
 

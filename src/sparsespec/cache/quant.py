@@ -2,9 +2,12 @@
 
 A stored key (or value) is one head vector ``[head_dim]``. The integer formats split it into groups of
 :func:`group_size` consecutive channels (int8: 32, int4: 16; the whole vector when ``head_dim`` is smaller) and
-store, per group,
-an asymmetric min-max code: ``x ≈ code · scale + zero`` with ``code`` in ``[0, 2^bits - 1]`` and ``scale`` and
-``zero`` (the group's minimum) in float16::
+store, per group, an asymmetric min-max code: ``x ≈ code · scale + zero`` with ``code`` in ``[0, 2^bits - 1]`` and
+``scale`` and ``zero`` (the group's minimum) in float16. In float32: ``scale = float16(max((max - min) / (2^bits -
+1), MIN_SCALE))``, ``zero = float16(min)``, ``code = clamp(round_half_even((x - zero) / scale), 0, 2^bits - 1)``; read
+back as ``fma(code, scale, zero)``. The native code writes and reads them (``kernels/csrc/attention.h``:
+``quantize_row``, ``dequantize_row_scalar``; the arena's entries and the cold tier's pages alike), and
+``tests/test_kv_quant.py`` holds a reference of the definition that it is checked against bit for bit::
 
     codes    [..., head_dim]          uint8   int8: one code per byte
              [..., head_dim // 2]     uint8   int4: channel c in the low nibble of byte c, channel c + head_dim/2
@@ -36,7 +39,7 @@ entries, so they have none by default. Measured:
 benchmarks/history/kv-cache.md#the-full-precision-window-built-int4s-newest-positions-in-the-arena-and-the-native-op-2026-12-03
 
 Round-trip bound (tested): for a group with minimum ``m`` and range ``r``,
-``|x - dequantize(quantize(x))| ≤ s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the
+an entry read back differs from ``x`` by at most ``s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the
 float16 scale: half a step, plus the rounding of scale and zero to float16 (the floor ``2^-14``, float16's smallest
 normal number, keeps constant groups well defined).
 """
@@ -88,40 +91,6 @@ def bytes_per_vector(kv_dtype: str, head_dim: int, compute_dtype: torch.dtype) -
     return head_dim * bits // 8 + head_dim // group_size(head_dim, bits) * PARAM_BYTES
 
 
-def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and group parameters of ``x: [..., head_dim]`` (any float dtype; computed in float32): the format's
-    definition, which the native attention op writes bit for bit (tested) and the cold tier encodes its pages with.
-
-    Returns:
-        ``codes``: uint8 ``[..., head_dim]`` (8 bits) or ``[..., head_dim // 2]`` (4 bits, two codes per byte);
-        ``params``: float16 ``[..., head_dim // group, 2]``, (scale, zero) per group.
-    """
-    head_dim = x.shape[-1]
-    group = group_size(head_dim, bits)
-    levels = 2**bits - 1
-    grouped = x.float().unflatten(-1, (head_dim // group, group))
-    low = grouped.amin(dim=-1)
-    scale = ((grouped.amax(dim=-1) - low) / levels).clamp_min_(MIN_SCALE).half()
-    zero = low.half()
-    codes = (grouped - zero.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, levels)
-    codes = codes.flatten(-2).to(torch.uint8)
-    if bits == 4:
-        half = head_dim // 2
-        codes = codes[..., :half] | (codes[..., half:] << 4)
-    return codes, torch.stack((scale, zero), dim=-1)
-
-
-def dequantize(codes: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[..., head_dim]`` in ``dtype`` from :func:`quantize`'s codes and params (arithmetic in float32)."""
-    if bits == 4:
-        codes = torch.cat((codes & 15, codes >> 4), dim=-1)
-    n_groups = params.shape[-2]
-    grouped = codes.unflatten(-1, (n_groups, codes.shape[-1] // n_groups)).float()
-    params = params.float()
-    x = torch.addcmul(params[..., 1:], grouped, params[..., :1])
-    return x.flatten(-2).to(dtype)
-
-
 class KVStore:
     """Keys or values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` entries in one format.
 
@@ -168,19 +137,3 @@ class KVStore:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-    def gather(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """float32 entries of ``slots`` (int64 slot indices), dequantized with the offset added back: ``[n_layers,
-        n_kv_heads, n, head_dim]`` for ``slots [n_layers, n_kv_heads, n]``, or with ``layer``, ``[n_kv_heads, n,
-        head_dim]`` of that layer for ``slots [n_kv_heads, n]``."""
-        def take(t: torch.Tensor) -> torch.Tensor:
-            t = t if layer is None else t[layer]
-            lead = slots.dim()
-            index = slots.view(*slots.shape, *([1] * (t.dim() - lead))).expand(*slots.shape, *t.shape[lead:])
-            return t.gather(lead - 1, index)
-        if self.bits is None:
-            return take(self.data).float()
-        x = dequantize(take(self.data), take(self.params), self.bits, torch.float32)
-        if self.offset is None:
-            return x
-        return x.add_((self.offset if layer is None else self.offset[layer])[..., None, :])

@@ -26,7 +26,8 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
   of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
 * ``native_arena(...)``: a KV arena's buffers and policy, checked once, as a handle; its ``commit`` accepts
-  in-flight rows and compacts the buffers (``csrc/arena.h``).
+  in-flight rows and compacts the buffers (``csrc/arena.h``), moving what they evicted into the arena's cold tier
+  (``cold_tier(...)``, which owns its memory: ``csrc/recall.h``).
 * ``arena_attention(arena pass, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
   the KV arena (RoPE, stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
@@ -247,7 +248,7 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.T
 
 
 def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    row_lse: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
+                    isa: int = ISA_AUTO) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
     The op stores the rows (keys rotated by true position in the original mode, else as given; values; positions
@@ -255,57 +256,47 @@ def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Ten
     rank in the cache: the tokens visible before the row), and attends: row ``i`` sees the slots ``s <= start + i``
     that are alive; after it (``per_row``) or after the block (if ``visible_before + T`` exceeds ``budget``) the
     policy's evictions are marked in ``evicted_at`` with the in-flight row index ``first + i``; row ``i``'s scores go
-    to ``row_scores[first + i]`` for ``i < snapshots``. Quantized entries are written as ``quant.quantize`` writes
+    to ``row_scores[first + i]`` for ``i < snapshots``. Quantized entries are written as ``cache/quant.py`` defines
     them and read as ``fma(code, scale, zero)`` (plus the key offset) in float32; with a full-precision window, each
     new row is also kept in the ring at ``position % R`` and row ``i`` reads the entries of positions above
     ``first_position + i - recent_window`` from there (its block's own rows from the block).
 
     Args:
         arena_pass: ``(arena, start, first, visible_before, first_position, snapshots, per_row, budget, in_cache,
-            cos, sin, table_offset, parents, pool, select_budget)`` as ``KVArena.arena_pass`` makes it: the
+            cos, sin, table_offset, parents, pool, select_budget, recall)`` as ``KVArena.arena_pass`` makes it: the
             :func:`native_arena` handle, the block's slots and in-flight rows, whether the policy evicts after every
             row, the budget (-1: the full cache), the position mode, the float32 RoPE tables ``[P, head_dim]`` whose
             row ``p - table_offset`` serves position (or rank) ``p``, a tree block's parents (int32 ``[T]``, or
-            None: a chain), and for retention's observation window its pooling width and the budget it selects (pool
-            0: none; ``csrc/attention.h``).
+            None: a chain), for retention's observation window its pooling width and the budget it selects (pool
+            0: none; ``csrc/attention.h``), and whether each row merges in what it recalls from the arena's cold
+            tier (``csrc/recall.h``).
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
-        row_lse: float32 ``[T, n_heads]`` or None: receives each row's log-sum-exp of its scaled logits per query
-            head (what lets a caller merge this attention with attention over other entries, ``cache/recall.py``).
 
     Returns:
         ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
     """
-    return _load().arena_attention(arena_pass, layer, q, k, v, row_lse, isa)
+    return _load().arena_attention(arena_pass, layer, q, k, v, isa)
 
 
-def recall_attention(
-    query: torch.Tensor, query_row: int, entries: torch.Tensor, positions: torch.Tensor, summaries: torch.Tensor,
-    total: int, *, extra: torch.Tensor | None, extra_positions: torch.Tensor | None,
-    extra_summaries: torch.Tensor | None, extra_start: int, key_offset: torch.Tensor | None, cos: torch.Tensor,
-    sin: torch.Tensor, rank: int, pages: int, page_size: int, scale: float, out_row: torch.Tensor,
-    lse_row: torch.Tensor,
-) -> None:
-    """One row's attention over what it recalls from one layer of the cold tier, merged into its attention over
-    the resident entries in place: the steps ``cache/recall.py`` describes (the reference: a naive float64
-    implementation in ``tests/test_recall.py``, which it matches to rounding).
+def cold_tier(n_layers: int, n_kv: int, head_dim: int, inv_freq: torch.Tensor, attention_factor: float,
+              scale: float, key_offset: torch.Tensor | None, rank: int, pages: int, page_size: int):
+    """A cold tier for an arena of ``n_layers`` x ``n_kv`` heads of ``head_dim`` channels, owning its memory
+    (``cache/recall.py`` describes it; ``csrc/recall.h``). Handed to :func:`native_arena`, it receives what each
+    commit evicts, and the rows of row-by-row blocks recall from it.
 
     Args:
-        query: ``[n_kv, group, hd]`` float32 before RoPE, rotated by table row ``query_row``.
-        entries: ``[N, n_kv, width]`` uint8 packed entries and ``positions [N, n_kv]`` int64: the stored tier;
-            ``summaries [pages, n_kv, 2 * hd]`` float32 its pages' max and min keys.
-        total: the entries of the row's view: the stored ones, or (with ``extra``) the first ``extra_start`` of them
-            followed by ``extra [E, n_kv, width]`` (positions ``extra_positions``, the complete pages among them
-            summarised by ``extra_summaries``).
-        key_offset: ``[n_kv, hd]`` added to each dequantized key, or None.
-        cos, sin: ``[rows, hd]`` float32 RoPE tables; each key rotates by its position (``rank`` -1), or by
-            ``rank`` plus its place in position order among the row's recalled entries.
-        out_row: ``[n_kv * group * hd]`` float32 or bfloat16, the row's attention over the resident entries, and
-            ``lse_row [n_kv * group]`` float32 its log-sum-exps (read only): ``out_row`` becomes the attention over
-            the union.
+        inv_freq: float32 ``[head_dim / 2]`` and ``attention_factor``: the model's RoPE (``rope.py``).
+        key_offset: float32 ``[n_layers, n_kv, head_dim]`` the model's key bias, or None.
+        rank: the in-cache mode's first recalled rank, or -1: keys rotate by their true positions.
+        pages: pages of ``page_size`` entries each row recalls.
+
+    The handle's ``count``, ``nbytes``, ``reset()``, ``entries(layer)``, ``positions(layer)``, ``summaries(layer)``
+    (copies of its buffers), ``append(keys, values, positions)`` (``[n_layers, n, n_kv, head_dim]`` float32, keys
+    unrotated with the bias in; positions int64 ``[n_layers, n, n_kv]``) and ``recall_row(layer, query, query_row,
+    out, lse)`` (one row's recall from the stored entries, merged into ``out`` by the log-sum-exps ``lse``).
     """
-    _load().recall_attention(query, query_row, entries, positions, summaries, total, extra, extra_positions,
-                             extra_summaries, extra_start, key_offset, cos, sin, rank, pages, page_size, scale,
-                             out_row, lse_row)
+    return _load().cold_tier(n_layers, n_kv, head_dim, inv_freq, attention_factor, scale, key_offset, rank, pages,
+                             page_size)
 
 
 def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -313,7 +304,7 @@ def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positi
                  row_scores: torch.Tensor | None, row_evicted: torch.Tensor | None, key_params: torch.Tensor | None,
                  value_params: torch.Tensor | None, code_bits: int, key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None,
                  recent_values: torch.Tensor | None, recent_window: int, sinks: int, heavy: int, window: int,
-                 age_normalised: bool, score_decay: float, scale: float):
+                 age_normalised: bool, score_decay: float, scale: float, cold=None):
     """A KV arena's buffers (all layers) and policy as the native code reads them, checked once (the tensors must
     outlive the handle; the arena makes a new one when it reallocates). :func:`arena_attention` and the native pass
     attend through it; its ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows``
@@ -334,10 +325,12 @@ def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positi
         recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
             (quantized entries only): the full-precision window's ring.
         sinks, heavy, window, age_normalised, score_decay: the policy (``cache/policy.py``); scale: the attention's.
+        cold: a :func:`cold_tier` that each commit moves the evicted entries into (before compaction writes over
+            them), or None: they are dropped.
     """
     return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, committed_scores, row_scores,
                                 row_evicted, key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
-                                recent_window, sinks, heavy, window, age_normalised, score_decay, scale)
+                                recent_window, sinks, heavy, window, age_normalised, score_decay, scale, cold)
 
 
 def native_model(spec: dict):

@@ -5,6 +5,7 @@
 #include "attention.h"
 #include "arena.h"
 #include "parallel.h"
+#include "recall.h"
 #include "elementwise.h"
 
 #include <c10/util/Exception.h>
@@ -510,6 +511,8 @@ std::string check_arena_pass(const ArenaStorage& a, const ArenaPass& p, int T, i
   if (p.pool && (p.pool < 1 || p.pool % 2 == 0 || p.select_budget < 0 || !a.scores || p.budget >= 0 || p.per_row ||
                  p.parents))
     return "a retention window needs an odd pool, a budget of its own, scores, and no eviction of the policy's";
+  if (p.recall && (!a.cold || p.parents || (a.cold->rank >= 0) != p.in_cache))
+    return "recall needs the arena's cold tier, a chain, and the tier's position mode";
   if (p.parents) {
     int deepest = 0;
     std::vector<int> depth(T);
@@ -536,8 +539,7 @@ std::string check_arena_pass(const ArenaStorage& a, const ArenaPass& p, int T, i
 }
 
 void attend_arena_layer(int isa, const ArenaStorage& a, const ArenaPass& p, int layer, int n_heads, int T,
-                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16,
-                        float* lse) {
+                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16) {
   const int hd = a.hd;
   const long layer_slots = (long)a.n_kv * a.cap;
   const long entry_bytes = a.code_bits ? code_bytes(hd, a.code_bits) : (long)hd * (a.bf16 ? 2 : 4);
@@ -625,8 +627,10 @@ void attend_arena_layer(int isa, const ArenaStorage& a, const ArenaPass& p, int 
   b.q = q_rotated.data();
   std::vector<float> out_f(out_bf16 ? (std::size_t)T * n_heads * hd : 0);
   b.out = out_bf16 ? out_f.data() : static_cast<float*>(out);
-  b.lse = lse;
+  std::vector<float> resident_lse(p.recall ? (std::size_t)T * n_heads : 0);  // what recall merges by
+  b.lse = p.recall ? resident_lse.data() : nullptr;
   attend_block(isa, b);
+  if (p.recall) recall_rows(*a.cold, a, p, layer, n_heads, T, q, b.out, b.lse);
   for (std::size_t i = 0; i < out_f.size(); ++i) static_cast<uint16_t*>(out)[i] = float_to_bf16(out_f[i]);
 }
 

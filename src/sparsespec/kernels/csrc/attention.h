@@ -51,6 +51,8 @@
 
 namespace sparsespec {
 
+struct ColdTier;  // recall.h
+
 constexpr int kAttnChunk = 256;
 constexpr int kAttnMaxGroup = 64;  // query heads per KV head
 constexpr int kAttnMaxHeadDim = 256;
@@ -235,6 +237,7 @@ struct ArenaStorage {
   int sinks = 0, heavy = 0, window = 0;
   bool age_normalised = false;
   float score_decay = 1.0f, scale = 1.0f;
+  ColdTier* cold = nullptr;  // where evicted entries go (recall.h), or null: they are dropped
 };
 
 // What KVArena.attend works out once for a block, the same in every layer: the rows' slots, their first in-flight
@@ -247,6 +250,7 @@ struct ArenaPass {
   bool per_row = false, in_cache = false;
   const int32_t* parents = nullptr;  // [T] a tree block's parents (AttnBlock), or null: a chain
   int pool = 0, select_budget = 0;   // retention's observation window (AttnBlock), pool 0: none
+  bool recall = false;               // rows recall from the arena's cold tier (recall.h: recall_rows)
   const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t table_rows = 0, table_offset = 0;
@@ -258,9 +262,9 @@ std::string check_arena_pass(const ArenaStorage& arena, const ArenaPass& pass, i
 
 // The block's rows entering layer `layer` of the arena and attending over it (stage_rows, then attend_block):
 // q [n_heads, T, hd], k, v [n_kv, T, hd] float32 before RoPE (bf16_keys: the keys came in as bfloat16);
-// out [T, n_heads * hd] float32, or bfloat16 when out_bf16; lse [T, n_heads] each row's log-sum-exps, or null.
+// out [T, n_heads * hd] float32, or bfloat16 when out_bf16. With pass.recall, each row's attention over the
+// resident entries then merges in what it recalls from the cold tier (recall.h: recall_rows).
 void attend_arena_layer(int isa, const ArenaStorage& arena, const ArenaPass& pass, int layer, int n_heads, int T,
-                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16,
-                        float* lse);
+                        const float* q, const float* k, const float* v, bool bf16_keys, void* out, bool out_bf16);
 
 }  // namespace sparsespec

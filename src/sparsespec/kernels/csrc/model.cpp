@@ -223,7 +223,7 @@ void forward(int isa, const ModelWeights& m, const std::vector<BlockPass>& block
       const auto& [arena, layer] = b.route[l];
       const auto& [storage, pass] = b.arenas[(std::size_t)arena];
       attend_arena_layer(isa, *storage, pass, layer, m.n_heads, T, s.q.data(), s.k.data(), s.v.data(), bf16,
-                         s.attn.row(row0), bf16, nullptr);
+                         s.attn.row(row0), bf16);
       row0 += T;
     }
     skip(isa, w.o_proj, s.attn, w.attn_post_norm, M, m.eps, bf16, s);

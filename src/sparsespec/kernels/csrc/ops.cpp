@@ -252,6 +252,7 @@ void pass_tables(const char* op, ArenaPass& p, const at::Tensor& cos, const at::
 struct NativeArena {
   ArenaStorage storage;
   std::vector<at::Tensor> tensors;
+  std::shared_ptr<ColdTier> cold;  // or null
 
   // Accept the first n_rows of the n_inflight rows staged after `committed` committed entries, leaving
   // `survivors` (arena.h: commit_arena).
@@ -264,7 +265,8 @@ struct NativeArena {
     TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
     {
       pybind11::gil_scoped_release unlocked;
-      problem = commit_arena(storage, c);
+      if (cold) problem = retire_evicted(*cold, storage, c.n_rows, c.committed + c.n_rows);
+      if (problem.empty()) problem = commit_arena(storage, c);
     }
     TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
   }
@@ -280,6 +282,7 @@ struct NativeArena {
       TORCH_CHECK(r >= 0 && r <= INT32_MAX, "NativeArena.commit_path: row ", r, " outside the arena");
       rows.push_back((int)r);
     }
+    TORCH_CHECK(!cold, "NativeArena.commit_path: tree blocks do not recall");
     std::string problem = check_arena_path(storage, (int)committed, rows, (int)n_inflight);
     TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
     {
@@ -302,12 +305,19 @@ std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, co
                                           const c10::optional<at::Tensor>& recent_keys,
                                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
                                           int64_t sinks, int64_t heavy, int64_t window, bool age_normalised,
-                                          double score_decay, double scale) {
+                                          double score_decay, double scale, std::shared_ptr<ColdTier> cold) {
   auto arena = std::make_shared<NativeArena>();
   arena->storage = arena_storage("NativeArena", hd, keys, values, positions, evicted_at, scores, committed_scores,
                                  row_scores, row_evicted, key_params, value_params, code_bits, key_offset,
                                  recent_keys, recent_values, recent_window, sinks, heavy, window, age_normalised,
                                  score_decay, scale);
+  if (cold) {
+    const ArenaStorage& a = arena->storage;
+    TORCH_CHECK(cold->n_layers == a.n_layers && cold->n_kv == a.n_kv && cold->hd == a.hd,
+                "NativeArena: the cold tier's layers, KV heads and head size are not the arena's");
+    arena->cold = cold;
+    arena->storage.cold = cold.get();
+  }
   arena->tensors = {keys, values, positions, evicted_at};
   for (const auto* t : {&scores, &committed_scores, &row_scores, &row_evicted, &key_params, &value_params, &key_offset,
                         &recent_keys, &recent_values})
@@ -317,11 +327,11 @@ std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, co
 
 // An open block of T rows over one arena as KVArena.arena_pass gives it: (NativeArena, start, first, visible_before,
 // first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents: int32 [T] or None, pool,
-// select_budget). The arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
+// select_budget, recall). The arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
 ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, int64_t T,
                      std::vector<std::shared_ptr<NativeArena>>& arenas, std::vector<at::Tensor>& tables) {
   const auto args = item.cast<pybind11::tuple>();
-  TORCH_CHECK(args.size() == 15, op, ": an arena pass has 15 fields");
+  TORCH_CHECK(args.size() == 16, op, ": an arena pass has 16 fields");
   arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
   ArenaPass p;
   p.start = args[1].cast<int>();
@@ -346,15 +356,15 @@ ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, i
   }
   p.pool = args[13].cast<int>();
   p.select_budget = args[14].cast<int>();
+  p.recall = args[15].cast<bool>();
   return p;
 }
 
 // The open block's T rows entering and attending over one layer of the KV arena (attention.h; cache/arena.py):
 // `pass` as arena_pass reads it; q [n_heads, T, hd], k, v [n_kv, T, hd] the block's queries, keys and values before
-// RoPE (float32 or bfloat16, any strides); row_lse [T, n_heads] float32 for each row's log-sum-exps, or None.
-// Returns [T, n_heads * hd] in q's dtype.
+// RoPE (float32 or bfloat16, any strides). Returns [T, n_heads * hd] in q's dtype.
 at::Tensor arena_attention(const pybind11::tuple& pass, int64_t layer, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, const c10::optional<at::Tensor>& row_lse, int64_t isa) {
+                           const at::Tensor& v, int64_t isa) {
   const char* op = "arena_attention";
   check_cpu(op, {&q, &k, &v});
   TORCH_CHECK(q.dim() == 3 && float_or_bf16(q), op, ": q must be float32 or bfloat16 [n_heads, T, hd]");
@@ -373,126 +383,126 @@ at::Tensor arena_attention(const pybind11::tuple& pass, int64_t layer, const at:
   const std::string problem = check_arena_pass(arena, p, (int)T, (int)q.size(0));
   TORCH_CHECK(problem.empty(), op, ": ", problem);
   at::Tensor out = at::empty({T, q.size(0) * hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  float* lse = nullptr;
-  if (row_lse.has_value() && row_lse->defined()) {
-    check_cpu(op, {&*row_lse});
-    TORCH_CHECK(row_lse->scalar_type() == at::kFloat && row_lse->is_contiguous() &&
-                    row_lse->sizes() == at::IntArrayRef({T, q.size(0)}),
-                op, ": row_lse must be contiguous float32 [T, n_heads]");
-    lse = row_lse->data_ptr<float>();
-  }
   const std::vector<float> qf = widened(q), kf = widened(k), vf = widened(v);
   pybind11::gil_scoped_release unlocked;
   attend_arena_layer((int)isa, arena, p, (int)layer, (int)q.size(0), (int)T, qf.data(), kf.data(), vf.data(),
-                     k.scalar_type() == at::kBFloat16, out.data_ptr(), q.scalar_type() == at::kBFloat16, lse);
+                     k.scalar_type() == at::kBFloat16, out.data_ptr(), q.scalar_type() == at::kBFloat16);
   return out;
 }
 
-// One row's attention over the pages it recalls from one layer of the cold tier (recall.h), merged into the row's
-// attention over the resident entries: out_row [n_kv * group * hd] (float32 or bfloat16) with its log-sum-exps
-// lse_row [n_kv * group] (float32), in place. query [n_kv, group, hd] float32 before RoPE, rotated by table row
-// query_row.
-void recall_attention(const at::Tensor& query, int64_t query_row, const at::Tensor& entries,
-                                         const at::Tensor& positions, const at::Tensor& summaries, int64_t total,
-                                         const c10::optional<at::Tensor>& extra,
-                                         const c10::optional<at::Tensor>& extra_positions,
-                                         const c10::optional<at::Tensor>& extra_summaries, int64_t extra_start,
-                                         const c10::optional<at::Tensor>& key_offset, const at::Tensor& cos,
-                                         const at::Tensor& sin, int64_t rank, int64_t pages, int64_t page_size,
-                                         double scale, at::Tensor out_row, const at::Tensor& lse_row) {
-  check_cpu("recall_attention", {&query, &entries, &positions, &summaries, &cos, &sin, &out_row, &lse_row});
-  for (const auto* t : {&extra, &extra_positions, &extra_summaries, &key_offset})
-    if (t->has_value()) check_cpu("recall_attention", {&t->value()});
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "recall_attention: query must be contiguous float32 [n_kv, group, hd]");
-  const int64_t n_kv = query.size(0), group = query.size(1), hd = query.size(2);
-  const int64_t width = entries.dim() == 3 ? entries.size(2) : 0;
+// ------------------------------------------------------------------------------------------- the cold tier
+// A cold tier (recall.h) for an arena of n_layers x n_kv heads of hd channels: inv_freq [hd / 2] float32 and
+// attention_factor its RoPE (rope.py), key_offset [n_layers, n_kv, hd] float32 or None, rank >= 0 the in-cache
+// mode's first rank (-1: true positions), `pages` pages of page_size entries recalled per row.
+std::shared_ptr<ColdTier> cold_tier(int64_t n_layers, int64_t n_kv, int64_t hd, const at::Tensor& inv_freq,
+                                    double attention_factor, double scale, const c10::optional<at::Tensor>& key_offset,
+                                    int64_t rank, int64_t pages, int64_t page_size) {
+  const char* op = "cold_tier";
+  check_cpu(op, {&inv_freq});
   const int64_t code_group = std::min<int64_t>(16, hd);
-  TORCH_CHECK(hd >= 8 && hd % 8 == 0 && hd % code_group == 0 && width == hd + 2 * (hd / code_group) * 4,
-              "recall_attention: heads of a multiple of 8 channels, whose entries are ", hd + 2 * (hd / code_group) * 4,
-              " bytes");
-  TORCH_CHECK(entries.scalar_type() == at::kByte && entries.is_contiguous() && entries.size(1) == n_kv &&
-                  positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.sizes() == at::IntArrayRef({entries.size(0), n_kv}),
-              "recall_attention: entries must be contiguous uint8 [N, n_kv, width] with int64 positions [N, n_kv]");
-  TORCH_CHECK(page_size >= 1 && pages >= 1 && total >= 0, "recall_attention: page_size, pages and total");
-  const bool has_extra = extra.has_value() && extra->defined();
-  const int64_t extra_rows = has_extra ? extra->size(0) : 0;
-  if (has_extra) {
-    TORCH_CHECK(extra->scalar_type() == at::kByte && extra->is_contiguous() &&
-                    extra->sizes() == at::IntArrayRef({extra_rows, n_kv, width}) && extra_positions.has_value() &&
-                    extra_positions->scalar_type() == at::kLong && extra_positions->is_contiguous() &&
-                    extra_positions->sizes() == at::IntArrayRef({extra_rows, n_kv}) && extra_start >= 0 &&
-                    extra_start % page_size == 0 && extra_start <= entries.size(0) && extra_start + extra_rows == total,
-                "recall_attention: extra entries [E, n_kv, width] with positions [E, n_kv] must end the view");
-  } else {
-    TORCH_CHECK(total <= entries.size(0), "recall_attention: ", total, " entries past the tier's ", entries.size(0));
-  }
-  const int64_t stored_pages = (has_extra ? extra_start : total) / page_size;
-  const int64_t extra_pages = has_extra ? total / page_size - stored_pages : 0;
-  TORCH_CHECK(summaries.scalar_type() == at::kFloat && summaries.is_contiguous() && summaries.dim() == 3 &&
-                  summaries.size(0) >= stored_pages && summaries.size(1) == n_kv && summaries.size(2) == 2 * hd,
-              "recall_attention: summaries must be contiguous float32 [pages, n_kv, 2 * hd]");
-  if (extra_pages) {
-    TORCH_CHECK(extra_summaries.has_value() && extra_summaries->scalar_type() == at::kFloat &&
-                    extra_summaries->is_contiguous() &&
-                    extra_summaries->sizes() == at::IntArrayRef({extra_pages, n_kv, 2 * hd}),
-                "recall_attention: extra_summaries must be contiguous float32 [", extra_pages, ", n_kv, 2 * hd]");
-  }
-  if (key_offset.has_value() && key_offset->defined())
+  TORCH_CHECK(n_layers >= 1 && n_layers <= 4096 && n_kv >= 1 && n_kv <= 4096, op, ": 1 to 4096 layers and KV heads");
+  TORCH_CHECK(hd >= 8 && hd <= kAttnMaxHeadDim && hd % 8 == 0 && hd % code_group == 0, op,
+              ": heads of a multiple of 8 channels, at most ", kAttnMaxHeadDim);
+  TORCH_CHECK(page_size >= 1 && page_size <= 4096 && pages >= 1 && pages <= 65536 && rank >= -1 &&
+                  rank <= INT32_MAX, op, ": pages, page_size and rank out of range");
+  TORCH_CHECK(std::isfinite(attention_factor) && attention_factor > 0 && std::isfinite(scale), op,
+              ": attention_factor and scale must be finite, the factor positive");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.numel() == hd / 2, op,
+              ": inv_freq must be contiguous float32 [", hd / 2, "]");
+  auto tier = std::make_shared<ColdTier>();
+  tier->n_layers = (int)n_layers;
+  tier->n_kv = (int)n_kv;
+  tier->hd = (int)hd;
+  tier->code_group = (int)code_group;
+  tier->width = (int)(hd + 2 * (hd / code_group) * 4);
+  tier->page_size = (int)page_size;
+  tier->pages = (int)pages;
+  tier->rank = rank;
+  tier->scale = (float)scale;
+  tier->attention_factor = (float)attention_factor;
+  tier->inv_freq.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + hd / 2);
+  if (key_offset.has_value() && key_offset->defined()) {
+    check_cpu(op, {&*key_offset});
     TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
-                    key_offset->sizes() == at::IntArrayRef({n_kv, hd}),
-                "recall_attention: key_offset must be contiguous float32 [n_kv, hd]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd,
-              "recall_attention: cos and sin must be contiguous float32 [rows, hd]");
-  // Every rotation must fall inside the tables: the ranks from `rank` on, or every position of the view.
-  int64_t highest = rank >= 0 ? rank + pages * page_size + page_size : -1;
-  if (rank < 0) {
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t n_stored = has_extra ? extra_start : total;
-    for (int64_t i = 0; i < n_stored * n_kv; ++i) highest = std::max(highest, pos[i]);
-    if (has_extra) {
-      const int64_t* more = extra_positions->data_ptr<int64_t>();
-      for (int64_t i = 0; i < extra_rows * n_kv; ++i) highest = std::max(highest, more[i]);
-    }
+                    key_offset->sizes() == at::IntArrayRef({n_layers, n_kv, hd}),
+                op, ": key_offset must be contiguous float32 [", n_layers, ", ", n_kv, ", ", hd, "]");
+    tier->key_offset.assign(key_offset->data_ptr<float>(), key_offset->data_ptr<float>() + key_offset->numel());
   }
-  TORCH_CHECK(highest >= 0 || total == 0, "recall_attention: a negative position or rank");
-  TORCH_CHECK(query_row >= 0 && std::max(highest, query_row) < cos.size(0),
-              "recall_attention: the RoPE tables end before row ", std::max(highest, query_row));
-  TORCH_CHECK(float_or_bf16(out_row) && out_row.is_contiguous() && out_row.numel() == n_kv * group * hd &&
-                  lse_row.scalar_type() == at::kFloat && lse_row.is_contiguous() && lse_row.numel() == n_kv * group,
-              "recall_attention: out_row must be contiguous float32 or bfloat16 [n_kv * group * hd] and lse_row "
-              "float32 [n_kv * group]");
+  return tier;
+}
+
+// Entries into the tier: keys, values [n_layers, n, n_kv, hd] float32 (keys unrotated, the key bias in), positions
+// [n_layers, n, n_kv] int64 >= 0 (ColdTier::append).
+void cold_append(ColdTier& t, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& positions) {
+  const char* op = "ColdTier.append";
+  check_cpu(op, {&keys, &values, &positions});
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == t.n_layers && keys.size(2) == t.n_kv && keys.size(3) == t.hd &&
+                  keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.sizes() == keys.sizes() &&
+                  values.scalar_type() == at::kFloat && values.is_contiguous(),
+              op, ": keys and values must be contiguous float32 [", t.n_layers, ", n, ", t.n_kv, ", ", t.hd, "]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.sizes() == keys.sizes().slice(0, 3),
+              op, ": positions must be contiguous int64 [", t.n_layers, ", n, ", t.n_kv, "]");
+  TORCH_CHECK(positions.numel() == 0 || positions.min().item<int64_t>() >= 0, op, ": negative positions");
+  TORCH_CHECK(positions.numel() == 0 || positions.max().item<int64_t>() < (int64_t)1 << 40, op,
+              ": positions past 2^40");
+  const std::string problem = t.check_append(keys.size(1));
+  TORCH_CHECK(problem.empty(), op, ": ", problem);
+  pybind11::gil_scoped_release unlocked;
+  t.append((int)keys.size(1), keys.data_ptr<float>(), values.data_ptr<float>(), positions.data_ptr<int64_t>());
+}
+
+// One row's recall from the stored entries of `layer` (recall.h: recall_row), merged into its attention over other
+// entries: query [n_kv, group, hd] float32 before RoPE, rotated by table row query_row (its position, or its rank in
+// the in-cache mode); out [n_kv * group * hd] float32 and its log-sum-exps lse [n_kv * group], merged in place.
+void cold_recall_row(ColdTier& t, int64_t layer, const at::Tensor& query, int64_t query_row, at::Tensor out,
+                     const at::Tensor& lse) {
+  const char* op = "ColdTier.recall_row";
+  check_cpu(op, {&query, &out, &lse});
+  TORCH_CHECK(layer >= 0 && layer < t.n_layers, op, ": layer ", layer, " outside the tier");
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == t.n_kv && query.size(1) >= 1 &&
+                  query.size(1) <= kAttnMaxGroup && query.size(2) == t.hd && query.scalar_type() == at::kFloat &&
+                  query.is_contiguous(), op, ": query must be contiguous float32 [", t.n_kv, ", group, ", t.hd, "]");
+  TORCH_CHECK(query_row >= 0 && query_row < (int64_t)1 << 40, op, ": query_row out of range");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == query.numel() &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == t.n_kv * query.size(1),
+              op, ": out must be contiguous float32 [n_kv * group * hd] and lse [n_kv * group]");
+  if (!t.count) return;
+  pybind11::gil_scoped_release unlocked;
+  const int64_t highest = t.rank >= 0 ? t.rank + (int64_t)t.pages * t.page_size + t.page_size : t.highest_position;
+  t.cover(std::max(highest, query_row) + 1);
   RecallRow r;
-  r.n_kv = (int)n_kv;
-  r.group = (int)group;
-  r.hd = (int)hd;
-  r.code_group = (int)code_group;
-  r.width = (int)width;
-  r.page_size = (int)page_size;
-  r.pages = (int)pages;
-  r.total = (int)total;
+  r.n_kv = t.n_kv;
+  r.group = (int)query.size(1);
+  r.hd = t.hd;
+  r.code_group = t.code_group;
+  r.width = t.width;
+  r.page_size = t.page_size;
+  r.pages = t.pages;
+  r.total = t.count;
   r.query = query.data_ptr<float>();
   r.query_row = query_row;
-  r.entries = entries.data_ptr<uint8_t>();
-  r.positions = positions.data_ptr<int64_t>();
-  r.summaries = summaries.data_ptr<float>();
-  if (has_extra) {
-    r.extra = extra->data_ptr<uint8_t>();
-    r.extra_positions = extra_positions->data_ptr<int64_t>();
-    r.extra_summaries = extra_pages ? extra_summaries->data_ptr<float>() : nullptr;
-    r.extra_start = (int)extra_start;
-  }
-  if (key_offset.has_value() && key_offset->defined()) r.key_offset = key_offset->data_ptr<float>();
-  r.cos = cos.data_ptr<float>();
-  r.sin = sin.data_ptr<float>();
-  r.rank = rank;
-  r.scale = (float)scale;
-  r.out = out_row.data_ptr();
-  r.out_bf16 = out_row.scalar_type() == at::kBFloat16;
-  r.lse = lse_row.data_ptr<float>();
-  if (total) recall_row(r);
+  r.entries = t.entries.data() + (long)layer * t.capacity * t.n_kv * t.width;
+  r.positions = t.positions.data() + (long)layer * t.capacity * t.n_kv;
+  r.summaries = t.summaries.data() + (long)layer * (t.capacity / t.page_size) * t.n_kv * 2 * t.hd;
+  if (!t.key_offset.empty()) r.key_offset = t.key_offset.data() + (long)layer * t.n_kv * t.hd;
+  r.cos = t.cos.data();
+  r.sin = t.sin.data();
+  r.rank = t.rank;
+  r.scale = t.scale;
+  r.out = out.data_ptr<float>();
+  r.lse = lse.data_ptr<float>();
+  recall_row(r);
+}
+
+// A copy of `layer`'s first `count` rows of one of the tier's buffers ([count, ...] per layer, `per_row` items).
+template <class T>
+at::Tensor cold_rows(const ColdTier& t, const std::vector<T>& buffer, int64_t layer, long rows_per_layer, long row,
+                     long count, std::vector<int64_t> shape, at::ScalarType type) {
+  TORCH_CHECK(layer >= 0 && layer < t.n_layers, "ColdTier: layer ", layer, " outside the tier");
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(type));
+  if (count) std::memcpy(out.data_ptr(), buffer.data() + (long)layer * rows_per_layer * row, count * row * sizeof(T));
+  return out;
 }
 
 // RMS norm of each row of x [m, n] (float32 or bfloat16) with weight [n] (float32 or bfloat16): elementwise.h.
@@ -675,13 +685,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gguf_linear", &sparsespec::gguf_linear, unlocked);
   module.def("gguf_dequantize", &sparsespec::gguf_dequantize, unlocked);
   module.def("arena_attention", &sparsespec::arena_attention);
-  module.def("recall_attention", &sparsespec::recall_attention, unlocked);
   module.def("rms_norm", &sparsespec::rms_norm, unlocked);
   module.def("gated", &sparsespec::gated, unlocked);
   pybind11::class_<sparsespec::NativeArena, std::shared_ptr<sparsespec::NativeArena>>(module, "NativeArena")
       .def("commit", &sparsespec::NativeArena::commit)
       .def("commit_path", &sparsespec::NativeArena::commit_path);
   module.def("native_arena", &sparsespec::native_arena);
+  using sparsespec::ColdTier;
+  pybind11::class_<ColdTier, std::shared_ptr<ColdTier>>(module, "ColdTier")
+      .def_readonly("count", &ColdTier::count)
+      .def_property_readonly("nbytes", &ColdTier::nbytes)
+      .def("reset", [](ColdTier& t) { t.count = 0; })
+      .def("__deepcopy__", [](const ColdTier& t, const pybind11::dict&) { return std::make_shared<ColdTier>(t); })
+      .def("append", &sparsespec::cold_append)
+      .def("recall_row", &sparsespec::cold_recall_row)
+      .def("entries", [](const ColdTier& t, int64_t layer) {
+        return sparsespec::cold_rows(t, t.entries, layer, t.capacity, (long)t.n_kv * t.width, t.count,
+                                     {t.count, t.n_kv, t.width}, at::kByte);
+      })
+      .def("positions", [](const ColdTier& t, int64_t layer) {
+        return sparsespec::cold_rows(t, t.positions, layer, t.capacity, t.n_kv, t.count, {t.count, t.n_kv}, at::kLong);
+      })
+      .def("summaries", [](const ColdTier& t, int64_t layer) {
+        const int pages = t.count / t.page_size;
+        return sparsespec::cold_rows(t, t.summaries, layer, t.capacity / t.page_size, 2L * t.n_kv * t.hd, pages,
+                                     {pages, t.n_kv, 2 * t.hd}, at::kFloat);
+      });
+  module.def("cold_tier", &sparsespec::cold_tier);
   pybind11::class_<sparsespec::NativeModel>(module, "NativeModel")
       .def(pybind11::init<const pybind11::dict&>())
       .def("forward", &sparsespec::NativeModel::forward);

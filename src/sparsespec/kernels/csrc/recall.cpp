@@ -1,16 +1,17 @@
-// One row's attention over what it recalls from one layer of the cold tier (cache/recall.py, which holds the
-// torch reference of every step): page bounds from the summaries, the best pages, their entries and the tail
-// dequantized, rotated and attended. Each KV head is one task; a head's steps run in a fixed order, whatever the
-// number of pages, so a row reads the same bits in a verification block as in an autoregressive step.
+// The cold tier (cache/recall.py describes it; tests/test_recall.py holds a float64 reference of every step): its
+// storage, what a commit moves into it, and a row's recall: page bounds from the summaries, the best pages, their
+// entries and the tail dequantized, rotated and attended. Each KV head is one task; a head's steps run in a fixed
+// order, whatever the number of pages, so a row reads the same bits in a verification block as in an
+// autoregressive step.
 #include "recall.h"
 #include "parallel.h"
-
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <vector>
 
 #include "elementwise.h"
@@ -60,6 +61,79 @@ SPARSESPEC_CLONES float bound8(const float* q, const float* high, const float* l
 void rotate(const float* x, const float* cos, const float* sin, int hd, float* out) {
   const int half = hd / 2;
   for (int c = 0; c < hd; ++c) out[c] = x[c] * cos[c] + (c < half ? -x[c + half] : x[c - half]) * sin[c];
+}
+
+// The inverse of rotate by the same row, in place: the rotation back, divided by the row's squared norm
+// (attention_factor^2: a scaled RoPE's tables scale every rotated vector by it).
+void unrotate(float* x, const float* cos, const float* sin, int hd, float attention_factor) {
+  const int half = hd / 2;
+  const float inverse = 1.0f / (attention_factor * attention_factor);
+  float out[kAttnMaxHeadDim];
+  for (int c = 0; c < hd; ++c) out[c] = x[c] * cos[c] - (c < half ? -x[c + half] : x[c - half]) * sin[c];
+  for (int c = 0; c < hd; ++c) x[c] = attention_factor == 1.0f ? out[c] : out[c] * inverse;
+}
+
+// The entry at `slot` of KV head h in `layer` of the arena as float32 [hd]: a key (dequantized, key_offset added)
+// or a value.
+void read_arena_entry(const ArenaStorage& a, int layer, int h, int slot, bool key, float* out) {
+  const long index = ((long)layer * a.n_kv + h) * a.cap + slot;
+  const int hd = a.hd;
+  if (a.code_bits) {
+    const uint8_t* codes = static_cast<const uint8_t*>(key ? a.keys : a.values) + index * code_bytes(hd, a.code_bits);
+    const uint16_t* params = (key ? a.key_params : a.value_params) + index * param_halves(hd, a.code_group);
+    dequantize_row_scalar(codes, params, hd, a.code_bits, a.code_group, out);
+    if (key && a.key_offset)
+      for (int c = 0; c < hd; ++c) out[c] += a.key_offset[((long)layer * a.n_kv + h) * hd + c];
+  } else if (a.bf16) {
+    const uint16_t* x = static_cast<const uint16_t*>(key ? a.keys : a.values) + index * hd;
+    for (int c = 0; c < hd; ++c) out[c] = bf16_to_float(x[c]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(key ? a.keys : a.values) + index * hd, (std::size_t)hd * 4);
+  }
+}
+
+// Per KV head of `layer`, the arena slots below slot_stop that in-flight rows below `before_row` evicted, in the
+// order an autoregressive run commits them: by the row that evicted them, then by position.
+std::vector<std::vector<int>> departed(const ArenaStorage& a, int layer, int slot_stop, int before_row) {
+  std::vector<std::vector<int>> slots(a.n_kv);
+  for (int h = 0; h < a.n_kv; ++h) {
+    const long at = ((long)layer * a.n_kv + h) * a.cap;
+    const int32_t* evicted_at = a.evicted_at + at;
+    const int64_t* positions = a.positions + at;
+    for (int s = 0; s < slot_stop; ++s)
+      if (evicted_at[s] < before_row) slots[h].push_back(s);
+    std::sort(slots[h].begin(), slots[h].end(), [&](int x, int y) {
+      return evicted_at[x] < evicted_at[y] || (evicted_at[x] == evicted_at[y] && positions[x] < positions[y]);
+    });
+  }
+  return slots;
+}
+
+// The departed entries of `layer` as the tier stores them: keys and values [n, n_kv, hd] as the model produced
+// them (unrotated in the original mode), positions [n, n_kv]. The tables must reach their positions.
+void read_departed(const ColdTier& tier, const ArenaStorage& a, int layer, const std::vector<std::vector<int>>& slots,
+                   int n, float* keys, float* values, int64_t* positions) {
+  const int hd = a.hd;
+  for (int h = 0; h < a.n_kv; ++h)
+    for (int j = 0; j < n; ++j) {
+      const int s = slots[h][j];
+      const long at = (long)j * a.n_kv + h;
+      positions[at] = a.positions[((long)layer * a.n_kv + h) * a.cap + s];
+      read_arena_entry(a, layer, h, s, true, keys + at * hd);
+      read_arena_entry(a, layer, h, s, false, values + at * hd);
+      if (tier.rank < 0)
+        unrotate(keys + at * hd, tier.cos.data() + positions[at] * hd, tier.sin.data() + positions[at] * hd, hd,
+                 tier.attention_factor);
+    }
+}
+
+// The highest position among slots of `layer` listed in `slots`' first n, or -1.
+int64_t highest_departed(const ArenaStorage& a, int layer, const std::vector<std::vector<int>>& slots, int n) {
+  int64_t highest = -1;
+  for (int h = 0; h < a.n_kv; ++h)
+    for (int j = 0; j < n; ++j)
+      highest = std::max(highest, a.positions[((long)layer * a.n_kv + h) * a.cap + slots[h][j]]);
+  return highest;
 }
 
 }  // namespace
@@ -169,6 +243,234 @@ void recall_row(const RecallRow& r) {
       }
     }
   });
+}
+
+// ------------------------------------------------------------------------------------------------ the tier
+void ColdTier::cover(int64_t upto) {
+  if (upto <= table_rows) return;
+  const int64_t rows = std::max<int64_t>({upto, 2 * table_rows, 256});
+  const int half = hd / 2;
+  cos.resize((std::size_t)rows * hd);
+  sin.resize(cos.size());
+  for (int64_t p = table_rows; p < rows; ++p)
+    for (int c = 0; c < half; ++c) {
+      const float angle = (float)p * inv_freq[c];
+      float cv = std::cos(angle), sv = std::sin(angle);
+      if (attention_factor != 1.0f) {
+        cv *= attention_factor;
+        sv *= attention_factor;
+      }
+      cos[p * hd + c] = cos[p * hd + c + half] = cv;
+      sin[p * hd + c] = sin[p * hd + c + half] = sv;
+    }
+  table_rows = rows;
+}
+
+void ColdTier::encode(int layer, int h, const float* key, const float* value, uint8_t* out) const {
+  float shifted[kAttnMaxHeadDim];
+  const float* offset = key_offset.empty() ? nullptr : key_offset.data() + ((long)layer * n_kv + h) * hd;
+  for (int c = 0; c < hd; ++c) shifted[c] = offset ? key[c] - offset[c] : key[c];
+  uint16_t params[2 * 2 * kAttnMaxHeadDim / 16];
+  const int groups = hd / code_group;
+  quantize_row(shifted, hd, 4, code_group, out, params);
+  quantize_row(value, hd, 4, code_group, out + hd / 2, params + 2 * groups);
+  std::memcpy(out + hd, params, (std::size_t)4 * groups * sizeof(uint16_t));
+}
+
+void ColdTier::summarise(int layer, const uint8_t* page_entries, const int64_t* page_positions, float* out) const {
+  std::vector<float> key(hd), rotated(hd);
+  for (int h = 0; h < n_kv; ++h) {
+    float* high = out + (long)h * 2 * hd;
+    float* low = high + hd;
+    std::fill(high, high + hd, -std::numeric_limits<float>::infinity());
+    std::fill(low, low + hd, std::numeric_limits<float>::infinity());
+    for (int j = 0; j < page_size; ++j) {
+      const uint8_t* bytes = page_entries + ((long)j * n_kv + h) * width;
+      uint16_t params[2 * kAttnMaxHeadDim / 16];
+      std::memcpy(params, bytes + hd, (std::size_t)2 * (hd / code_group) * sizeof(uint16_t));
+      dequantize_entry(bytes, params, hd, code_group, key.data());
+      if (!key_offset.empty())
+        for (int c = 0; c < hd; ++c) key[c] += key_offset[((long)layer * n_kv + h) * hd + c];
+      const int64_t row = rank >= 0 ? rank : page_positions[(long)j * n_kv + h];
+      rotate(key.data(), cos.data() + row * hd, sin.data() + row * hd, hd, rotated.data());
+      for (int c = 0; c < hd; ++c) {
+        high[c] = std::max(high[c], rotated[c]);
+        low[c] = std::min(low[c], rotated[c]);
+      }
+    }
+  }
+}
+
+std::string ColdTier::check_append(int64_t n) const {
+  if (n < 0 || count + n > (int64_t)INT32_MAX / 2) return "the cold tier cannot hold " + std::to_string(n) + " more";
+  return "";
+}
+
+void ColdTier::append(int n, const float* keys, const float* values, const int64_t* positions_in) {
+  if (n <= 0) return;
+  const int P = page_size;
+  if (count + n > capacity) {  // grow by doubling, a whole number of pages, keeping the first `count`
+    const int grown = (std::max({2 * capacity, count + n, 4 * P}) + P - 1) / P * P;
+    std::vector<uint8_t> e((std::size_t)n_layers * grown * n_kv * width);
+    std::vector<int64_t> pos((std::size_t)n_layers * grown * n_kv);
+    std::vector<float> sums((std::size_t)n_layers * (grown / P) * n_kv * 2 * hd);
+    for (int l = 0; l < n_layers; ++l) {
+      std::memcpy(&e[(std::size_t)l * grown * n_kv * width], entries.data() + (std::size_t)l * capacity * n_kv * width,
+                  (std::size_t)count * n_kv * width);
+      std::memcpy(&pos[(std::size_t)l * grown * n_kv], positions.data() + (std::size_t)l * capacity * n_kv,
+                  (std::size_t)count * n_kv * sizeof(int64_t));
+      std::memcpy(&sums[(std::size_t)l * (grown / P) * n_kv * 2 * hd],
+                  summaries.data() + (std::size_t)l * (capacity / P) * n_kv * 2 * hd,
+                  (std::size_t)(count / P) * n_kv * 2 * hd * sizeof(float));
+    }
+    entries.swap(e);
+    positions.swap(pos);
+    summaries.swap(sums);
+    capacity = grown;
+  }
+  for (long i = 0; i < (long)n_layers * n * n_kv; ++i) highest_position = std::max(highest_position, positions_in[i]);
+  cover(std::max(rank, highest_position) + 1);
+  parallel_for(0, (int64_t)n_layers * n_kv, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int l = (int)(w / n_kv), h = (int)(w % n_kv);
+      for (int j = 0; j < n; ++j) {
+        const long from = ((long)l * n + j) * n_kv + h, to = ((long)l * capacity + count + j) * n_kv + h;
+        encode(l, h, keys + from * hd, values + from * hd, entries.data() + to * width);
+        positions[to] = positions_in[from];
+      }
+    }
+  });
+  const int first_page = count / P, end_page = (count + n) / P, new_pages = end_page - first_page;
+  parallel_for(0, (int64_t)n_layers * new_pages, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int l = (int)(w / new_pages), page = first_page + (int)(w % new_pages);
+      const long first = (long)l * capacity + (long)page * P;
+      summarise(l, entries.data() + first * n_kv * width, positions.data() + first * n_kv,
+                summaries.data() + (((long)l * (capacity / P) + page) * n_kv) * 2 * hd);
+    }
+  });
+  count += n;
+}
+
+std::string retire_evicted(ColdTier& tier, const ArenaStorage& a, int n_rows, int extent) {
+  std::vector<std::vector<std::vector<int>>> slots;
+  int n = -1;
+  int64_t highest = -1;
+  for (int l = 0; l < a.n_layers; ++l) {
+    slots.push_back(departed(a, l, extent, n_rows));
+    for (int h = 0; h < a.n_kv; ++h) {
+      const int size = (int)slots[l][h].size();
+      if (n < 0) n = size;
+      if (size != n)
+        return "KV head " + std::to_string(h) + " of layer " + std::to_string(l) + " evicted " +
+               std::to_string(size) + " entries, the first head " + std::to_string(n);
+    }
+    if (n > 0) highest = std::max(highest, highest_departed(a, l, slots[l], n));
+  }
+  if (n <= 0) return "";
+  std::string problem = tier.check_append(n);
+  if (!problem.empty()) return problem;
+  tier.cover(highest + 1);
+  const long per_layer = (long)n * a.n_kv;
+  std::vector<float> keys((std::size_t)a.n_layers * per_layer * a.hd), values(keys.size());
+  std::vector<int64_t> positions((std::size_t)a.n_layers * per_layer);
+  parallel_for(0, a.n_layers, 1, [&](int64_t l0, int64_t l1) {
+    for (int64_t l = l0; l < l1; ++l)
+      read_departed(tier, a, (int)l, slots[l], n, keys.data() + l * per_layer * a.hd,
+                    values.data() + l * per_layer * a.hd, positions.data() + l * per_layer);
+  });
+  tier.append(n, keys.data(), values.data(), positions.data());
+  return "";
+}
+
+void recall_rows(ColdTier& tier, const ArenaStorage& a, const ArenaPass& p, int layer, int n_heads, int T,
+                 const float* q, float* out, const float* lse) {
+  const int n_kv = a.n_kv, hd = a.hd, P = tier.page_size, W = tier.width;
+  // What the in-flight rows before the block's last row evicted, in eviction order; row i's pending entries are
+  // the first n_pending[i] (those evicted by rows before it).
+  const auto slots = departed(a, layer, p.start + T - 1, p.first + T - 1);
+  std::vector<int> n_pending(T);
+  for (int i = 0; i < T; ++i) {
+    for (int h = 0; h < n_kv; ++h) {
+      const long at = ((long)layer * n_kv + h) * a.cap;
+      const int before = (int)std::count_if(slots[h].begin(), slots[h].end(),
+                                            [&](int s) { return a.evicted_at[at + s] < p.first + i; });
+      if (h == 0) n_pending[i] = before;
+      if (before != n_pending[i]) throw std::runtime_error("recall: the KV heads' in-flight evictions disagree");
+    }
+  }
+  const int most = n_pending[T - 1];
+  // Each row's rotation: its position, or (in-cache) its rank, the tokens visible before it.
+  std::vector<int64_t> query_rows(T);
+  int64_t rank = p.visible_before, highest = tier.rank >= 0 ? tier.rank + (int64_t)tier.pages * P + P : -1;
+  for (int i = 0; i < T; ++i) {
+    if (i) rank = p.per_row ? std::min<int64_t>(rank + 1, p.budget) : rank + 1;
+    query_rows[i] = p.in_cache ? rank : p.first_position + i;
+    highest = std::max(highest, query_rows[i]);
+  }
+  if (tier.rank < 0) {
+    highest = std::max(highest, tier.highest_position);
+    if (most) highest = std::max(highest, highest_departed(a, layer, slots, most));
+  }
+  tier.cover(highest + 1);
+  // The views' entries past the stored pages: the committed tail, then the pending entries, with the summaries of
+  // the pages they complete (a page's summary depends on its entries alone, so one set serves every row).
+  const int extra_start = tier.count / P * P, tail = tier.count - extra_start, extra_n = tail + most;
+  const long stored_at = (long)layer * tier.capacity;
+  std::vector<uint8_t> extra((std::size_t)extra_n * n_kv * W);
+  std::vector<int64_t> extra_positions((std::size_t)extra_n * n_kv);
+  std::memcpy(extra.data(), tier.entries.data() + (stored_at + extra_start) * n_kv * W, (std::size_t)tail * n_kv * W);
+  std::memcpy(extra_positions.data(), tier.positions.data() + (stored_at + extra_start) * n_kv,
+              (std::size_t)tail * n_kv * sizeof(int64_t));
+  if (most) {
+    std::vector<float> keys((std::size_t)most * n_kv * hd), values(keys.size());
+    read_departed(tier, a, layer, slots, most, keys.data(), values.data(), extra_positions.data() + (long)tail * n_kv);
+    for (int j = 0; j < most; ++j)
+      for (int h = 0; h < n_kv; ++h) {
+        const long at = (long)j * n_kv + h;
+        tier.encode(layer, h, keys.data() + at * hd, values.data() + at * hd, extra.data() + (tail * n_kv + at) * W);
+      }
+  }
+  const int extra_pages = extra_n / P;
+  std::vector<float> extra_summaries((std::size_t)extra_pages * n_kv * 2 * hd);
+  for (int page = 0; page < extra_pages; ++page)
+    tier.summarise(layer, extra.data() + (long)page * P * n_kv * W, extra_positions.data() + (long)page * P * n_kv,
+                   extra_summaries.data() + (long)page * n_kv * 2 * hd);
+  std::vector<float> query((std::size_t)n_heads * hd);
+  for (int i = 0; i < T; ++i) {
+    const int total = tier.count + n_pending[i];
+    if (!total) continue;
+    for (int head = 0; head < n_heads; ++head)
+      std::memcpy(query.data() + (long)head * hd, q + ((long)head * T + i) * hd, (std::size_t)hd * 4);
+    RecallRow r;
+    r.n_kv = n_kv;
+    r.group = n_heads / n_kv;
+    r.hd = hd;
+    r.code_group = tier.code_group;
+    r.width = W;
+    r.page_size = P;
+    r.pages = tier.pages;
+    r.total = total;
+    r.query = query.data();
+    r.query_row = query_rows[i];
+    r.entries = tier.entries.data() + stored_at * n_kv * W;
+    r.positions = tier.positions.data() + stored_at * n_kv;
+    r.summaries = tier.summaries.data() + (long)layer * (tier.capacity / P) * n_kv * 2 * hd;
+    if (n_pending[i]) {
+      r.extra = extra.data();
+      r.extra_positions = extra_positions.data();
+      r.extra_summaries = extra_summaries.data();
+      r.extra_start = extra_start;
+    }
+    if (!tier.key_offset.empty()) r.key_offset = tier.key_offset.data() + (long)layer * n_kv * hd;
+    r.cos = tier.cos.data();
+    r.sin = tier.sin.data();
+    r.rank = tier.rank;
+    r.scale = tier.scale;
+    r.out = out + (long)i * n_heads * hd;
+    r.lse = lse + (long)i * n_heads;
+    recall_row(r);
+  }
 }
 
 }  // namespace sparsespec
