@@ -39,11 +39,7 @@ bool alive(const AttnBlock& b, int h, int s) { return b.evicted_at[(long)h * b.c
 // it, each row before it on its path having evicted down to the budget (per_row).
 int depth_of(const AttnBlock& b, int i) { return b.depths ? b.depths[i] : i; }
 int64_t position_of(const AttnBlock& b, int i) { return b.first_position + depth_of(b, i); }
-int64_t rank_of(const AttnBlock& b, int i) {
-  int64_t rank = b.visible_before;
-  for (int d = 0; d < depth_of(b, i); ++d) rank = b.per_row ? std::min<int64_t>(rank + 1, b.budget) : rank + 1;
-  return rank;
-}
+int64_t rank_of(const AttnBlock& b, int i) { return row_rank(b.visible_before, depth_of(b, i), b.per_row, b.budget); }
 
 // A row at position `newest` sees only positions in [0, newest]: the ranks' bitmap and the full-precision window
 // index by position, so a slot holding any other (a corrupt arena) is an error, not a write or read astray.

@@ -43,6 +43,7 @@
 // sequence), so results agree across instruction sets to float rounding, and bit for bit on one machine.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -59,6 +60,13 @@ constexpr int kAttnMaxHeadDim = 256;
 constexpr int32_t kNever = 0x7fffffff;  // evicted_at of an alive slot
 constexpr int32_t kOffPath = 0x7ffffffe;  // evicted_at, while a tree row attends, of a row not on its path
 constexpr float kMinCodeScale = 0x1p-14f;  // quant.py's MIN_SCALE: the float16 scale of a constant group
+
+// The rank of a row at `depth` in its block (in-cache mode): the tokens visible before it. Each row of a per_row
+// path adds one and evicts down to the budget, so past the first row (which takes visible_before, even above the
+// budget) it is min(visible_before + depth, budget).
+inline int64_t row_rank(int64_t visible_before, int depth, bool per_row, int budget) {
+  return per_row && depth ? std::min<int64_t>(visible_before + depth, budget) : visible_before + depth;
+}
 
 // Bytes of one stored head vector's codes, and float16 values of its params.
 inline long code_bytes(int hd, int bits) { return (long)hd * bits / 8; }

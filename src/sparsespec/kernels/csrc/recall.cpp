@@ -352,6 +352,27 @@ void ColdTier::append(int n, const float* keys, const float* values, const int64
   count += n;
 }
 
+RecallRow ColdTier::stored_view(int layer, int group) const {
+  RecallRow r;
+  r.n_kv = n_kv;
+  r.group = group;
+  r.hd = hd;
+  r.code_group = code_group;
+  r.width = width;
+  r.page_size = page_size;
+  r.pages = pages;
+  r.total = count;
+  r.entries = entries.data() + (long)layer * capacity * n_kv * width;
+  r.positions = positions.data() + (long)layer * capacity * n_kv;
+  r.summaries = summaries.data() + (long)layer * (capacity / page_size) * n_kv * 2 * hd;
+  if (!key_offset.empty()) r.key_offset = key_offset.data() + (long)layer * n_kv * hd;
+  r.cos = cos.data();
+  r.sin = sin.data();
+  r.rank = rank;
+  r.scale = scale;
+  return r;
+}
+
 std::string retire_evicted(ColdTier& tier, const ArenaStorage& a, int n_rows, int extent) {
   std::vector<std::vector<std::vector<int>>> slots;
   int n = -1;
@@ -402,10 +423,9 @@ void recall_rows(ColdTier& tier, const ArenaStorage& a, const ArenaPass& p, int 
   const int most = n_pending[T - 1];
   // Each row's rotation: its position, or (in-cache) its rank, the tokens visible before it.
   std::vector<int64_t> query_rows(T);
-  int64_t rank = p.visible_before, highest = tier.rank >= 0 ? tier.rank + (int64_t)tier.pages * P + P : -1;
+  int64_t highest = tier.rank >= 0 ? tier.rank + (int64_t)tier.pages * P + P : -1;
   for (int i = 0; i < T; ++i) {
-    if (i) rank = p.per_row ? std::min<int64_t>(rank + 1, p.budget) : rank + 1;
-    query_rows[i] = p.in_cache ? rank : p.first_position + i;
+    query_rows[i] = p.in_cache ? row_rank(p.visible_before, i, p.per_row, p.budget) : p.first_position + i;
     highest = std::max(highest, query_rows[i]);
   }
   if (tier.rank < 0) {
@@ -442,31 +462,16 @@ void recall_rows(ColdTier& tier, const ArenaStorage& a, const ArenaPass& p, int 
     if (!total) continue;
     for (int head = 0; head < n_heads; ++head)
       std::memcpy(query.data() + (long)head * hd, q + ((long)head * T + i) * hd, (std::size_t)hd * 4);
-    RecallRow r;
-    r.n_kv = n_kv;
-    r.group = n_heads / n_kv;
-    r.hd = hd;
-    r.code_group = tier.code_group;
-    r.width = W;
-    r.page_size = P;
-    r.pages = tier.pages;
+    RecallRow r = tier.stored_view(layer, n_heads / n_kv);
     r.total = total;
     r.query = query.data();
     r.query_row = query_rows[i];
-    r.entries = tier.entries.data() + stored_at * n_kv * W;
-    r.positions = tier.positions.data() + stored_at * n_kv;
-    r.summaries = tier.summaries.data() + (long)layer * (tier.capacity / P) * n_kv * 2 * hd;
     if (n_pending[i]) {
       r.extra = extra.data();
       r.extra_positions = extra_positions.data();
       r.extra_summaries = extra_summaries.data();
       r.extra_start = extra_start;
     }
-    if (!tier.key_offset.empty()) r.key_offset = tier.key_offset.data() + (long)layer * n_kv * hd;
-    r.cos = tier.cos.data();
-    r.sin = tier.sin.data();
-    r.rank = tier.rank;
-    r.scale = tier.scale;
     r.out = out + (long)i * n_heads * hd;
     r.lse = lse + (long)i * n_heads;
     recall_row(r);

@@ -82,6 +82,9 @@ struct ColdTier {
   void append(int n, const float* keys, const float* values, const int64_t* positions_in);
   // The reason append() cannot take n entries, or "" (room past INT32_MAX).
   std::string check_append(int64_t n) const;
+  // A row of `group` query heads per KV head recalling from the stored entries of `layer` (the caller sets its
+  // query, its output and, for entries not yet stored, the extra view); cover() must reach its rotations.
+  RecallRow stored_view(int layer, int group) const;
 };
 
 // The entries the first n_rows of the in-flight rows after `committed` evicted (in [0, extent), extent = committed
