@@ -252,6 +252,25 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries():
         torch.testing.assert_close(got[layer].view(n_kv, -1, hd).double(), expected[layer], atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.usefixtures("native_kernels")
+def test_a_commit_refuses_to_retire_a_corrupt_position():
+    """An evicted slot whose position the tier's RoPE tables cannot hold is an error before the tier changes."""
+    arena = make_arena(TARGET, make_policy("hybrid", 20, sinks=2, heavy=9))
+    prefill(TARGET, arena, ids(40), 8)
+    before = arena.cold.count
+    arena.begin(1)
+    n_heads, n_kv, hd = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim
+    for layer in range(CONFIG.num_hidden_layers):
+        arena.attend(layer, torch.zeros(n_heads, 1, hd), torch.zeros(n_kv, 1, hd), torch.zeros(n_kv, 1, hd))
+    arena.end()
+    evicted = (arena.evicted_at[0, 0] == 0).nonzero().flatten()
+    assert len(evicted) == 1  # the row evicted one entry per head
+    arena.positions[0, 0, evicted[0]] = -5
+    with pytest.raises(ValueError, match="holds position -5"):
+        arena.commit(1)
+    assert arena.cold.count == before
+
+
 # ---------------------------------------------------------------------------------------------- exactness
 @pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("positions", ["original", "in-cache"])

@@ -127,12 +127,18 @@ void read_departed(const ColdTier& tier, const ArenaStorage& a, int layer, const
     }
 }
 
-// The highest position among slots of `layer` listed in `slots`' first n, or -1.
+// The highest position among slots of `layer` listed in `slots`' first n, or -1. A position the RoPE tables cannot
+// hold (negative, or past 2^40: a corrupt arena) is an error.
 int64_t highest_departed(const ArenaStorage& a, int layer, const std::vector<std::vector<int>>& slots, int n) {
   int64_t highest = -1;
   for (int h = 0; h < a.n_kv; ++h)
-    for (int j = 0; j < n; ++j)
-      highest = std::max(highest, a.positions[((long)layer * a.n_kv + h) * a.cap + slots[h][j]]);
+    for (int j = 0; j < n; ++j) {
+      const int64_t position = a.positions[((long)layer * a.n_kv + h) * a.cap + slots[h][j]];
+      if (position < 0 || position >= (int64_t)1 << 40)
+        throw std::invalid_argument("the cold tier: slot " + std::to_string(slots[h][j]) + " of KV head " +
+                                    std::to_string(h) + " holds position " + std::to_string(position));
+      highest = std::max(highest, position);
+    }
   return highest;
 }
 
