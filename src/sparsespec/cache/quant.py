@@ -38,10 +38,10 @@ the ring's included, the window lowers int4's perplexity. int8 entries cost noth
 entries, so they have none by default. Measured:
 benchmarks/history/kv-cache.md#the-full-precision-window-built-int4s-newest-positions-in-the-arena-and-the-native-op-2026-12-03
 
-Round-trip bound (tested): for a group with minimum ``m`` and range ``r``,
-an entry read back differs from ``x`` by at most ``s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the
-float16 scale: half a step, plus the rounding of scale and zero to float16 (the floor ``2^-14``, float16's smallest
-normal number, keeps constant groups well defined).
+Round-trip bound (tested): for a group with minimum ``m`` and range ``r``, an entry read back differs from ``x`` by
+at most ``s/2 + 2^-11·(r + |m|)`` where ``s = max(r / (2^bits - 1), 2^-14)`` is the float16 scale: half a step, plus
+the rounding of scale and zero to float16 (the floor ``2^-14``, float16's smallest normal number, keeps constant
+groups well defined).
 """
 
 from __future__ import annotations

@@ -439,16 +439,18 @@ void recall_rows(ColdTier& tier, const ArenaStorage& a, const ArenaPass& p, int 
     if (most) highest = std::max(highest, highest_departed(a, layer, slots, most));
   }
   tier.cover(highest + 1);
-  // The views' entries past the stored pages: the committed tail, then the pending entries, with the summaries of
-  // the pages they complete (a page's summary depends on its entries alone, so one set serves every row).
-  const int extra_start = tier.count / P * P, tail = tier.count - extra_start, extra_n = tail + most;
+  // The views of rows with pending entries, past the stored pages: the committed tail, then the pending entries,
+  // with the summaries of the pages they complete (a page's summary depends on its entries alone, so one set serves
+  // every row). Rows without pending entries (every one-row step) read the stored tier alone.
+  const int extra_start = tier.count / P * P, tail = tier.count - extra_start, extra_n = most ? tail + most : 0;
   const long stored_at = (long)layer * tier.capacity;
   std::vector<uint8_t> extra((std::size_t)extra_n * n_kv * W);
   std::vector<int64_t> extra_positions((std::size_t)extra_n * n_kv);
-  std::memcpy(extra.data(), tier.entries.data() + (stored_at + extra_start) * n_kv * W, (std::size_t)tail * n_kv * W);
-  std::memcpy(extra_positions.data(), tier.positions.data() + (stored_at + extra_start) * n_kv,
-              (std::size_t)tail * n_kv * sizeof(int64_t));
   if (most) {
+    std::memcpy(extra.data(), tier.entries.data() + (stored_at + extra_start) * n_kv * W,
+                (std::size_t)tail * n_kv * W);
+    std::memcpy(extra_positions.data(), tier.positions.data() + (stored_at + extra_start) * n_kv,
+                (std::size_t)tail * n_kv * sizeof(int64_t));
     std::vector<float> keys((std::size_t)most * n_kv * hd), values(keys.size());
     read_departed(tier, a, layer, slots, most, keys.data(), values.data(), extra_positions.data() + (long)tail * n_kv);
     for (int j = 0; j < most; ++j)
