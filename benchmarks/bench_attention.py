@@ -38,7 +38,7 @@ from common import emit, machine, results_dir
 from sparsespec import kernels
 from sparsespec.cache.arena import KVArena
 from sparsespec.cache.policy import POLICIES, make_policy
-from sparsespec.cache.quant import BITS, KVStore, bytes_per_vector
+from sparsespec.cache.quant import BITS, bytes_per_vector
 from sparsespec.cache.recall import Recall
 from sparsespec.config import ModelConfig
 
@@ -82,15 +82,17 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     ring = (torch.arange(newest) + entries - newest) % max(arena.recent_slots, 1)
     for layer in range(config.num_hidden_layers):
         k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
-        store(arena._keys, layer, k, gen)
-        store(arena._values, layer, v, gen)
-        arena.recent_keys[layer][:, ring] = k[:, kept - newest :]
-        arena.recent_values[layer][:, ring] = v[:, kept - newest :]
+        store(arena, "key", layer, k, gen)
+        store(arena, "value", layer, v, gen)
+        if newest:
+            arena.buffer("recent_keys")[layer][:, ring] = k[:, kept - newest :]
+            arena.buffer("recent_values")[layer][:, ring] = v[:, kept - newest :]
     recent = torch.arange(entries - (kept - min(4, kept)), entries)
-    arena.positions[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
+    arena.buffer("positions")[:, :, :kept] = torch.cat((torch.arange(min(4, kept)), recent))
     if policy.needs_scores:
-        arena.scores[:, :, :kept] = torch.rand(arena.scores[:, :, :kept].shape, generator=gen)
-        arena.committed_scores.copy_(arena.scores)
+        scores = arena.buffer("scores")
+        scores[:, :, :kept] = torch.rand(scores[:, :, :kept].shape, generator=gen)
+        arena.buffer("committed_scores").copy_(scores)
     arena.n_committed = kept
     arena.next_position = entries
     if recall_pages and entries > kept:
@@ -101,16 +103,17 @@ def filled_arena(config: ModelConfig, policy_name: str, budget: int | None, entr
     return arena
 
 
-def store(entries: KVStore, layer: int, x: torch.Tensor, gen: torch.Generator) -> None:
-    """``x: [n_kv, n, head_dim]`` into slots ``[0, n)`` of ``layer`` (quantized formats: random codes with a step of
-    0.1 from -0.75)."""
+def store(arena: KVArena, stored: str, layer: int, x: torch.Tensor, gen: torch.Generator) -> None:
+    """``x: [n_kv, n, head_dim]`` into slots ``[0, n)`` of ``layer`` of the arena's ``stored`` ("key" or "value")
+    entries (quantized formats: random codes with a step of 0.1 from -0.75)."""
     n = x.shape[1]
-    if entries.bits is None:
-        entries.data[layer, :, :n] = x
+    entries = arena.buffer(stored + "s")
+    if arena.kv_dtype not in BITS:
+        entries[layer, :, :n] = x
         return
-    codes = entries.data[layer, :, :n]
+    codes = entries[layer, :, :n]
     codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
-    entries.params[layer, :, :n] = torch.tensor([0.1, -0.75], dtype=torch.float16)
+    arena.buffer(stored + "_params")[layer, :, :n] = torch.tensor([0.1, -0.75], dtype=torch.float16)
 
 
 def time_steps(arena: KVArena, rows: int, steps: int, warmup: int) -> tuple[list[float], list[float]]:

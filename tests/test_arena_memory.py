@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import psutil
 import pytest
 import torch
 
-from sparsespec.cache.arena import KVArena
+from sparsespec.cache.arena import NEVER, KVArena
 from sparsespec.cache.policy import make_policy
 from sparsespec.errors import UserError
 
@@ -21,7 +22,7 @@ def _buffers(arena: KVArena) -> dict[str, torch.Tensor]:
     names = ["keys", "values", "positions", "evicted_at"]
     if arena.policy.needs_scores:
         names += ["scores", "committed_scores", "row_scores"]
-    return {name: getattr(arena, name) for name in names}
+    return {name: arena.buffer(name) for name in names}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,9 +37,9 @@ def test_buffers_have_the_promised_size(name, budget, max_block, max_inflight, d
     capacity = (max_tokens if policy.is_full else budget) + staging
     n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     assert arena.capacity == capacity
-    assert arena.keys.shape == (n_layers, n_kv, capacity, hd)
-    assert arena.values.shape == (n_layers, n_kv, capacity, hd)
-    assert arena.keys.dtype == arena.values.dtype == dtype
+    assert arena.buffer("keys").shape == (n_layers, n_kv, capacity, hd)
+    assert arena.buffer("values").shape == (n_layers, n_kv, capacity, hd)
+    assert arena.buffer("keys").dtype == arena.buffer("values").dtype == dtype
     itemsize = torch.tensor([], dtype=dtype).element_size()
     assert arena.nbytes == 2 * n_layers * n_kv * capacity * hd * itemsize
     # Bookkeeping per slot: int64 position + int32 eviction mark; with heavy hitters, float32 scores, the
@@ -70,7 +71,6 @@ def test_buffers_never_move(name, budget, mode):
     def check(what):
         now = _buffers(arena)
         for key, t in now.items():
-            assert t is buffers[key], f"{what}: {key} was replaced"
             assert (t.data_ptr(), t.shape, t.stride()) == pointers[key], f"{what}: {key} moved or changed shape"
 
     at = 0
@@ -114,7 +114,7 @@ def test_rss_stays_flat_over_20k_tokens(mode):
     model = tiny_model(num_hidden_layers=1, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     n_tokens, warmup = 20_000, 2_000
     arena = KVArena(model.config, make_policy("hybrid", 64), dtype=torch.float32, max_block=16, positions=mode)
-    kv_pointer = arena.keys.data_ptr()
+    kv_pointer = arena.buffer("keys").data_ptr()
     if mode == "original":
         arena.rope.rotate(torch.zeros(1, 1, model.config.head_dim), torch.tensor([n_tokens + 16]))
     gen = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_rss_stays_flat_over_20k_tokens(mode):
     samples.append(process.memory_info().rss)
 
     assert arena.n_committed == 64 and arena.next_position == n_tokens
-    assert arena.keys.data_ptr() == kv_pointer
+    assert arena.buffer("keys").data_ptr() == kv_pointer
     allowance = max(0.02 * baseline, 4 * 2**20)
     growth = max(samples) - baseline
     trace = ", ".join(f"{(s - baseline) / 2**20:+.2f}" for s in samples)
@@ -185,3 +185,82 @@ def test_a_full_cache_stops_growing_at_max_tokens():
     assert capacities == [16, 32, 32, 48, 48, 48]  # 8 + 8 staging, doubled when full, capped at 40 + 8
     with pytest.raises(UserError, match="The KV cache holds 48 tokens"):
         arena.begin(1)
+
+
+# ------------------------------------------------------------------------------ the native arena's own memory
+def _fed(kv_dtype: str = "int4", recall: bool = False) -> KVArena:
+    """A budgeted arena after 40 tokens of a tiny model, its entries quantized and (``recall``) its evictions in a
+    cold tier."""
+    from sparsespec.cache.recall import Recall
+
+    model = tiny_model(num_hidden_layers=2)
+    arena = KVArena(model.config, make_policy("hybrid", 16, sinks=2), dtype=torch.float32, max_block=8,
+                    max_inflight=4, positions="in-cache", kv_dtype=kv_dtype,
+                    recall=Recall(2) if recall else None)
+    for at in range(0, 40, 8):
+        model.forward(torch.arange(at, at + 8) % model.config.vocab_size, arena, per_block=True)
+        arena.commit(8)
+    return arena
+
+
+def test_a_resize_keeps_the_committed_slots_and_old_views_keep_the_old_memory():
+    arena = _fed()
+    n = arena.n_committed
+    before = {name: t.clone() for name, t in arena.buffers().items()}
+    old_keys = arena.buffer("keys")
+    arena._resize(arena.capacity + 5)
+    after = arena.buffers()
+    for name in ("keys", "values", "key_params", "value_params", "positions", "scores", "committed_scores"):
+        assert after[name].shape[2] == arena.capacity, name
+        assert torch.equal(after[name][:, :, :n], before[name][:, :, :n]), name
+    assert torch.equal(after["recent_keys"], before["recent_keys"])
+    assert torch.equal(after["recent_values"], before["recent_values"])
+    assert bool((after["evicted_at"] == NEVER).all())
+    assert old_keys.data_ptr() != after["keys"].data_ptr()
+    assert torch.equal(old_keys, before["keys"])  # the view still reads the memory it was made over
+
+
+def test_a_deep_copy_owns_its_memory_and_its_cold_tier():
+    arena = _fed(recall=True)
+    assert arena.cold.count > 0
+    twin = copy.deepcopy(arena)
+    assert twin.cold is not arena.cold and twin.cold.count == arena.cold.count
+    for name, tensor in arena.buffers().items():
+        other = twin.buffer(name)
+        assert other.data_ptr() != tensor.data_ptr() and torch.equal(other, tensor), name
+    twin.buffer("positions").fill_(-1)
+    twin.reset()
+    assert twin.cold.count == 0 and arena.cold.count > 0
+    assert int(arena.buffer("positions").min()) >= 0
+
+
+@pytest.mark.parametrize(("layout", "says"), [
+    (dict(head_dim=7), "heads of an even size from 2 to 256, not 7"),
+    (dict(capacity=0), "an arena of no slots"),
+    (dict(code_bits=3, code_group=4), "codes of 8 or 4 bits"),
+    (dict(code_bits=4, code_group=5), "quantization groups that divide"),
+    (dict(recent_window=4, recent_slots=4), "a full-precision window needs quantized entries"),
+    (dict(code_bits=4, code_group=8, recent_window=4, recent_slots=2), "a ring of at least its positions"),
+    (dict(key_offset=torch.zeros(1, 2, 8)), "a key offset needs quantized keys"),
+    (dict(code_bits=8, code_group=8, key_offset=torch.zeros(2, 2, 8)), "key_offset must be float32 \\[1, 2, 8\\]"),
+    (dict(heavy=2), "heavy hitters needs scores"),
+    (dict(row_score_rows=2), "score snapshots need scores"),
+    (dict(capacity=-1), "sizes and counts from 0"),
+], ids=["odd-head", "no-slots", "3-bit", "group", "window-of-floats", "short-ring", "offset-of-floats",
+        "offset-shape", "heavy-without-scores", "snapshots-without-scores", "negative"])
+def test_a_layout_the_arena_cannot_hold_is_refused(native_kernels, layout, says):
+    from sparsespec import kernels
+
+    args = dict(n_layers=1, n_kv=2, head_dim=8, capacity=16) | layout
+    with pytest.raises(RuntimeError, match=says):
+        kernels.native_arena(**args)
+
+
+def test_a_resize_that_would_lose_or_invent_slots_is_refused(native_kernels):
+    from sparsespec import kernels
+
+    arena = kernels.native_arena(n_layers=1, n_kv=2, head_dim=8, capacity=16)
+    for capacity, keep in ((8, 12), (16, 17), (0, 0), (16, -1)):
+        with pytest.raises(RuntimeError, match="NativeArena.resize"):
+            arena.resize(capacity, keep)
+    assert arena.capacity == 16

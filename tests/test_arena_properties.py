@@ -100,15 +100,15 @@ def _committed(arena: KVArena) -> dict:
     """A copy of the committed region, slot for slot, plus the counters."""
     n = arena.n_committed
     state = {
-        "keys": arena.keys[:, :, :n].clone(),
-        "values": arena.values[:, :, :n].clone(),
-        "positions": arena.positions[:, :, :n].clone(),
+        "keys": arena.buffer("keys")[:, :, :n].clone(),
+        "values": arena.buffer("values")[:, :, :n].clone(),
+        "positions": arena.buffer("positions")[:, :, :n].clone(),
         "n_committed": n,
         "next_position": arena.next_position,
         "evicted_tokens": arena.evicted_tokens,
     }
     if arena.policy.needs_scores:
-        state["scores"] = arena.scores[:, :, :n].clone()
+        state["scores"] = arena.buffer("scores")[:, :, :n].clone()
     return state
 
 
@@ -126,9 +126,9 @@ def _by_position(arena: KVArena, layer: int, head: int) -> dict[int, tuple]:
     n = arena.n_committed
     out = {}
     for slot in range(n):
-        p = int(arena.positions[layer, head, slot])
-        score = float(arena.scores[layer, head, slot]) if arena.policy.needs_scores else None
-        out[p] = (arena.keys[layer, head, slot], arena.values[layer, head, slot], score)
+        p = int(arena.buffer("positions")[layer, head, slot])
+        score = float(arena.buffer("scores")[layer, head, slot]) if arena.policy.needs_scores else None
+        out[p] = (arena.buffer("keys")[layer, head, slot], arena.buffer("values")[layer, head, slot], score)
     return out
 
 
@@ -141,16 +141,16 @@ def _check_contract(arena: KVArena, before: dict, what: str) -> None:
         assert n <= policy.budget, f"{what}: {n} committed slots exceed the budget {policy.budget}"
     else:
         assert n == arena.next_position, f"{what}: the full cache lost tokens"
-    assert bool((arena.evicted_at[:, :, :n] == NEVER).all()), f"{what}: a committed slot is marked evicted"
+    assert bool((arena.buffer("evicted_at")[:, :, :n] == NEVER).all()), f"{what}: a committed slot is marked evicted"
     seen = arena.next_position
     old_seen = before["next_position"]
     required = set(range(min(policy.sinks, seen))) | set(range(max(seen - policy.window, 0), seen))
     if policy.is_full:
         required = set(range(seen))
-    n_layers, n_kv = arena.keys.shape[:2]
+    n_layers, n_kv = arena.buffer("keys").shape[:2]
     for layer in range(n_layers):
         for head in range(n_kv):
-            positions = arena.positions[layer, head, :n].tolist()
+            positions = arena.buffer("positions")[layer, head, :n].tolist()
             kept = set(positions)
             assert len(kept) == len(positions), f"{what}: duplicate positions {sorted(positions)}"
             assert all(0 <= p < seen for p in kept), f"{what}: positions {sorted(kept)} outside [0, {seen})"
@@ -168,7 +168,7 @@ def _assert_same_tokens(a: KVArena, b: KVArena, what: str) -> None:
     """Same committed tokens per layer/head (keys and values equal, scores close), whatever their slot order."""
     assert a.n_committed == b.n_committed, f"{what}: {a.n_committed} vs {b.n_committed} committed slots"
     assert a.next_position == b.next_position and a.evicted_tokens == b.evicted_tokens
-    n_layers, n_kv = a.keys.shape[:2]
+    n_layers, n_kv = a.buffer("keys").shape[:2]
     for layer in range(n_layers):
         for head in range(n_kv):
             x, y = _by_position(a, layer, head), _by_position(b, layer, head)
@@ -276,10 +276,10 @@ def test_tied_scores_evict_the_oldest(policy, mode, chunks, decode_blocks):
         expected = fixed | set(range(max(seen - (policy.budget - len(fixed)), 0), seen))
         for layer in range(config.num_hidden_layers):
             for head in range(n_kv):
-                kept = set(arena.positions[layer, head, : arena.n_committed].tolist())
+                kept = set(arena.buffer("positions")[layer, head, : arena.n_committed].tolist())
                 assert kept == expected, f"{what}: keeps {sorted(kept)}, expected {sorted(expected)}"
-                scores = arena.scores[layer, head, : arena.n_committed]
-                positions = arena.positions[layer, head, : arena.n_committed]
+                scores = arena.buffer("scores")[layer, head, : arena.n_committed]
+                positions = arena.buffer("positions")[layer, head, : arena.n_committed]
                 assert bool((scores[positions != 0] == 0).all()), "test setup: some token besides 0 got attention"
 
     at = 0

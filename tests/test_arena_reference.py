@@ -258,7 +258,7 @@ class RecordedRows:
 
     def __init__(self, arena: KVArena):
         self.arena = arena
-        self.bits = arena._keys.bits
+        self.bits = {"int8": 8, "int4": 4}.get(arena.kv_dtype)
         self.rows: dict[int, list] = {}
         attend = arena.attend
 
@@ -266,10 +266,11 @@ class RecordedRows:
             out = attend(layer, q, k, v)
             first, n_rows, _ = arena._block
             start = arena.n_committed + first
-            stores = (arena._keys, arena._values)
-            self.rows[layer] = [(s.data[layer, :, start : start + n_rows].clone(),
-                                 None if s.params is None else s.params[layer, :, start : start + n_rows].clone())
-                                for s in stores] + [0]
+            buffers = arena.buffers()
+            self.rows[layer] = [(buffers[stored + "s"][layer, :, start : start + n_rows].clone(),
+                                 buffers[stored + "_params"][layer, :, start : start + n_rows].clone()
+                                 if self.bits else None)
+                                for stored in ("key", "value")] + [0]
             return out
 
         arena.attend = spy
@@ -297,14 +298,14 @@ def _assert_same_cache(arena: KVArena, ref: NaiveDecoder, what):
     n = arena.n_committed
     for layer in range(ref.cfg.num_hidden_layers):
         for head in range(ref.cfg.num_key_value_heads):
-            positions = arena.positions[layer, head, :n]
+            positions = arena.buffer("positions")[layer, head, :n]
             order = positions.argsort()
             expected = ref.kept[layer, head].nonzero().flatten()
             assert torch.equal(positions[order], expected), (
                 f"{what}: layer {layer} head {head} keeps {positions[order].tolist()}, expected {expected.tolist()}"
             )
             if arena.policy.needs_scores:
-                got = arena.scores[layer, head, :n][order]
+                got = arena.buffer("scores")[layer, head, :n][order]
                 want = ref.scores[layer, head, expected]
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"{what}: scores differ in layer {layer}"
 
@@ -432,7 +433,7 @@ def test_qwen2_quantized_keys_without_the_key_bias_match_naive_reference(policy_
     bias, within half a step of that range."""
     config, model, arena, ref = _setup("qwen2", policy_name, "in-cache", n_layers=1, kv_dtype=kv_dtype,
                                        key_bias_outliers=40.0)
-    assert arena._keys.offset is not None and float(arena._keys.offset.abs().max()) == 40.0
+    assert float(arena.buffer("key_offset").abs().max()) == 40.0
     stream = _token_stream(PROMPT_LEN + 120, config.vocab_size, seed=13)
     _prefill_both(model, arena, ref, stream[:PROMPT_LEN])
     _decode_both(model, arena, ref, stream[PROMPT_LEN:], f"qwen2 {policy_name}/{kv_dtype}")

@@ -70,7 +70,7 @@ def _rows(config, n_rows, gen, dtype):
 
 
 def _evictions(arena: KVArena) -> int:
-    return int((arena.evicted_at != NEVER).sum())
+    return int((arena.buffer("evicted_at") != NEVER).sum())
 
 
 class Reference:
@@ -128,17 +128,17 @@ class Reference:
         end = arena.n_committed + arena.n_inflight
         for layer in range(arena.config.num_hidden_layers):
             for head in range(arena.config.num_key_value_heads):
-                live = (arena.evicted_at[layer, head, :end] == NEVER).nonzero().flatten()
-                positions = arena.positions[layer, head, live]
+                live = (arena.buffer("evicted_at")[layer, head, :end] == NEVER).nonzero().flatten()
+                positions = arena.buffer("positions")[layer, head, live]
                 order = positions.argsort()
                 kept = naive.kept[layer, head].nonzero().flatten()
                 where = f"{what}, layer {layer} head {head}"
                 assert torch.equal(positions[order], kept), f"{where}: keeps {positions[order].tolist()}, " \
                                                             f"expected {kept.tolist()}"
-                assert torch.equal(arena.keys[layer, head, live].float(), naive.k[layer, head, positions]), where
-                assert torch.equal(arena.values[layer, head, live].float(), naive.v[layer, head, positions]), where
+                assert torch.equal(arena.buffer("keys")[layer, head, live].float(), naive.k[layer, head, positions]), where
+                assert torch.equal(arena.buffer("values")[layer, head, live].float(), naive.v[layer, head, positions]), where
                 if arena.policy.needs_scores:
-                    torch.testing.assert_close(arena.scores[layer, head, live], naive.scores[layer, head, positions],
+                    torch.testing.assert_close(arena.buffer("scores")[layer, head, live], naive.scores[layer, head, positions],
                                                rtol=1e-5, atol=1e-6, msg=f"{where}: scores")
 
 
@@ -205,9 +205,9 @@ def test_a_window_over_every_position_reads_as_the_unquantized_arena_bitwise(nam
     (plain, out_plain), (windowed, out_windowed), (_, out_codes) = zip(arenas, outs)
     assert all(torch.equal(a, b) for a, b in zip(out_plain, out_windowed))
     assert not all(torch.equal(a, b) for a, b in zip(out_plain, out_codes))
-    assert torch.equal(plain.evicted_at, windowed.evicted_at) and plain.evicted_tokens > 0
+    assert torch.equal(plain.buffer("evicted_at"), windowed.buffer("evicted_at")) and plain.evicted_tokens > 0
     if plain.policy.needs_scores:
-        assert torch.equal(plain.scores, windowed.scores)
+        assert torch.equal(plain.buffer("scores"), windowed.buffer("scores"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -289,7 +289,7 @@ def test_verification_block_equals_autoregressive_steps_bitwise(name, mode, kv_d
     whole.begin(MAX_INFLIGHT)
     outs_whole = [whole.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(block)]
     whole.end()
-    evicted_in_block = int((whole.evicted_at[..., :whole.n_committed + accepted] < accepted).sum())
+    evicted_in_block = int((whole.buffer("evicted_at")[..., :whole.n_committed + accepted] < accepted).sum())
     whole.commit(accepted)
     outs_steps = [[] for _ in block]
     for i in range(MAX_INFLIGHT):
@@ -302,7 +302,7 @@ def test_verification_block_equals_autoregressive_steps_bitwise(name, mode, kv_d
             assert whole.n_committed == steps.n_committed
             n = steps.n_committed
             for field in ("keys", "values", "positions") + (("scores",) if steps.policy.needs_scores else ()):
-                assert torch.equal(getattr(whole, field)[:, :, :n], getattr(steps, field)[:, :, :n]), field
+                assert torch.equal(whole.buffer(field)[:, :, :n], steps.buffer(field)[:, :, :n]), field
     for layer in range(config.num_hidden_layers):
         assert torch.equal(outs_whole[layer], torch.cat(outs_steps[layer])), f"layer {layer}: outputs"
     # The block evicted, so its accepted rows had to be placed where the steps put theirs.
@@ -333,7 +333,7 @@ def test_long_cache_spans_chunks_and_threads(name, mode):
             for step in range(3):
                 outs += ref.block(_rows(config, 3, gen, torch.bfloat16), False, f"block {step}")[0]
                 ref.commit(3, f"block {step}")
-            results.append((outs, arena.evicted_at.clone(), arena.n_committed))
+            results.append((outs, arena.buffer("evicted_at").clone(), arena.n_committed))
         finally:
             torch.set_num_threads(previous)
     assert results[0][2] > 2 * 256  # the cache spans three chunks
@@ -418,7 +418,7 @@ def test_two_kv_heads_on_three_threads_run_by_chunks_match_the_naive_decoder(nam
         finally:
             torch.set_num_threads(previous)
         assert arena.n_committed > 2 * 256 and within > 0
-        states.append((arena.keys.clone(), arena.evicted_at.clone(), arena.scores.clone()))
+        states.append((arena.buffer("keys").clone(), arena.buffer("evicted_at").clone(), arena.buffer("scores").clone()))
     for by_chunks, by_heads in zip(*states):
         assert torch.equal(by_chunks, by_heads)
 
@@ -427,53 +427,48 @@ def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, re
     """The arena, block and rows of a valid :func:`kernels.arena_attention` call (:func:`_attend` makes it): a
     one-layer arena whose first ``committed`` slots hold positions 0, 1, ... (alive, random scores), ``n_rows`` rows
     entering after them in the in-cache mode with a hybrid policy whose budget makes every row evict; ``overrides``
-    replace any of them."""
+    replace any of them. With ``code_bits``, one group of codes per head vector."""
     gen = torch.Generator().manual_seed(0)
     cap = committed + n_rows + 2
-    entry, store = (head_dim * code_bits // 8, torch.uint8) if code_bits else (head_dim, torch.float32)
     args = dict(
         q=torch.randn(n_kv * group, n_rows, head_dim, generator=gen),
         k=torch.randn(n_kv, n_rows, head_dim, generator=gen), v=torch.randn(n_kv, n_rows, head_dim, generator=gen),
-        keys=torch.zeros(1, n_kv, cap, entry, dtype=store), values=torch.zeros(1, n_kv, cap, entry, dtype=store),
-        positions=torch.arange(cap).repeat(1, n_kv, 1), evicted_at=torch.full((1, n_kv, cap), NEVER, dtype=torch.int32),
-        scores=torch.rand(1, n_kv, cap, generator=gen), row_scores=None, cos=torch.ones(cap, head_dim),
+        capacity=cap, positions=torch.arange(cap).repeat(1, n_kv, 1),
+        evicted_at=torch.full((1, n_kv, cap), NEVER, dtype=torch.int32),
+        scores=torch.rand(1, n_kv, cap, generator=gen), cos=torch.ones(cap, head_dim),
         sin=torch.zeros(cap, head_dim), table_offset=0, in_cache=True, layer=0, start=committed, first=0,
         visible_before=committed, first_position=committed, snapshots=0, per_row=True, budget=committed - 2,
         sinks=1, heavy=3, window=1, scale=0.35, code_bits=code_bits, recent_window=recent_window,
     )
-    if code_bits:  # one group of codes per head vector, and a full-precision window of 8 rows
-        args.update(key_params=torch.zeros(1, n_kv, cap, 1, 2, dtype=torch.half),
-                    value_params=torch.zeros(1, n_kv, cap, 1, 2, dtype=torch.half),
-                    recent_keys=torch.zeros(1, n_kv, 8, head_dim), recent_values=torch.zeros(1, n_kv, 8, head_dim))
     args.update(overrides)
     return args
 
 
-def _attend(args: dict) -> torch.Tensor:
-    """:func:`kernels.arena_attention` on :func:`_op_args`: the arena's handle (checked as it is made), then the
-    block's pass over layer ``layer``."""
+def _attend(args: dict) -> tuple[torch.Tensor, object]:
+    """:func:`kernels.arena_attention` on :func:`_op_args`: the native arena (checked as it is made) with the
+    contents ``args`` give, then the block's pass over layer ``layer``; the output and the arena as it left it."""
     a = dict(args)
-    scores = a.pop("scores")
+    head_dim, code_bits, recent_window = a["q"].shape[-1], a.pop("code_bits"), a.pop("recent_window")
     arena = kernels.native_arena(
-        a["q"].shape[-1], a.pop("keys"), a.pop("values"), a.pop("positions"), a.pop("evicted_at"), scores,
-        None if scores is None else torch.zeros_like(scores), a.pop("row_scores"), None, a.pop("key_params", None),
-        a.pop("value_params", None), a.pop("code_bits"), a.pop("key_offset", None), a.pop("recent_keys", None),
-        a.pop("recent_values", None), a.pop("recent_window"), a.pop("sinks"), a.pop("heavy"), a.pop("window"),
-        a.pop("age_normalised", False), a.pop("score_decay", 1.0), a.pop("scale"))
+        n_layers=1, n_kv=a["k"].shape[0], head_dim=head_dim, capacity=a.pop("capacity"), code_bits=code_bits,
+        code_group=head_dim if code_bits else 0, scores=True, recent_window=recent_window,
+        recent_slots=recent_window, sinks=a.pop("sinks"), heavy=a.pop("heavy"), window=a.pop("window"),
+        age_normalised=a.pop("age_normalised", False), scale=a.pop("scale"))
+    for name in ("positions", "evicted_at", "scores"):
+        arena.buffer(name).copy_(a.pop(name))
     budget = a.pop("budget")
     arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
                   a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
                   a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0, a.pop("recall", False))
-    return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v"))
+    return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v")), arena
 
 
 def test_the_checks_pass_the_valid_calls_the_tests_below_break():
-    args = _op_args()
-    out = _attend(args)
+    out, arena = _attend(_op_args())
     assert out.shape == (2, 4 * 8) and torch.isfinite(out).all()
-    assert set(args["evicted_at"].unique().tolist()) == {0, 1, NEVER}  # both rows evicted
-    windowed = _op_args(committed=4, code_bits=4, recent_window=8, in_cache=False)
-    assert torch.isfinite(_attend(windowed)).all()
+    assert set(arena.buffer("evicted_at").unique().tolist()) == {0, 1, NEVER}  # both rows evicted
+    windowed, _ = _attend(_op_args(committed=4, code_bits=4, recent_window=8, in_cache=False))
+    assert torch.isfinite(windowed).all()
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -527,4 +522,4 @@ def test_a_commit_the_arena_cannot_make_is_an_error(counts, says):
     policy = make_policy("hybrid", 6, sinks=1, heavy=2)
     arena = KVArena(tiny_config(), policy, dtype=torch.float32, max_block=4, max_inflight=1)
     with pytest.raises(RuntimeError, match=says):
-        arena._handle().commit(*counts)
+        arena.handle.commit(*counts)

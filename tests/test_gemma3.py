@@ -202,8 +202,8 @@ def test_a_tree_block_over_both_kinds_of_layer_equals_the_steps_along_each_path(
     for got, expected in ((cache.global_arena, chains[5].global_arena), (cache.sliding_arena, chains[5].sliding_arena)):
         n = expected.n_committed
         assert (got.n_committed, got.next_position) == (n, expected.next_position)
-        assert torch.equal(got.positions[..., :n], expected.positions[..., :n])
-        assert torch.equal(got.keys[..., :n, :], expected.keys[..., :n, :])
+        assert torch.equal(got.buffer("positions")[..., :n], expected.buffer("positions")[..., :n])
+        assert torch.equal(got.buffer("keys")[..., :n, :], expected.buffer("keys")[..., :n, :])
     assert cache.global_arena.evicted_tokens > 0 and cache.sliding_arena.evicted_tokens > 0
     step = torch.tensor([7])
     assert torch.equal(model.forward(step, cache), model.forward(step, chains[5]))

@@ -23,17 +23,16 @@ def test_age_normalisation_evicts_the_old_token_that_hybrid_keeps():
     scores[7] = 1.5  # recent: 3 rows, a mean of 1/2
     outcome = {}
     for name in ("hybrid", "hybrid-age"):
-        evicted_at = torch.full((1, 1, 10), NEVER, dtype=torch.int32)
         policy = make_policy(name, 5, sinks=1, heavy=2, window=2)
         hd, cap = 8, 10
-        arena = kernels.native_arena(
-            hd, torch.zeros(1, 1, cap, hd), torch.zeros(1, 1, cap, hd), torch.arange(cap).view(1, 1, cap), evicted_at,
-            torch.tensor(scores + [0.0]).view(1, 1, cap), torch.zeros(1, 1, cap), None, None, None, None, 0, None,
-            None, None, 0, policy.sinks, policy.heavy, policy.window, policy.age_normalised, 1.0, 1.0)
+        arena = kernels.native_arena(n_layers=1, n_kv=1, head_dim=hd, capacity=cap, scores=True, sinks=policy.sinks,
+                                     heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised)
+        arena.buffer("positions").copy_(torch.arange(cap).view(1, 1, cap))
+        arena.buffer("scores").copy_(torch.tensor(scores + [0.0]).view(1, 1, cap))
         row = (arena, 9, 0, 9, 9, 0, True, policy.budget, False, torch.ones(cap, hd), torch.zeros(cap, hd), 0, None,
                0, 0, False)
         kernels.arena_attention(row, 0, torch.zeros(2, 1, hd), torch.zeros(1, 1, hd), torch.zeros(1, 1, hd))
-        outcome[name] = set((evicted_at[0, 0] == NEVER).nonzero().flatten().tolist())
+        outcome[name] = set((arena.buffer("evicted_at")[0, 0] == NEVER).nonzero().flatten().tolist())
     assert outcome["hybrid"] == {0, 1, 6, 8, 9}
     assert outcome["hybrid-age"] == {0, 6, 7, 8, 9}
 

@@ -29,7 +29,7 @@ def _scores_after_rows(name: str, blocks: tuple[int, ...]) -> list[torch.Tensor]
         arena.attend(0, q[:, rows], k[:, rows], v[:, rows])
         arena.end()
         arena.commit(n_rows)
-        after.append(arena.scores[0, :, :8].clone())
+        after.append(arena.buffer("scores")[0, :, :8].clone())
         start += n_rows
     assert arena.evicted_tokens == 0
     return after

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparsespec.cache import KVArena, make_policy
-from sparsespec.cache.quant import MIN_SCALE, group_size
+from sparsespec.cache.quant import BITS, MIN_SCALE, group_size
 from sparsespec.errors import UserError
 
 from conftest import tiny_config, tiny_model
@@ -160,19 +160,25 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
     bits = 8 if kv_dtype == "int8" else 4
     for head in range(model.config.num_key_value_heads):
         for slot in range(arena.n_committed):
-            k, v = written[int(arena.positions[0, head, slot])]
-            for store, row in ((arena._keys, k), (arena._values, v)):
+            k, v = written[int(arena.buffer("positions")[0, head, slot])]
+            for stored, row in (("key", k), ("value", v)):
                 codes, params = quantize(row[head], bits)
-                assert torch.equal(store.data[0, head, slot], codes) and torch.equal(store.params[0, head, slot],
-                                                                                     params)
+                assert torch.equal(arena.buffer(stored + "s")[0, head, slot], codes)
+                assert torch.equal(arena.buffer(stored + "_params")[0, head, slot], params)
 
 
 def _stored_keys(arena: KVArena, layer: int, n: int) -> torch.Tensor:
     """``[n_kv, n, head_dim]`` float32: the keys of slots ``[0, n)`` of ``layer`` as stored, dequantized, the offset
     added back."""
-    store = arena._keys
-    keys = dequantize(store.data[layer, :, :n], store.params[layer, :, :n], store.bits)
-    return keys if store.offset is None else keys + store.offset[layer][:, None]
+    keys = dequantize(arena.buffer("keys")[layer, :, :n], arena.buffer("key_params")[layer, :, :n],
+                      BITS[arena.kv_dtype])
+    offset = _key_offset(arena)
+    return keys if offset is None else keys + offset[layer][:, None]
+
+
+def _key_offset(arena: KVArena) -> torch.Tensor | None:
+    """The offset the arena stores keys minus, or None."""
+    return arena.buffers().get("key_offset")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -196,7 +202,7 @@ def test_keys_with_an_offset_are_stored_without_it_and_read_back_with_it(native_
         arena.end()
         arena.commit(5)
     codes, params = quantize(x - offset[1][:, None], bits)
-    assert torch.equal(shifted.keys[1, :, :5], codes) and torch.equal(shifted._keys.params[1, :, :5], params)
+    assert torch.equal(shifted.buffer("keys")[1, :, :5], codes) and torch.equal(shifted.buffer("key_params")[1, :, :5], params)
     back = _stored_keys(shifted, 1, 5)
     torch.testing.assert_close(back, dequantize(codes, params, bits) + offset[1][:, None])
     group = {8: 32, 4: 16}[bits]
@@ -236,16 +242,15 @@ def test_the_key_offset_is_the_models_key_bias_and_only_where_keys_are_stored_be
     assert Transformer(tiny_config(), random_state(tiny_config(), seed=3), torch.float32).key_biases() is None
     arenas = {mode: KVArena(config, make_policy("hybrid", 24), dtype=torch.float32, max_block=8, positions=mode,
                             kv_dtype="int8", key_offset=bias) for mode in ("original", "in-cache")}
-    assert arenas["original"]._keys.offset is None  # keys stored rotated: the bias rotates with them
-    assert torch.equal(arenas["in-cache"]._keys.offset, bias)
-    assert arenas["in-cache"]._values.offset is None
+    assert _key_offset(arenas["original"]) is None  # keys stored rotated: the bias rotates with them
+    assert torch.equal(_key_offset(arenas["in-cache"]), bias)
     # The full cache, where the modes coincide, stores int4 keys before RoPE so the bias can be left out; other
     # keys rotated, once, as they are written.
     full = {kv_dtype: KVArena(config, make_policy("full"), dtype=torch.float32, max_tokens=64, positions="original",
                               kv_dtype=kv_dtype, key_offset=bias) for kv_dtype in ("int4", "int8", "bf16")}
-    assert full["int4"].positions_mode == "in-cache" and torch.equal(full["int4"]._keys.offset, bias)
+    assert full["int4"].positions_mode == "in-cache" and torch.equal(_key_offset(full["int4"]), bias)
     for kv_dtype in ("int8", "bf16"):
-        assert full[kv_dtype].positions_mode == "original" and full[kv_dtype]._keys.offset is None
+        assert full[kv_dtype].positions_mode == "original" and _key_offset(full[kv_dtype]) is None
 
 
 def test_int4_keys_that_would_keep_the_key_bias_in_are_refused():
@@ -260,8 +265,8 @@ def test_int4_keys_that_would_keep_the_key_bias_in_are_refused():
 
     with pytest.raises(UserError, match="positions in-cache or int8 keys"):
         arena("int4", "original", bias)
-    assert arena("int4", "in-cache", bias)._keys.offset is not None
-    assert arena("int8", "original", bias)._keys.offset is None
+    assert _key_offset(arena("int4", "in-cache", bias)) is not None
+    assert _key_offset(arena("int8", "original", bias)) is None
     assert arena("int4", "original", None).positions_mode == "original"
 
 

@@ -254,7 +254,7 @@ def test_default_configuration_speculative_equals_autoregressive(smollm2_default
         commit(self, n_rows)
         if n_rows >= 2 and any(self is t for t in targets):
             accepted = torch.arange(first_position, first_position + n_rows)
-            kept = self.positions[..., : self.n_committed]  # [L, n_kv, survivors]
+            kept = self.buffer("positions")[..., : self.n_committed]  # [L, n_kv, survivors]
             slot, row = (kept[..., :, None] == accepted).nonzero(as_tuple=True)[-2:]
             if bool((slot != first_slot + row).any()):
                 laid_out.append(n_rows)

@@ -55,10 +55,7 @@ def arena_state(arena) -> list[torch.Tensor]:
     arenas = arena._arenas if isinstance(arena, LayeredArena) else (arena,)
     out = []
     for a in arenas:
-        out += [a.keys, a.values, a.positions, a.evicted_at, a.recent_keys, a.recent_values]
-        out += [t for t in (a._keys.params, a._values.params) if t is not None]
-        if a.policy.needs_scores:
-            out += [a.scores, a.committed_scores, a.row_scores]
+        out += a.buffers().values()
     return [t.clone() for t in out]
 
 

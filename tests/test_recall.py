@@ -210,8 +210,8 @@ def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(positions)
     assert with_recall.evicted_tokens == without.evicted_tokens == 90 - 20
     assert with_recall.cold.count == with_recall.evicted_tokens
     for layer in range(CONFIG.num_hidden_layers):
-        kept = with_recall.positions[layer][:, : with_recall.n_committed]
-        assert torch.equal(kept.sort().values, without.positions[layer][:, : without.n_committed].sort().values)
+        kept = with_recall.buffer("positions")[layer][:, : with_recall.n_committed]
+        assert torch.equal(kept.sort().values, without.buffer("positions")[layer][:, : without.n_committed].sort().values)
         cold = with_recall.cold.positions(layer).T  # [n_kv, n]
         union = torch.cat((kept, cold), dim=-1).sort().values
         assert torch.equal(union, torch.arange(90).expand_as(union))  # every token is resident or cold, once
@@ -234,8 +234,8 @@ def test_a_decode_row_attends_to_resident_and_recalled_entries():
     expected = []
     for layer in range(CONFIG.num_hidden_layers):
         stop = arena.n_committed
-        keys = torch.cat((arena.keys[layer][:, :stop].double(), rotated64(k.double(), position, inv_freq)), 1)
-        values = torch.cat((arena.values[layer][:, :stop].double(), v.double()), 1)
+        keys = torch.cat((arena.buffer("keys")[layer][:, :stop].double(), rotated64(k.double(), position, inv_freq)), 1)
+        values = torch.cat((arena.buffer("values")[layer][:, :stop].double(), v.double()), 1)
         logits = torch.einsum("kgd,ksd->kgs", q_rot, keys) / math.sqrt(hd)
         resident = torch.einsum("kgs,ksd->kgd", torch.softmax(logits, -1), values)
         tier = Tier(arena.cold, TARGET.key_biases(), None, 2, 1 / math.sqrt(hd), hd)
@@ -263,9 +263,9 @@ def test_a_commit_refuses_to_retire_a_corrupt_position():
     for layer in range(CONFIG.num_hidden_layers):
         arena.attend(layer, torch.zeros(n_heads, 1, hd), torch.zeros(n_kv, 1, hd), torch.zeros(n_kv, 1, hd))
     arena.end()
-    evicted = (arena.evicted_at[0, 0] == 0).nonzero().flatten()
+    evicted = (arena.buffer("evicted_at")[0, 0] == 0).nonzero().flatten()
     assert len(evicted) == 1  # the row evicted one entry per head
-    arena.positions[0, 0, evicted[0]] = -5
+    arena.buffer("positions")[0, 0, evicted[0]] = -5
     with pytest.raises(ValueError, match="holds position -5"):
         arena.commit(1)
     assert arena.cold.count == before

@@ -42,7 +42,7 @@ def make_arena(model, policy, positions="original", retention=RETENTION, max_inf
 
 def kept_positions(arena: KVArena, layer: int) -> list[set[int]]:
     """Per KV head, the positions the arena holds in ``layer``."""
-    held = arena.positions[layer][:, : arena.n_committed]
+    held = arena.buffer("positions")[layer][:, : arena.n_committed]
     return [set(row.tolist()) for row in held]
 
 
@@ -112,7 +112,7 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
     for token in ids(12, seed=2):  # decode steps: each evicts one entry and fills its hole
         TARGET.forward(torch.tensor([token]), arena)
         arena.commit(1)
-    held = arena.positions[0][:, : arena.n_committed]
+    held = arena.buffer("positions")[0][:, : arena.n_committed]
     assert any(not torch.equal(row.sort().values, row) for row in held)  # out of position order
     before, rows = {}, {}
     begin, attend = arena.begin, arena.attend
@@ -122,8 +122,8 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
         if arena._block_mode == "select":  # the window: what it chooses among, as stored
             start = arena._pass.start
             before.update(start=start, first_position=arena._pass.first_position,
-                          positions=arena.positions[:, :, :start].clone(), keys=arena.keys[:, :, :start].clone(),
-                          alive=arena.evicted_at[:, :, :start] == torch.iinfo(torch.int32).max)
+                          positions=arena.buffer("positions")[:, :, :start].clone(), keys=arena.buffer("keys")[:, :, :start].clone(),
+                          alive=arena.buffer("evicted_at")[:, :, :start] == torch.iinfo(torch.int32).max)
 
     def spy_attend(layer, q, k, v):
         if arena._block_mode == "select":
@@ -181,7 +181,7 @@ def test_a_hold_grows_the_arena_for_the_prompt_and_returns_it_to_the_budget():
     assert arena.nbytes == steady and arena.capacity == policy.budget + 8
     assert arena.peak_nbytes > 3 * steady
     # Entries' scores are the window's attention: each kept entry's score is positive, and decoding goes on.
-    assert (arena.scores[..., : arena.n_committed] > 0).all()
+    assert (arena.buffer("scores")[..., : arena.n_committed] > 0).all()
     out = list(generate_tokens(TARGET, arena, ids(5, seed=3), max_new_tokens=20, sampling=SamplingParams(),
                                prefill_chunk=8))
     assert len(out) == 20 and arena.n_committed == policy.budget

@@ -126,7 +126,7 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_kv(native_kerne
     assert got == expected
     assert 10 < stats.accepted < stats.drafted - 10
     stored = {"bf16": torch.bfloat16, "int8": torch.uint8, "int4": torch.uint8}
-    assert t_cache.keys.dtype == stored[kv_dtype] and d_cache.keys.dtype == stored[draft_kv_dtype]
+    assert t_cache.buffer("keys").dtype == stored[kv_dtype] and d_cache.buffer("keys").dtype == stored[draft_kv_dtype]
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
@@ -177,16 +177,16 @@ def test_qwen2_quantized_keys_stored_without_their_bias_speculate_exactly(native
                                         160, gamma=4, stats=stats, kv_dtype="int4", draft_kv_dtype="int8")
     assert got == expected
     assert 10 < stats.accepted < stats.drafted - 10
-    assert t_cache._keys.offset is not None and d_cache._keys.offset is not None
+    assert "key_offset" in t_cache.buffers() and "key_offset" in d_cache.buffers()
     assert t_cache.evicted_tokens > 0
 
 
 def committed_state(cache: KVArena):
     """Committed arena contents per (layer, head), slot by slot (the layout is part of the state)."""
     n = cache.n_committed
-    state = {"positions": cache.positions[..., :n], "keys": cache.keys[..., :n, :], "values": cache.values[..., :n, :]}
+    state = {"positions": cache.buffer("positions")[..., :n], "keys": cache.buffer("keys")[..., :n, :], "values": cache.buffer("values")[..., :n, :]}
     if cache.policy.needs_scores:
-        state["scores"] = cache.scores[..., :n]
+        state["scores"] = cache.buffer("scores")[..., :n]
     return state
 
 

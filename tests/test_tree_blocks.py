@@ -95,7 +95,7 @@ def _assert_same_arena(got: KVArena, want: KVArena, what: str) -> None:
         (want.n_committed, want.next_position, want.evicted_tokens), what
     for field in ("positions", "keys", "values", "evicted_at") + \
             (("scores", "committed_scores") if want.policy.needs_scores else ()):
-        assert torch.equal(getattr(got, field)[:, :, :n], getattr(want, field)[:, :, :n]), f"{what}: {field}"
+        assert torch.equal(got.buffer(field)[:, :, :n], want.buffer(field)[:, :, :n]), f"{what}: {field}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -221,4 +221,4 @@ def test_the_native_code_refuses_a_tree_it_cannot_run():
     with pytest.raises(RuntimeError, match=r"parents must be contiguous int32 \[2\]"):
         kernels.arena_attention(tuple(arena_pass), 0, q, k, k)
     with pytest.raises(RuntimeError, match="increasing order"):
-        arena._handle().commit_path(arena.n_committed, [1, 0], 2, arena.n_committed)
+        arena.handle.commit_path(arena.n_committed, [1, 0], 2, arena.n_committed)

@@ -1,7 +1,10 @@
 """The static KV arena: fixed buffers for every layer, staged rows, commit / rollback / compaction.
 
-Memory layout (allocated once; only a retention hold, below, grows it for the length of a prompt, and a full cache
-built with ``initial_tokens`` grows as it fills)::
+The memory is a native object's (``kernels.native_arena``; ``csrc/arena.h``: ``ArenaMemory``), which owns every
+buffer below and the verbs that change them (commit, resize, reset, copy); the arena holds it as :attr:`handle` and
+keeps the counts (committed, in flight, positions). Python reads a buffer only through a view (:meth:`buffer`), for
+tests and inspection. Layout (allocated once; only a retention hold, below, grows it for the length of a prompt,
+and a full cache built with ``initial_tokens`` grows as it fills)::
 
     keys, values   [n_layers, n_kv_heads, capacity, head_dim]   kv_dtype: the compute dtype, bfloat16, or int8 /
                                                                 int4 codes with per-group scales (``quant.py``)
@@ -86,7 +89,7 @@ from .. import kernels
 from ..errors import ConfigError, UserError
 from ..rope import Rope
 from .policy import CachePolicy
-from .quant import KVStore, bytes_per_vector, recent_window_for
+from .quant import BITS, bytes_per_vector, check_kv_dtype, group_size, recent_window_for, storage_dtype
 from .recall import Recall, cold_tier
 from .retention import Retention
 
@@ -226,29 +229,37 @@ class KVArena:
             self.capacity = policy.budget + self.staging
 
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        shape = (n_layers, n_kv, self.capacity)
-        self.kv_dtype = kv_dtype
-        # Keys are stored before RoPE only in the in-cache mode: only there is the bias a fixed offset per channel.
-        self._keys = KVStore((*shape, hd), kv_dtype, dtype,
-                             offset=key_offset if self.positions_mode == "in-cache" else None)
-        self._values = KVStore((*shape, hd), kv_dtype, dtype)
-        self.keys, self.values = self._keys.data, self._values.data  # the stored tensors (codes when quantized)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        bits = BITS.get(kv_dtype)
         self.recent_window = recent_window_for(kv_dtype, recent_window)
-        if self.recent_window < 0 or (self.recent_window and self._keys.bits is None):
+        if self.recent_window < 0 or (self.recent_window and bits is None):
             raise ValueError(f"a full-precision window needs quantized entries and a size >= 0 "
                              f"(got {self.recent_window} with kv_dtype {kv_dtype})")
         self.recent_slots = self.ring_slots(self.recent_window, max_inflight)
-        self.recent_keys = torch.zeros(n_layers, n_kv, self.recent_slots, hd, dtype=dtype)
-        self.recent_values = torch.zeros_like(self.recent_keys)
-        self._allocate_slot_metadata()
         self.rope = Rope.for_model(config)
         self.scale = 1.0 / math.sqrt(config.query_pre_attn_scalar or hd)
         if recall is not None and policy.is_full:
             raise ValueError("recall needs a budgeted policy")
         # Recalled keys rotate by their true positions, or (in-cache) by the rank just after the sinks.
-        self.cold = None if recall is None else cold_tier(
+        cold = None if recall is None else cold_tier(
             n_layers, n_kv, hd, self.rope, self.scale, key_offset,
             rank=policy.sinks if self.positions_mode == "in-cache" else None, recall=recall)
+        # Score snapshots after each in-flight row that a partial commit can end on (never the last possible row).
+        self._row_score_rows = max(max_inflight - 1, 0) if policy.needs_scores else 0
+        # Keys are stored before RoPE only in the in-cache mode: only there is the bias a fixed offset per channel.
+        offset = key_offset if bits is not None and self.positions_mode == "in-cache" else None
+        if offset is not None and tuple(offset.shape) != (n_layers, n_kv, hd):
+            raise ValueError(f"key_offset must be [n_layers, n_kv_heads, head_dim], got {tuple(offset.shape)}")
+        # The native arena (kernels.native_arena): the memory, the policy, and the verbs that change them.
+        self.handle = kernels.native_arena(
+            n_layers=n_layers, n_kv=n_kv, head_dim=hd, capacity=self.capacity, code_bits=bits or 0,
+            code_group=group_size(hd, bits) if bits else 0,
+            bf16=storage_dtype(kv_dtype, dtype) == torch.bfloat16,
+            key_offset=None if offset is None else offset.float(), scores=policy.needs_scores,
+            row_score_rows=self._row_score_rows, row_evicted_rows=max(max_inflight, 1),
+            recent_window=self.recent_window, recent_slots=self.recent_slots, recent_bf16=dtype == torch.bfloat16,
+            sinks=policy.sinks, heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
+            score_decay=policy.score_decay, scale=self.scale, cold=cold)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
         self._window_rows = 0  # rows of the open hold's observation window
@@ -263,40 +274,26 @@ class KVArena:
         self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
         self._tree: list[int] | None = None  # the parents of the in-flight tree block's rows (None: a chain)
 
-    def _allocate_slot_metadata(self) -> None:
-        """(Re)build the per-slot bookkeeping for ``self.capacity`` slots, all empty."""
-        self._native = None  # the native view of the buffers, made again for the new ones (_handle)
-        shape = (self.config.num_hidden_layers, self.config.num_key_value_heads, self.capacity)
-        self.positions = torch.zeros(shape, dtype=torch.int64)
-        self.evicted_at = torch.full(shape, NEVER, dtype=torch.int32)
-        if self.policy.needs_scores:
-            self.scores = torch.zeros(shape, dtype=torch.float32)
-            self.committed_scores = torch.zeros(shape, dtype=torch.float32)
-            # Scores after each in-flight row that a partial commit can end on (never the last possible row).
-            self.row_scores = torch.zeros(max(self.max_inflight - 1, 0), *shape, dtype=torch.float32)
-        # The slot each row of a tree block evicted, per layer and KV head (-1: none), kept for its path's commit.
-        self.row_evicted = torch.full((max(self.max_inflight, 1), *shape[:2]), -1, dtype=torch.int32)
+    @property
+    def cold(self):
+        """The cold tier (``kernels.cold_tier``) that commits retire evicted entries into, or None without recall."""
+        return self.handle.cold
 
-    def __getstate__(self) -> dict:
-        """A copy (``copy.deepcopy``) gets buffers of its own: its native view is made again for them."""
-        return {**self.__dict__, "_native": None}
+    def buffer(self, name: str) -> torch.Tensor:
+        """A view of one of the arena's native buffers (``kernels.native_arena`` names them): for tests and
+        inspection; writing into it changes the arena, and a resize leaves it viewing the old memory."""
+        return self.handle.buffer(name)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Views of every buffer this arena keeps, by name (:meth:`buffer`)."""
+        return {name: self.handle.buffer(name) for name in self.handle.buffers}
 
     def _resize(self, capacity: int) -> None:
         """Reallocate every per-slot buffer with ``capacity`` slots, keeping the committed entries (nothing may be
         in flight)."""
-        keep = self.n_committed
-        assert not self.n_inflight and keep <= capacity
-        kept = [self.positions[..., :keep]]
-        if self.policy.needs_scores:
-            kept += [self.scores[..., :keep], self.committed_scores[..., :keep]]
+        assert not self.n_inflight and self.n_committed <= capacity
+        self.handle.resize(capacity, self.n_committed)
         self.capacity = capacity
-        self._keys.resize(capacity, keep)
-        self._values.resize(capacity, keep)
-        self.keys, self.values = self._keys.data, self._values.data
-        self._allocate_slot_metadata()
-        targets = [self.positions] + ([self.scores, self.committed_scores] if self.policy.needs_scores else [])
-        for target, old in zip(targets, kept):
-            target[..., :keep] = old
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
     # ---------------------------------------------------------------------------------------------- retention
@@ -353,7 +350,7 @@ class KVArena:
         """Bytes of the key and value buffers (the KV cache proper), staging slots, quantization scales and the
         full-precision ring included: ``n_layers * n_kv_heads * (capacity * bytes_per_slot(config, kv_dtype, dtype)
         + recent_slots * bytes_per_slot(config, "auto", dtype))``."""
-        return self._keys.nbytes + self._values.nbytes + self.recent_keys.nbytes + self.recent_values.nbytes
+        return self.handle.nbytes
 
     def restart_peak(self) -> None:
         """Make :attr:`peak_nbytes` count from now (a run's own peak)."""
@@ -391,10 +388,7 @@ class KVArena:
     @property
     def metadata_nbytes(self) -> int:
         """Bytes of the per-slot bookkeeping (positions, scores, eviction marks, row snapshots)."""
-        extra = self.positions.nbytes + self.evicted_at.nbytes
-        if self.policy.needs_scores:
-            extra += self.scores.nbytes + self.committed_scores.nbytes + self.row_scores.nbytes
-        return extra
+        return self.handle.metadata_nbytes
 
     # ------------------------------------------------------------------------------------------------- blocks
     def begin(self, n_rows: int, per_block: bool = False, parents: list[int] | None = None) -> None:
@@ -440,7 +434,7 @@ class KVArena:
             return "a tree block is a row-by-row block that starts from a committed state"
         if self.cold is not None or self.recent_window:
             return "tree blocks run without recall and without a full-precision window"
-        snapshots = self.row_scores.shape[0] if self.policy.needs_scores else n_rows
+        snapshots = self._row_score_rows if self.policy.needs_scores else n_rows
         if n_rows > min(self.max_inflight, snapshots, self.staging):
             return f"a tree block of {n_rows} rows needs max_inflight > {n_rows} (every row keeps its score snapshot)"
         return None
@@ -479,25 +473,11 @@ class KVArena:
         return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
                          cos, sin, table_offset, snapshots, tree, pool, self.policy.budget if pool else 0)
 
-    def _handle(self):
-        """The native view of this arena's buffers and policy (``kernels.native_arena``), made again after every
-        reallocation."""
-        if self._native is None:
-            policy = self.policy
-            scores = (self.scores, self.committed_scores, self.row_scores) if policy.needs_scores else (None,) * 3
-            self._native = kernels.native_arena(
-                self.config.head_dim, self.keys, self.values, self.positions, self.evicted_at, *scores,
-                self.row_evicted, self._keys.params, self._values.params, self._keys.bits or 0, self._keys.offset,
-                self.recent_keys if self.recent_window else None, self.recent_values if self.recent_window else None,
-                self.recent_window, policy.sinks, policy.heavy, policy.window, policy.age_normalised,
-                policy.score_decay, self.scale, self.cold)
-        return self._native
-
     def arena_pass(self) -> tuple:
         """The open block as the native code takes it (``kernels.arena_attention``, the native pass): this arena's
         handle with :class:`BlockPass`'s fields."""
         block = self._pass
-        return (self._handle(), block.start, block.first, block.visible_before, block.first_position,
+        return (self.handle, block.start, block.first, block.visible_before, block.first_position,
                 block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
                 block.cos, block.sin, block.table_offset, block.parents, block.pool, block.select_budget,
                 self.cold is not None and not block.per_block)
@@ -555,7 +535,7 @@ class KVArena:
         # the scores become the last kept row's, the survivors are laid out as one-row commits would lay them out,
         # and every slot is alive again. The full cache evicts nothing: dropped rows are simply written over later.
         if not self.policy.is_full:
-            self._handle().commit(self.n_committed, n_rows, self.n_inflight, survivors)
+            self.handle.commit(self.n_committed, n_rows, self.n_inflight, survivors)
         self.evicted_tokens += extent - survivors
         self.n_committed = survivors
         self.next_position += n_rows
@@ -572,7 +552,7 @@ class KVArena:
                 any(parents[row] != (path[k - 1] if k else -1) for k, row in enumerate(path)):
             raise ValueError(f"{path} is not a path from a root of the tree block (parents {parents})")
         survivors = self._alive_after_row[path[-1]]
-        self._handle().commit_path(self.n_committed, path, self.n_inflight, survivors)
+        self.handle.commit_path(self.n_committed, path, self.n_inflight, survivors)
         self.evicted_tokens += self.n_committed + len(path) - survivors
         self.n_committed = survivors
         self.next_position += len(path)
@@ -590,9 +570,7 @@ class KVArena:
     def reset(self) -> None:
         """Forget every token, keeping the buffers: the arena is as freshly built (stale slots are never read, since
         every slot is written when its row is staged)."""
-        self.evicted_at.fill_(NEVER)
-        if self.cold is not None:
-            self.cold.reset()
+        self.handle.reset()
         self.n_committed = 0
         self.next_position = 0
         self.evicted_tokens = 0

@@ -23,8 +23,8 @@ which widen a group's range; groups of 32 channels keep int8's error small, and 
 int8 groups of 32 and int4 groups of 16. Measured:
 benchmarks/history/source-notes.md#quant-group-sizes
 
-Keys can be stored minus a fixed offset per layer, head and channel (``KVStore``'s ``offset``; the arena passes the
-model's key bias there): ``x - offset`` is quantized and the offset added back when the entry is read. Qwen2's key
+Keys can be stored minus a fixed offset per layer, head and channel (the native arena's ``key_offset``, the model's
+key bias): ``x - offset`` is quantized and the offset added back when the entry is read. Qwen2's key
 bias reaches ±354 in a few channels of layer 0 (±111 in layer 1, at most ±13 in layers 2, 10 and 27), and every key
 carries it, so a group holding one such channel has a step of ``r / 255`` ≈ 2.8 for all its channels; without the
 bias the keys' ranges are those of the tokens themselves: taking it out makes int8 keys as good as bfloat16 ones,
@@ -89,51 +89,3 @@ def bytes_per_vector(kv_dtype: str, head_dim: int, compute_dtype: torch.dtype) -
         return head_dim * torch.tensor([], dtype=storage_dtype(kv_dtype, compute_dtype)).element_size()
     bits = BITS[kv_dtype]
     return head_dim * bits // 8 + head_dim // group_size(head_dim, bits) * PARAM_BYTES
-
-
-class KVStore:
-    """Keys or values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` entries in one format.
-
-    ``data`` holds the stored tensor (the entries themselves, or their codes) and ``params`` the group parameters
-    (None for float formats); both are indexed ``[layer, head, slot, ...]``, so moving a slot moves both.
-    ``offset`` (quantized formats only, else ignored): float32 ``[n_layers, n_kv_heads, head_dim]`` subtracted
-    before quantizing and added back on reading, in float32.
-    """
-
-    def __init__(self, shape: tuple[int, int, int, int], kv_dtype: str, compute_dtype: torch.dtype,
-                 offset: torch.Tensor | None = None) -> None:
-        *lead, head_dim = shape
-        self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.compute_dtype = compute_dtype
-        self.bits = BITS.get(kv_dtype)
-        dtype = storage_dtype(kv_dtype, compute_dtype)
-        if self.bits is None:
-            self.data = torch.zeros(shape, dtype=dtype)
-            self.params = None
-        else:
-            self.data = torch.zeros(*lead, head_dim * self.bits // 8, dtype=dtype)
-            self.params = torch.zeros(*lead, head_dim // group_size(head_dim, self.bits), 2,
-                                      dtype=torch.float16)
-        self.offset = None
-        if offset is not None and self.bits is not None:
-            if offset.shape != (lead[0], lead[1], head_dim):
-                raise ValueError(f"offset must be [n_layers, n_kv_heads, head_dim], got {tuple(offset.shape)}")
-            self.offset = offset.float().contiguous()
-
-    def resize(self, capacity: int, keep: int) -> None:
-        """Reallocate with ``capacity`` slots per layer and head, keeping the entries of slots ``[0, keep)``."""
-        for name in ("data", "params"):
-            old = getattr(self, name)
-            if old is not None:
-                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-                new[:, :, :keep] = old[:, :, :keep]
-                setattr(self, name, new)
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """Every per-slot tensor (what a slot move must move)."""
-        return [self.data] if self.params is None else [self.data, self.params]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)

@@ -25,9 +25,9 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
   weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
   of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
-* ``native_arena(...)``: a KV arena's buffers and policy, checked once, as a handle; its ``commit`` accepts
+* ``native_arena(...)``: a KV arena owning its memory, with its policy, as a handle; its ``commit`` accepts
   in-flight rows and compacts the buffers (``csrc/arena.h``), moving what they evicted into the arena's cold tier
-  (``cold_tier(...)``, which owns its memory: ``csrc/recall.h``).
+  (``cold_tier(...)``, which owns its memory too: ``csrc/recall.h``).
 * ``arena_attention(arena pass, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
   the KV arena (RoPE, stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
@@ -299,38 +299,41 @@ def cold_tier(n_layers: int, n_kv: int, head_dim: int, inv_freq: torch.Tensor, a
                              page_size)
 
 
-def native_arena(head_dim: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 evicted_at: torch.Tensor, scores: torch.Tensor | None, committed_scores: torch.Tensor | None,
-                 row_scores: torch.Tensor | None, row_evicted: torch.Tensor | None, key_params: torch.Tensor | None,
-                 value_params: torch.Tensor | None, code_bits: int, key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None,
-                 recent_values: torch.Tensor | None, recent_window: int, sinks: int, heavy: int, window: int,
-                 age_normalised: bool, score_decay: float, scale: float, cold=None):
-    """A KV arena's buffers (all layers) and policy as the native code reads them, checked once (the tensors must
-    outlive the handle; the arena makes a new one when it reallocates). :func:`arena_attention` and the native pass
-    attend through it; its ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows``
-    in-flight rows and compacts the buffers, and ``commit_path(committed, path, n_inflight, survivors)`` accepts a
-    tree block's path (``csrc/arena.h``).
+def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code_bits: int = 0, code_group: int = 0,
+                 bf16: bool = False, key_offset: torch.Tensor | None = None, scores: bool = False,
+                 row_score_rows: int = 0, row_evicted_rows: int = 0, recent_window: int = 0, recent_slots: int = 0,
+                 recent_bf16: bool = False, sinks: int = 0, heavy: int = 0, window: int = 0,
+                 age_normalised: bool = False, score_decay: float = 1.0, scale: float = 1.0, cold=None):
+    """A KV arena owning its memory (``csrc/arena.h``: ``ArenaMemory``), every slot empty, and its policy, checked
+    once. :func:`arena_attention` and the native pass attend through it.
 
     Args:
-        keys, values: ``[n_layers, n_kv, capacity, head_dim]`` float32 or bfloat16; or, with ``code_bits`` 8 or 4,
-            uint8 codes ``[n_layers, n_kv, capacity, head_dim * code_bits / 8]`` and their float16 ``key_params`` /
-            ``value_params`` ``[n_layers, n_kv, capacity, head_dim / group, 2]`` as ``cache/quant.py`` stores them.
-        positions: ``[n_layers, n_kv, capacity]`` int64; ``evicted_at``: int32, same shape.
-        scores, committed_scores: ``[n_layers, n_kv, capacity]`` float32 heavy-hitter scores and those the last
-            commit left (None without heavy hitters); ``row_scores``: ``[r, n_layers, n_kv, capacity]`` the
-            snapshots a partial commit ends on; ``row_evicted``: ``[r', n_layers, n_kv]`` int32, the slot each row of a
-            tree block evicted (-1: none), kept for the commit of its path.
+        n_layers, n_kv, head_dim, capacity: ``n_layers`` x ``n_kv`` heads of ``capacity`` slots of ``head_dim``
+            channels.
+        code_bits, code_group: entries stored as 8- or 4-bit codes with float16 params per group of ``code_group``
+            channels (``cache/quant.py``); 0: as floats, bfloat16 where ``bf16`` else float32.
         key_offset: float32 ``[n_layers, n_kv, head_dim]`` or None (quantized keys only): keys are quantized minus
-            it and read plus it (``quant.KVStore``'s offset).
-        recent_keys, recent_values: ``[n_layers, n_kv, R, head_dim]`` float32 or bfloat16, ``R >= recent_window``
-            (quantized entries only): the full-precision window's ring.
+            it and read plus it.
+        scores: keep heavy-hitter scores, the committed ones, and ``row_score_rows`` snapshots a partial commit ends
+            on; ``row_evicted_rows``: rows of a tree block whose evictions are kept for the commit of its path.
+        recent_window, recent_slots, recent_bf16: the full-precision window's positions and its ring (quantized
+            entries only), bfloat16 or float32.
         sinks, heavy, window, age_normalised, score_decay: the policy (``cache/policy.py``); scale: the attention's.
         cold: a :func:`cold_tier` that each commit moves the evicted entries into (before compaction writes over
             them), or None: they are dropped.
+
+    The handle's verbs: ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows`` in-flight
+    rows and compacts the buffers, ``commit_path(committed, path, n_inflight, survivors)`` a tree block's path,
+    ``resize(capacity, keep)`` reallocates keeping slots ``[0, keep)``, ``reset()`` forgets every token; its
+    ``capacity``, ``nbytes`` (entries, params, ring), ``metadata_nbytes`` (positions, marks, scores), ``cold``, a
+    deep copy (``copy.deepcopy``), and ``buffer(name)``: a torch view of one buffer (``keys``, ``values``,
+    ``key_params``, ``value_params``, ``key_offset``, ``positions``, ``evicted_at``, ``scores``,
+    ``committed_scores``, ``row_scores``, ``row_evicted``, ``recent_keys``, ``recent_values``; shapes in
+    ``csrc/attention.h``'s ``ArenaStorage``).
     """
-    return _load().native_arena(head_dim, keys, values, positions, evicted_at, scores, committed_scores, row_scores,
-                                row_evicted, key_params, value_params, code_bits, key_offset, recent_keys, recent_values,
-                                recent_window, sinks, heavy, window, age_normalised, score_decay, scale, cold)
+    return _load().native_arena(n_layers, n_kv, head_dim, capacity, code_bits, code_group, bf16, key_offset, scores,
+                                row_score_rows, row_evicted_rows, recent_window, recent_slots, recent_bf16, sinks,
+                                heavy, window, age_normalised, score_decay, scale, cold)
 
 
 def native_model(spec: dict):

@@ -3,10 +3,147 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <new>
 
 #include "parallel.h"
 
 namespace sparsespec {
+
+std::string check_arena_layout(const ArenaLayout& l) {
+  if (l.n_layers < 1 || l.n_kv < 1) return "an arena of no layers or no KV heads";
+  if (l.hd < 2 || l.hd % 2 || l.hd > kAttnMaxHeadDim)
+    return "heads of an even size from 2 to " + std::to_string(kAttnMaxHeadDim) + ", not " + std::to_string(l.hd);
+  if (l.cap < 1) return "an arena of no slots";
+  if (l.code_bits != 0 && l.code_bits != 4 && l.code_bits != 8) return "codes of 8 or 4 bits, or none";
+  if (l.code_bits && (l.code_group < 1 || l.hd % l.code_group))
+    return "quantization groups that divide the heads' " + std::to_string(l.hd) + " channels";
+  if (l.key_offset && !l.code_bits) return "a key offset needs quantized keys";
+  if (l.row_score_rows < 0 || l.row_evicted_rows < 0 || (l.row_score_rows && !l.scores))
+    return "score snapshots need scores, and row counts >= 0";
+  if (l.recent_window < 0 || l.recent_slots < l.recent_window || (l.recent_window > 0) != (l.recent_slots > 0) ||
+      (l.recent_window && !l.code_bits))
+    return "a full-precision window needs quantized entries and a ring of at least its positions";
+  return "";
+}
+
+Buffer::Buffer(std::size_t bytes) : bytes_(bytes) {
+  if (!bytes) return;
+  constexpr std::size_t kAlign = 64;
+  data_.reset(static_cast<char*>(std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign)));
+  if (!data_) throw std::bad_alloc();
+  std::memset(data_.get(), 0, bytes);
+}
+
+Buffer::Buffer(const Buffer& other) : Buffer(other.bytes_) {
+  if (bytes_) std::memcpy(data_.get(), other.data_.get(), bytes_);
+}
+
+namespace {
+
+// Bytes of one slot's stored vector (codes, or float32 / bfloat16 channels) and of its quantization params.
+long vector_bytes(int hd, int code_bits, bool bf16) {
+  return code_bits ? code_bytes(hd, code_bits) : (long)hd * (bf16 ? 2 : 4);
+}
+long params_bytes(int hd, int code_bits, int code_group) {
+  return code_bits ? 2 * param_halves(hd, code_group) : 0;
+}
+long vector_bytes(const ArenaStorage& a) { return vector_bytes(a.hd, a.code_bits, a.bf16); }
+long params_bytes(const ArenaStorage& a) { return params_bytes(a.hd, a.code_bits, a.code_group); }
+
+}  // namespace
+
+ArenaMemory::ArenaMemory(const ArenaLayout& l) : layout(l) {
+  const std::size_t heads = (std::size_t)l.n_layers * l.n_kv, slots = heads * l.cap;
+  const std::size_t vec = vector_bytes(l.hd, l.code_bits, l.bf16);
+  const std::size_t par = params_bytes(l.hd, l.code_bits, l.code_group);
+  keys = Buffer(slots * vec);
+  values = Buffer(slots * vec);
+  key_params = Buffer(slots * par);
+  value_params = Buffer(slots * par);
+  if (l.key_offset) key_offset = Buffer(heads * l.hd * sizeof(float));
+  positions = Buffer(slots * sizeof(int64_t));
+  evicted_at = Buffer(slots * sizeof(int32_t));
+  if (l.scores) {
+    scores = Buffer(slots * sizeof(float));
+    committed_scores = Buffer(slots * sizeof(float));
+    row_scores = Buffer(l.row_score_rows * slots * sizeof(float));
+  }
+  row_evicted = Buffer(l.row_evicted_rows * heads * sizeof(int32_t));
+  const std::size_t ring = heads * l.recent_slots * l.hd * (l.recent_bf16 ? 2 : 4);
+  recent_keys = Buffer(ring);
+  recent_values = Buffer(ring);
+  forget();
+  std::fill(row_evicted.as<int32_t>(), row_evicted.as<int32_t>() + l.row_evicted_rows * heads, -1);
+}
+
+void ArenaMemory::point(ArenaStorage& a) const {
+  const ArenaLayout& l = layout;
+  a.n_layers = l.n_layers;
+  a.n_kv = l.n_kv;
+  a.cap = l.cap;
+  a.hd = l.hd;
+  a.keys = keys.as<void>();
+  a.values = values.as<void>();
+  a.bf16 = l.bf16;
+  a.code_bits = l.code_bits;
+  a.code_group = l.code_group;
+  a.key_params = key_params.as<uint16_t>();
+  a.value_params = value_params.as<uint16_t>();
+  a.key_offset = key_offset.as<const float>();
+  a.positions = positions.as<int64_t>();
+  a.evicted_at = evicted_at.as<int32_t>();
+  a.scores = scores.as<float>();
+  a.committed_scores = committed_scores.as<float>();
+  a.row_scores = row_scores.as<float>();
+  a.row_score_rows = l.row_score_rows;
+  a.row_evicted = row_evicted.as<int32_t>();
+  a.row_evicted_rows = l.row_evicted_rows;
+  a.recent_keys = recent_keys.as<void>();
+  a.recent_values = recent_values.as<void>();
+  a.recent_bf16 = l.recent_bf16;
+  a.recent_window = l.recent_window;
+  a.recent_slots = l.recent_slots;
+}
+
+ArenaMemory ArenaMemory::resized(int cap, int keep) const {
+  ArenaLayout l = layout;
+  l.cap = cap;
+  ArenaMemory out(l);
+  const long heads = (long)l.n_layers * l.n_kv;
+  const long vec = vector_bytes(l.hd, l.code_bits, l.bf16);
+  const long par = params_bytes(l.hd, l.code_bits, l.code_group);
+  // Each per-slot buffer with its bytes per slot: the kept slots of every KV head move to the new head's start.
+  const std::pair<const Buffer*, Buffer*> kept[] = {{&keys, &out.keys}, {&values, &out.values},
+                                                    {&key_params, &out.key_params}, {&value_params, &out.value_params},
+                                                    {&positions, &out.positions}, {&scores, &out.scores},
+                                                    {&committed_scores, &out.committed_scores}};
+  const long widths[] = {vec, vec, par, par, (long)sizeof(int64_t), (long)sizeof(float), (long)sizeof(float)};
+  for (std::size_t b = 0; b < std::size(kept); ++b) {
+    if (!kept[b].first->bytes()) continue;
+    for (long lh = 0; lh < heads; ++lh)
+      std::memcpy(kept[b].second->as<char>() + lh * cap * widths[b],
+                  kept[b].first->as<char>() + lh * layout.cap * widths[b], (std::size_t)keep * widths[b]);
+  }
+  out.key_offset = key_offset;
+  out.recent_keys = recent_keys;
+  out.recent_values = recent_values;
+  return out;
+}
+
+void ArenaMemory::forget() {
+  int32_t* marks = evicted_at.as<int32_t>();
+  std::fill(marks, marks + evicted_at.bytes() / sizeof(int32_t), kNever);
+}
+
+std::size_t ArenaMemory::entry_bytes() const {
+  return keys.bytes() + values.bytes() + key_params.bytes() + value_params.bytes() + recent_keys.bytes() +
+         recent_values.bytes();
+}
+
+std::size_t ArenaMemory::bookkeeping_bytes() const {
+  return positions.bytes() + evicted_at.bytes() + scores.bytes() + committed_scores.bytes() + row_scores.bytes();
+}
 
 std::string check_arena_commit(const ArenaStorage& a, const ArenaCommit& c) {
   if (c.committed < 0 || c.n_inflight < 0 || (long)c.committed + c.n_inflight > a.cap)
@@ -22,12 +159,6 @@ std::string check_arena_commit(const ArenaStorage& a, const ArenaCommit& c) {
 }
 
 namespace {
-
-// Bytes of one slot's stored vector (codes, or float32 / bfloat16 channels) and of its quantization params.
-long vector_bytes(const ArenaStorage& a) {
-  return a.code_bits ? code_bytes(a.hd, a.code_bits) : (long)a.hd * (a.bf16 ? 2 : 4);
-}
-long params_bytes(const ArenaStorage& a) { return a.code_bits ? 2 * param_halves(a.hd, a.code_group) : 0; }
 
 // One per-slot array of a KV head: its base and the bytes of one slot.
 struct SlotArray {

@@ -7,12 +7,80 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "attention.h"
 
 namespace sparsespec {
+
+// What a KV arena's memory holds (cache/arena.py's layout): n_layers x n_kv heads of cap slots of hd channels; the
+// entries as float32 or (bf16) bfloat16, or as code_bits 8 or 4 codes with float16 params per group of code_group
+// channels (and, key_offset, the model's key bias that quantized keys are stored minus); heavy-hitter scores
+// (scores: the scores, the committed ones and row_score_rows snapshots); what each of row_evicted_rows tree rows
+// evicted; the full-precision ring of recent_slots entries serving recent_window positions, in bfloat16
+// (recent_bf16) or float32.
+struct ArenaLayout {
+  int n_layers = 0, n_kv = 0, hd = 0, cap = 0;
+  int code_bits = 0, code_group = 0;
+  bool bf16 = false, key_offset = false, scores = false;
+  int row_score_rows = 0, row_evicted_rows = 0;
+  int recent_window = 0, recent_slots = 0;
+  bool recent_bf16 = false;
+};
+
+// The reason an arena cannot have `layout`, or "".
+std::string check_arena_layout(const ArenaLayout& layout);
+
+// A block of zeroed bytes, aligned for any vector load, that copies deeply.
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t bytes);
+  Buffer(const Buffer& other);
+  Buffer(Buffer&&) noexcept = default;
+  Buffer& operator=(Buffer other) noexcept {
+    std::swap(bytes_, other.bytes_);
+    std::swap(data_, other.data_);
+    return *this;
+  }
+  template <class T>
+  T* as() const {
+    return reinterpret_cast<T*>(data_.get());
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::size_t bytes_ = 0;
+  std::unique_ptr<char, Free> data_;
+};
+
+// One KV arena's memory, every buffer ArenaStorage points into (attention.h gives their shapes), owned here: a new
+// arena's slots are empty (zeros, every slot alive, no tree row's eviction kept).
+struct ArenaMemory {
+  ArenaLayout layout;
+  Buffer keys, values, key_params, value_params, key_offset, positions, evicted_at, scores, committed_scores,
+      row_scores, row_evicted, recent_keys, recent_values;
+
+  explicit ArenaMemory(const ArenaLayout& layout);  // check_arena_layout first
+  // Point storage's buffers here (its policy and cold tier are the caller's).
+  void point(ArenaStorage& storage) const;
+  // This memory with `cap` slots per KV head, slots [0, keep) kept (entries, params, positions, both scores), the
+  // ring as it is, the rest empty; keep <= both capacities.
+  ArenaMemory resized(int cap, int keep) const;
+  // Every slot alive again (the arena forgets its tokens; stale slots are written before they are read).
+  void forget();
+  // Bytes of the KV cache proper (entries, params, the ring) and of the per-slot bookkeeping (positions, eviction
+  // marks, scores and their snapshots).
+  std::size_t entry_bytes() const;
+  std::size_t bookkeeping_bytes() const;
+};
 
 // The reading order of a row-by-row block's rows in one KV head (attention.h): slot_of lists the arena slot at each
 // place of an autoregressive step's arena, the row's own last; commit_row() moves the entries as that step's

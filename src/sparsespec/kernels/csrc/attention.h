@@ -215,7 +215,8 @@ struct StageRows {
 
 void stage_rows(const StageRows& st, const AttnBlock& b);
 
-// One KV arena's memory for all its layers, and its policy (cache/arena.py): what stays the same from pass to pass.
+// One KV arena's memory for all its layers (owned by ArenaMemory, arena.h), and its policy (cache/arena.py): what
+// stays the same from pass to pass.
 // Per layer as AttnBlock describes one: keys, values [L, n_kv, cap, hd] (float32, bfloat16, or codes with params
 // [L, n_kv, cap, hd / code_group, 2]); key_offset [L, n_kv, hd] or null; positions, evicted_at, scores,
 // committed_scores (the scores as the last commit left them) [L, n_kv, cap] (both scores null without heavy

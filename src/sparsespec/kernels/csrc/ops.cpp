@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -109,132 +110,6 @@ std::vector<float> widened(const at::Tensor& t) {
   return out;
 }
 
-// One KV arena's tensors, whole (all layers), checked and read into an ArenaStorage (attention.h): keys, values
-// [L, n_kv, cap, hd] float32 or bfloat16, or (code_bits 8 or 4) uint8 codes [L, n_kv, cap, hd * code_bits / 8] with
-// key_params, value_params [L, n_kv, cap, hd / group, 2] float16, key_offset [L, n_kv, hd] float32 or None
-// (quantized keys are stored minus it and read plus it); positions [L, n_kv, cap] int64; evicted_at [L, n_kv, cap]
-// int32; scores, committed_scores [L, n_kv, cap] float32 (heavy-hitter policies, else None); row_scores
-// [R, L, n_kv, cap] float32 or None; row_evicted [R', L, n_kv] int32 (what each row of a tree block evicted) or None; recent_keys, recent_values [L, n_kv, R', hd] float32 or bfloat16 (quantized entries with a full-precision
-// window of recent_window > 0 positions). The policy: sinks, heavy, window, age_normalised (hybrid-age: heavy
-// hitters ranked by score / age), score_decay (hybrid-decay: every row multiplies the scores by it first; 1
-// elsewhere), and the attention's scale. hd: the heads' size (the codes' width says it only with hd).
-ArenaStorage arena_storage(const char* op, int64_t hd, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& positions, const at::Tensor& evicted_at,
-                           const c10::optional<at::Tensor>& scores,
-                           const c10::optional<at::Tensor>& committed_scores,
-                           const c10::optional<at::Tensor>& row_scores, const c10::optional<at::Tensor>& row_evicted,
-                           const c10::optional<at::Tensor>& key_params,
-                           const c10::optional<at::Tensor>& value_params, int64_t code_bits, const c10::optional<at::Tensor>& key_offset,
-                           const c10::optional<at::Tensor>& recent_keys,
-                           const c10::optional<at::Tensor>& recent_values, int64_t recent_window, int64_t sinks,
-                           int64_t heavy, int64_t window, bool age_normalised, double score_decay, double scale) {
-  check_cpu(op, {&keys, &values, &positions, &evicted_at});
-  for (const auto* t : {&scores, &committed_scores, &row_scores, &row_evicted, &key_params, &value_params, &key_offset,
-                        &recent_keys, &recent_values})
-    if (t->has_value()) check_cpu(op, {&t->value()});
-  const bool quantized = code_bits != 0;
-  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
-                  values.scalar_type() == keys.scalar_type() &&
-                  (quantized ? keys.scalar_type() == at::kByte : float_or_bf16(keys)),
-              op, ": keys and values must be contiguous float32 or bfloat16 [L, n_kv, cap, hd] alike, or uint8 codes "
-              "with code_bits");
-  TORCH_CHECK(hd >= 2 && hd % 2 == 0 && hd <= kAttnMaxHeadDim, op, ": heads of an even size from 2 to ",
-              kAttnMaxHeadDim, ", not ", hd);
-  ArenaStorage a;
-  a.n_layers = (int)keys.size(0);
-  a.n_kv = (int)keys.size(1);
-  a.cap = (int)keys.size(2);
-  a.hd = (int)hd;
-  TORCH_CHECK(a.n_layers >= 1 && a.n_kv >= 1, op, ": an arena of no layers or no KV heads");
-  a.keys = keys.data_ptr();
-  a.values = values.data_ptr();
-  a.bf16 = keys.scalar_type() == at::kBFloat16;
-  if (quantized) {
-    TORCH_CHECK((code_bits == 8 || code_bits == 4) && keys.size(3) == code_bytes((int)hd, (int)code_bits),
-                op, ": code_bits must be 8 or 4 with codes [L, n_kv, cap, hd * code_bits / 8]");
-    TORCH_CHECK(key_params.has_value() && value_params.has_value() && key_params->defined() &&
-                    value_params->defined(), op, ": quantized entries need key_params and value_params");
-    const at::Tensor& kp = *key_params;
-    TORCH_CHECK(kp.scalar_type() == at::kHalf && kp.is_contiguous() && value_params->is_contiguous() &&
-                    value_params->sizes() == kp.sizes() && value_params->scalar_type() == at::kHalf &&
-                    kp.dim() == 5 && kp.size(0) == a.n_layers && kp.size(1) == a.n_kv && kp.size(2) == a.cap &&
-                    kp.size(4) == 2 && kp.size(3) >= 1 && hd % kp.size(3) == 0,
-                op, ": key_params and value_params must be contiguous float16 [L, n_kv, cap, groups, 2]");
-    a.code_bits = (int)code_bits;
-    a.code_group = (int)(hd / kp.size(3));
-    a.key_params = reinterpret_cast<uint16_t*>(kp.data_ptr<at::Half>());
-    a.value_params = reinterpret_cast<uint16_t*>(value_params->data_ptr<at::Half>());
-    if (key_offset.has_value() && key_offset->defined()) {
-      TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
-                      key_offset->sizes() == at::IntArrayRef({a.n_layers, a.n_kv, hd}),
-                  op, ": key_offset must be contiguous float32 [L, n_kv, hd]");
-      a.key_offset = key_offset->data_ptr<float>();
-    }
-  } else {
-    TORCH_CHECK(keys.size(3) == hd, op, ": keys must be [L, n_kv, cap, ", hd, "]");
-  }
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.sizes() == at::IntArrayRef({a.n_layers, a.n_kv, a.cap}),
-              op, ": positions must be contiguous int64 [L, n_kv, cap]");
-  TORCH_CHECK(evicted_at.scalar_type() == at::kInt && evicted_at.is_contiguous() &&
-                  evicted_at.sizes() == at::IntArrayRef({a.n_layers, a.n_kv, a.cap}),
-              op, ": evicted_at must be contiguous int32 [L, n_kv, cap]");
-  a.positions = positions.data_ptr<int64_t>();
-  a.evicted_at = evicted_at.data_ptr<int32_t>();
-  if (scores.has_value() && scores->defined()) {
-    TORCH_CHECK(scores->scalar_type() == at::kFloat && scores->is_contiguous() &&
-                    scores->sizes() == at::IntArrayRef({a.n_layers, a.n_kv, a.cap}),
-                op, ": scores must be contiguous float32 [L, n_kv, cap]");
-    a.scores = scores->data_ptr<float>();
-    TORCH_CHECK(committed_scores.has_value() && committed_scores->defined() &&
-                    committed_scores->scalar_type() == at::kFloat && committed_scores->is_contiguous() &&
-                    committed_scores->sizes() == scores->sizes(),
-                op, ": committed_scores must be contiguous float32 [L, n_kv, cap], beside scores");
-    a.committed_scores = committed_scores->data_ptr<float>();
-  }
-  if (row_scores.has_value() && row_scores->defined()) {
-    TORCH_CHECK(a.scores && row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous() &&
-                    row_scores->dim() == 4 && row_scores->size(1) == a.n_layers && row_scores->size(2) == a.n_kv &&
-                    row_scores->size(3) == a.cap,
-                op, ": row_scores must be contiguous float32 [R, L, n_kv, cap], beside scores");
-    a.row_scores = row_scores->data_ptr<float>();
-    a.row_score_rows = (int)row_scores->size(0);
-  }
-  if (row_evicted.has_value() && row_evicted->defined()) {
-    TORCH_CHECK(row_evicted->scalar_type() == at::kInt && row_evicted->is_contiguous() && row_evicted->dim() == 3 &&
-                    row_evicted->size(1) == a.n_layers && row_evicted->size(2) == a.n_kv,
-                op, ": row_evicted must be contiguous int32 [R, L, n_kv]");
-    a.row_evicted = row_evicted->data_ptr<int32_t>();
-    a.row_evicted_rows = (int)row_evicted->size(0);
-  }
-  if (recent_window > 0) {
-    TORCH_CHECK(quantized && recent_keys.has_value() && recent_values.has_value() && recent_keys->defined() &&
-                    recent_values->defined(), op, ": a full-precision window needs quantized entries and "
-                    "recent_keys and recent_values");
-    const at::Tensor& rk = *recent_keys;
-    TORCH_CHECK(rk.dim() == 4 && rk.is_contiguous() && recent_values->is_contiguous() && float_or_bf16(rk) &&
-                    recent_values->sizes() == rk.sizes() && recent_values->scalar_type() == rk.scalar_type() &&
-                    rk.size(0) == a.n_layers && rk.size(1) == a.n_kv && rk.size(2) >= recent_window &&
-                    rk.size(3) == hd,
-                op, ": recent_keys and recent_values must be contiguous float32 or bfloat16 [L, n_kv, R, ", hd,
-                "] alike with R >= recent_window");
-    a.recent_keys = rk.data_ptr();
-    a.recent_values = recent_values->data_ptr();
-    a.recent_bf16 = rk.scalar_type() == at::kBFloat16;
-    a.recent_window = (int)recent_window;
-    a.recent_slots = (int)rk.size(2);
-  }
-  TORCH_CHECK(sinks >= 0 && heavy >= 0 && window >= 0, op, ": negative sinks, heavy hitters or window");
-  TORCH_CHECK(heavy == 0 || a.scores, op, ": a policy with heavy hitters needs scores");
-  a.sinks = (int)sinks;
-  a.heavy = (int)heavy;
-  a.window = (int)window;
-  a.age_normalised = age_normalised;
-  a.score_decay = (float)score_decay;
-  a.scale = (float)scale;
-  return a;
-}
-
 // cos, sin [P, hd] float32 RoPE tables into a pass.
 void pass_tables(const char* op, ArenaPass& p, const at::Tensor& cos, const at::Tensor& sin, int64_t hd) {
   check_cpu(op, {&cos, &sin});
@@ -247,12 +122,19 @@ void pass_tables(const char* op, ArenaPass& p, const at::Tensor& cos, const at::
 }
 
 // ------------------------------------------------------------------------------------------ the KV arena
-// An ArenaStorage (attention.h) with the tensors it points into kept alive: one KV arena's memory, made once per
-// arena and again whenever the arena reallocates (cache/arena.py), with the verbs that change it.
+// One KV arena (cache/arena.py): its memory (arena.h: ArenaMemory), the ArenaStorage that points into it with the
+// policy, its cold tier, and the verbs that change them. Python holds it as a handle; `buffer` gives torch views of
+// its buffers (for tests and inspection), each keeping the memory it views alive, also across a resize.
 struct NativeArena {
   ArenaStorage storage;
-  std::vector<at::Tensor> tensors;
+  std::shared_ptr<ArenaMemory> memory;
   std::shared_ptr<ColdTier> cold;  // or null
+
+  // storage's buffers and tier, after the memory or the tier changed.
+  void bind() {
+    memory->point(storage);
+    storage.cold = cold.get();
+  }
 
   // Accept the first n_rows of the n_inflight rows staged after `committed` committed entries, leaving
   // `survivors` (arena.h: commit_arena).
@@ -291,37 +173,141 @@ struct NativeArena {
     }
     TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
   }
+
+  // `capacity` slots per KV head from now on, the entries of slots [0, keep) kept (ArenaMemory::resized).
+  void resize(int64_t capacity, int64_t keep) {
+    TORCH_CHECK(capacity >= 1 && capacity <= INT32_MAX && keep >= 0 && keep <= capacity && keep <= storage.cap,
+                "NativeArena.resize: ", keep, " kept slots of ", storage.cap, " into ", capacity);
+    memory = std::make_shared<ArenaMemory>(memory->resized((int)capacity, (int)keep));
+    bind();
+  }
+
+  // Forget every token, keeping the memory (cold tier included).
+  void reset() {
+    memory->forget();
+    if (cold) cold->count = 0;
+  }
+
+  // A copy with memory and a cold tier of its own.
+  std::shared_ptr<NativeArena> copy() const {
+    auto out = std::make_shared<NativeArena>(*this);
+    out->memory = std::make_shared<ArenaMemory>(*memory);
+    if (cold) out->cold = std::make_shared<ColdTier>(*cold);
+    out->bind();
+    return out;
+  }
+
+  // One of the memory's buffers with the shape and dtype it has (attention.h: ArenaStorage).
+  struct View {
+    const Buffer* buffer;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+  };
+
+  // The memory's buffers by name (ArenaMemory's members).
+  std::vector<std::pair<std::string, View>> views() const {
+    const ArenaLayout& l = memory->layout;
+    const int64_t L = l.n_layers, H = l.n_kv, C = l.cap, hd = l.hd;
+    const at::ScalarType entry = l.code_bits ? at::kByte : l.bf16 ? at::kBFloat16 : at::kFloat;
+    const at::ScalarType ring = l.recent_bf16 ? at::kBFloat16 : at::kFloat;
+    const int64_t width = l.code_bits ? code_bytes(l.hd, l.code_bits) : hd;
+    const int64_t groups = l.code_bits ? hd / l.code_group : 0;
+    const ArenaMemory& m = *memory;
+    return {{"keys", {&m.keys, {L, H, C, width}, entry}},
+            {"values", {&m.values, {L, H, C, width}, entry}},
+            {"key_params", {&m.key_params, {L, H, C, groups, 2}, at::kHalf}},
+            {"value_params", {&m.value_params, {L, H, C, groups, 2}, at::kHalf}},
+            {"key_offset", {&m.key_offset, {L, H, hd}, at::kFloat}},
+            {"positions", {&m.positions, {L, H, C}, at::kLong}},
+            {"evicted_at", {&m.evicted_at, {L, H, C}, at::kInt}},
+            {"scores", {&m.scores, {L, H, C}, at::kFloat}},
+            {"committed_scores", {&m.committed_scores, {L, H, C}, at::kFloat}},
+            {"row_scores", {&m.row_scores, {l.row_score_rows, L, H, C}, at::kFloat}},
+            {"row_evicted", {&m.row_evicted, {l.row_evicted_rows, L, H}, at::kInt}},
+            {"recent_keys", {&m.recent_keys, {L, H, l.recent_slots, hd}, ring}},
+            {"recent_values", {&m.recent_values, {L, H, l.recent_slots, hd}, ring}}};
+  }
+
+  // The names of the buffers this arena keeps (memory allocated).
+  std::vector<std::string> kept_buffers() const {
+    std::vector<std::string> names;
+    for (const auto& [name, view] : views())
+      if (view.buffer->bytes()) names.push_back(name);
+    return names;
+  }
+
+  // A view of the buffer `name`, keeping the memory alive (empty where the arena keeps none of it, e.g. no
+  // snapshot rows; an error where it keeps no such buffer at all).
+  at::Tensor buffer(const std::string& name) const {
+    for (const auto& [known, v] : views()) {
+      if (known != name) continue;
+      if (std::find(v.sizes.begin(), v.sizes.end(), 0) != v.sizes.end())
+        return at::empty(v.sizes, at::TensorOptions().dtype(v.dtype));
+      TORCH_CHECK(v.buffer->bytes(), "NativeArena.buffer: this arena keeps no ", name);
+      std::shared_ptr<ArenaMemory> owner = memory;
+      return torch::from_blob(v.buffer->as<void>(), v.sizes, [owner](void*) {}, at::TensorOptions().dtype(v.dtype));
+    }
+    TORCH_CHECK(false, "NativeArena.buffer: no buffer is named ", name);
+  }
 };
 
-std::shared_ptr<NativeArena> native_arena(int64_t hd, const at::Tensor& keys, const at::Tensor& values,
-                                          const at::Tensor& positions, const at::Tensor& evicted_at,
-                                          const c10::optional<at::Tensor>& scores,
-                                          const c10::optional<at::Tensor>& committed_scores,
-                                          const c10::optional<at::Tensor>& row_scores,
-                                          const c10::optional<at::Tensor>& row_evicted,
-                                          const c10::optional<at::Tensor>& key_params,
-                                          const c10::optional<at::Tensor>& value_params, int64_t code_bits,
-                                          const c10::optional<at::Tensor>& key_offset,
-                                          const c10::optional<at::Tensor>& recent_keys,
-                                          const c10::optional<at::Tensor>& recent_values, int64_t recent_window,
-                                          int64_t sinks, int64_t heavy, int64_t window, bool age_normalised,
-                                          double score_decay, double scale, std::shared_ptr<ColdTier> cold) {
-  auto arena = std::make_shared<NativeArena>();
-  arena->storage = arena_storage("NativeArena", hd, keys, values, positions, evicted_at, scores, committed_scores,
-                                 row_scores, row_evicted, key_params, value_params, code_bits, key_offset,
-                                 recent_keys, recent_values, recent_window, sinks, heavy, window, age_normalised,
-                                 score_decay, scale);
-  if (cold) {
-    const ArenaStorage& a = arena->storage;
-    TORCH_CHECK(cold->n_layers == a.n_layers && cold->n_kv == a.n_kv && cold->hd == a.hd,
-                "NativeArena: the cold tier's layers, KV heads and head size are not the arena's");
-    arena->cold = cold;
-    arena->storage.cold = cold.get();
+// A KV arena of n_layers x n_kv heads of `capacity` slots of hd channels (arena.h: ArenaLayout gives the rest of the
+// layout) and its policy: sinks, heavy, window, age_normalised (hybrid-age: heavy hitters ranked by score / age),
+// score_decay (hybrid-decay: every row multiplies the scores by it first; 1 elsewhere), and the attention's scale.
+// key_offset: [n_layers, n_kv, hd] float32 that quantized keys are stored minus, or None. cold: the tier that
+// receives what commits evict (recall.h), or None.
+std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_t hd, int64_t capacity,
+                                          int64_t code_bits, int64_t code_group, bool bf16,
+                                          const c10::optional<at::Tensor>& key_offset, bool scores,
+                                          int64_t row_score_rows, int64_t row_evicted_rows, int64_t recent_window,
+                                          int64_t recent_slots, bool recent_bf16, int64_t sinks, int64_t heavy,
+                                          int64_t window, bool age_normalised, double score_decay, double scale,
+                                          std::shared_ptr<ColdTier> cold) {
+  const char* op = "NativeArena";
+  for (int64_t n : {n_layers, n_kv, hd, capacity, code_bits, code_group, row_score_rows, row_evicted_rows,
+                    recent_window, recent_slots, sinks, heavy, window})
+    TORCH_CHECK(n >= 0 && n <= INT32_MAX, op, ": sizes and counts from 0 to 2^31 - 1, not ", n);
+  ArenaLayout l;
+  l.n_layers = (int)n_layers;
+  l.n_kv = (int)n_kv;
+  l.hd = (int)hd;
+  l.cap = (int)capacity;
+  l.code_bits = (int)code_bits;
+  l.code_group = (int)code_group;
+  l.bf16 = bf16;
+  l.key_offset = key_offset.has_value() && key_offset->defined();
+  l.scores = scores;
+  l.row_score_rows = (int)row_score_rows;
+  l.row_evicted_rows = (int)row_evicted_rows;
+  l.recent_window = (int)recent_window;
+  l.recent_slots = (int)recent_slots;
+  l.recent_bf16 = recent_bf16;
+  const std::string problem = check_arena_layout(l);
+  TORCH_CHECK(problem.empty(), op, ": ", problem);
+  TORCH_CHECK(heavy == 0 || scores, op, ": a policy with heavy hitters needs scores");
+  if (l.key_offset) {
+    check_cpu(op, {&*key_offset});
+    TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->sizes() == at::IntArrayRef({n_layers, n_kv, hd}),
+                op, ": key_offset must be float32 [", n_layers, ", ", n_kv, ", ", hd, "]");
   }
-  arena->tensors = {keys, values, positions, evicted_at};
-  for (const auto* t : {&scores, &committed_scores, &row_scores, &row_evicted, &key_params, &value_params, &key_offset,
-                        &recent_keys, &recent_values})
-    if (t->has_value() && (*t)->defined()) arena->tensors.push_back(**t);
+  if (cold)
+    TORCH_CHECK(cold->n_layers == n_layers && cold->n_kv == n_kv && cold->hd == hd,
+                op, ": the cold tier's layers, KV heads and head size are not the arena's");
+  auto arena = std::make_shared<NativeArena>();
+  arena->memory = std::make_shared<ArenaMemory>(l);
+  if (l.key_offset) {
+    const at::Tensor offset = key_offset->contiguous();
+    std::memcpy(arena->memory->key_offset.as<void>(), offset.data_ptr<float>(), arena->memory->key_offset.bytes());
+  }
+  arena->cold = cold;
+  arena->bind();
+  ArenaStorage& a = arena->storage;
+  a.sinks = (int)sinks;
+  a.heavy = (int)heavy;
+  a.window = (int)window;
+  a.age_normalised = age_normalised;
+  a.score_decay = (float)score_decay;
+  a.scale = (float)scale;
   return arena;
 }
 
@@ -671,10 +657,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("arena_attention", &sparsespec::arena_attention);
   module.def("rms_norm", &sparsespec::rms_norm, unlocked);
   module.def("gated", &sparsespec::gated, unlocked);
-  pybind11::class_<sparsespec::NativeArena, std::shared_ptr<sparsespec::NativeArena>>(module, "NativeArena")
-      .def("commit", &sparsespec::NativeArena::commit)
-      .def("commit_path", &sparsespec::NativeArena::commit_path);
-  module.def("native_arena", &sparsespec::native_arena);
+  using sparsespec::NativeArena;
+  pybind11::class_<NativeArena, std::shared_ptr<NativeArena>>(module, "NativeArena")
+      .def("commit", &NativeArena::commit)
+      .def("commit_path", &NativeArena::commit_path)
+      .def("resize", &NativeArena::resize)
+      .def("reset", &NativeArena::reset)
+      .def("buffer", &NativeArena::buffer)
+      .def_property_readonly("buffers", &NativeArena::kept_buffers)
+      .def("__deepcopy__", [](const NativeArena& a, const pybind11::dict&) { return a.copy(); })
+      .def_readonly("cold", &NativeArena::cold)
+      .def_property_readonly("capacity", [](const NativeArena& a) { return a.storage.cap; })
+      .def_property_readonly("nbytes", [](const NativeArena& a) { return a.memory->entry_bytes(); })
+      .def_property_readonly("metadata_nbytes", [](const NativeArena& a) { return a.memory->bookkeeping_bytes(); });
+  using pybind11::arg;
+  module.def("native_arena", &sparsespec::native_arena, arg("n_layers"), arg("n_kv"), arg("head_dim"),
+             arg("capacity"), arg("code_bits"), arg("code_group"), arg("bf16"), arg("key_offset"), arg("scores"),
+             arg("row_score_rows"), arg("row_evicted_rows"), arg("recent_window"), arg("recent_slots"),
+             arg("recent_bf16"), arg("sinks"), arg("heavy"), arg("window"), arg("age_normalised"),
+             arg("score_decay"), arg("scale"), arg("cold"));
   using sparsespec::ColdTier;
   pybind11::class_<ColdTier, std::shared_ptr<ColdTier>>(module, "ColdTier")
       .def_readonly("count", &ColdTier::count)
