@@ -284,15 +284,14 @@ def row_by_row(monkeypatch):
     calls: dict[int, int] = {}
     from sparsespec.cache.arena import KVArena
 
-    block_pass = KVArena._block_pass
+    open_block = KVArena._open
 
     def spy(self, n_rows, per_block, parents=None):
-        block = block_pass(self, n_rows, per_block, parents)
-        if block.per_row:
+        open_block(self, n_rows, per_block, parents)
+        if self.evicts_per_row:
             calls[id(self)] = calls.get(id(self), 0) + self.config.num_hidden_layers
-        return block
 
-    monkeypatch.setattr(KVArena, "_block_pass", spy)
+    monkeypatch.setattr(KVArena, "_open", spy)
     return calls
 
 

@@ -457,10 +457,10 @@ def _attend(args: dict) -> tuple[torch.Tensor, object]:
     for name in ("positions", "evicted_at", "scores"):
         arena.buffer(name).copy_(a.pop(name))
     budget = a.pop("budget")
-    arena_pass = (arena, a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
-                  a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
-                  a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0, a.pop("recall", False))
-    return kernels.arena_attention(arena_pass, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v")), arena
+    arena.open(a["q"].shape[1], a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
+               a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
+               a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0, a.pop("recall", False))
+    return kernels.arena_attention(arena, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v")), arena
 
 
 def test_the_checks_pass_the_valid_calls_the_tests_below_break():

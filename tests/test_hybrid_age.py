@@ -29,9 +29,9 @@ def test_age_normalisation_evicts_the_old_token_that_hybrid_keeps():
                                      heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised)
         arena.buffer("positions").copy_(torch.arange(cap).view(1, 1, cap))
         arena.buffer("scores").copy_(torch.tensor(scores + [0.0]).view(1, 1, cap))
-        row = (arena, 9, 0, 9, 9, 0, True, policy.budget, False, torch.ones(cap, hd), torch.zeros(cap, hd), 0, None,
-               0, 0, False)
-        kernels.arena_attention(row, 0, torch.zeros(2, 1, hd), torch.zeros(1, 1, hd), torch.zeros(1, 1, hd))
+        arena.open(1, 9, 0, 9, 9, 0, True, policy.budget, False, torch.ones(cap, hd), torch.zeros(cap, hd), 0, None,
+                   0, 0, False)
+        kernels.arena_attention(arena, 0, torch.zeros(2, 1, hd), torch.zeros(1, 1, hd), torch.zeros(1, 1, hd))
         outcome[name] = set((arena.buffer("evicted_at")[0, 0] == NEVER).nonzero().flatten().tolist())
     assert outcome["hybrid"] == {0, 1, 6, 8, 9}
     assert outcome["hybrid-age"] == {0, 6, 7, 8, 9}

@@ -184,21 +184,34 @@ def test_bad_blocks_are_refused_with_a_clear_error():
     native = model.native_model()
     arena.begin(2)
     passes, route = arena.native_pass()
+    cos, sin, offset = arena.rope.table_rows(0, 2)
+
+    def reopen(start=0, first_position=0):  # the block begin(2) opened, but for a count
+        arena.handle.open(2, start, 0, 0, first_position, 0, False, -1, False, cos, sin, offset, None, 0, 0, False)
+
     for tokens, fix, message in [
         (torch.tensor([1, 500]), None, "outside the vocabulary"),
-        (torch.tensor([1, 2]), lambda p, r: (p, r[:1]), "route of another length"),
-        (torch.tensor([1, 2]), lambda p, r: (p, [(1, 0), (0, 1)]), "routed outside"),
-        (torch.tensor([1, 2]), lambda p, r: ([(p[0][0], 10_000, *p[0][2:])], r), "outside the arena"),
-        (torch.tensor([1, 2]), lambda p, r: ([(*p[0][:4], -5, *p[0][5:])], r), "must be >= 0"),
-        (torch.tensor([1, 2]), lambda p, r: ([p[0], p[0]], r), "in two blocks"),
+        (torch.tensor([1, 2, 3]), None, "3 rows for a block of 2"),
+        (torch.tensor([1, 2]), lambda: reopen(start=10_000), "outside the arena"),
+        (torch.tensor([1, 2]), lambda: reopen(first_position=-5), "must be >= 0"),
     ]:
-        p, r = (passes, route) if fix is None else fix(passes, route)
+        reopen()
+        if fix is not None:
+            fix()
         with pytest.raises(RuntimeError, match=message):
-            native.forward([(tokens, False, p, r)], -1)
+            native.forward([(tokens, False, passes, route)], -1)
+    reopen()
+    for p, r, message in [(passes, route[:1], "route of another length"), (passes, [(1, 0), (0, 1)], "routed outside"),
+                          (passes * 2, route, "in two blocks")]:
+        with pytest.raises(RuntimeError, match=message):
+            native.forward([(torch.tensor([1, 2]), False, p, r)], -1)
     with pytest.raises(RuntimeError, match="in two blocks"):
         native.forward([(torch.tensor([1, 2]), False, passes, route)] * 2, -1)
     with pytest.raises(RuntimeError, match="no blocks"):
         native.forward([], -1)
+    arena.handle.close()
+    with pytest.raises(RuntimeError, match="the arena has no block open"):
+        native.forward([(torch.tensor([1, 2]), False, passes, route)], -1)
 
 
 @pytest.mark.parametrize("ggml_type", [12, 14], ids=["Q4_K", "Q6_K"])

@@ -120,9 +120,10 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
     def spy_begin(n_rows, per_block=False, parents=None):
         begin(n_rows, per_block, parents)
         if arena._block_mode == "select":  # the window: what it chooses among, as stored
-            start = arena._pass.start
-            before.update(start=start, first_position=arena._pass.first_position,
-                          positions=arena.buffer("positions")[:, :, :start].clone(), keys=arena.buffer("keys")[:, :, :start].clone(),
+            start = arena.n_committed + arena.n_inflight  # the window's first slot, and its first position below
+            before.update(start=start, first_position=arena.next_position + arena.n_inflight,
+                          positions=arena.buffer("positions")[:, :, :start].clone(),
+                          keys=arena.buffer("keys")[:, :, :start].clone(),
                           alive=arena.buffer("evicted_at")[:, :, :start] == torch.iinfo(torch.int32).max)
 
     def spy_attend(layer, q, k, v):

@@ -213,12 +213,16 @@ def test_the_native_code_refuses_a_tree_it_cannot_run():
     q = torch.randn(cfg.num_attention_heads, 2, cfg.head_dim)
     k = torch.randn(cfg.num_key_value_heads, 2, cfg.head_dim)
     arena.begin(2, parents=[-1, 0])
-    arena_pass = list(arena.arena_pass())
-    arena_pass[12] = torch.tensor([-1, 1], dtype=torch.int32)  # row 1 its own parent
+    cos, sin, offset = arena.rope.table_rows(arena.next_position, 2)
+
+    def reopen(parents):  # the block as begin opened it, but for its parents
+        arena.handle.open(2, arena.n_committed, 0, arena.n_committed, arena.next_position, 2, False,
+                          arena.policy.budget, False, cos, sin, offset, parents, 0, 0, False)
+
+    reopen([-1, 1])  # row 1 its own parent
     with pytest.raises(RuntimeError, match="row 1 of a tree block names parent 1"):
-        kernels.arena_attention(tuple(arena_pass), 0, q, k, k)
-    arena_pass[12] = torch.tensor([-1], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"parents must be contiguous int32 \[2\]"):
-        kernels.arena_attention(tuple(arena_pass), 0, q, k, k)
+        kernels.arena_attention(arena.handle, 0, q, k, k)
+    with pytest.raises(RuntimeError, match="names a parent for each of its 2 rows"):
+        reopen([-1])
     with pytest.raises(RuntimeError, match="increasing order"):
         arena.handle.commit_path(arena.n_committed, [1, 0], 2, arena.n_committed)

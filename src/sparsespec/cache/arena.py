@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -121,34 +120,6 @@ def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bi
     if key_bias and kv_dtype == "int4" and positions == "original" and not policy.is_full:
         raise ConfigError("int4 keys in the original position mode keep this model's key bias in, which breaks it "
                           "(perplexity over 1,000 on qwen2.5-coder-1.5b); use {positions} in-cache or int8 keys.")
-
-
-@dataclass(frozen=True)
-class BlockPass:
-    """What :meth:`KVArena.attend` does with the open block in every layer, worked out once when it begins: the
-    block's first in-flight row, rows and kind, its slots from ``start``, the entries visible before its first row,
-    whether the policy evicts between rows (``per_row``) and down to which ``budget`` (None: none while it attends),
-    its first true position, the RoPE tables for its rows (``cos``, ``sin`` float32 ``[P, head_dim]``, row
-    ``p - table_offset`` for position or, ``in_cache``, rank ``p``), how many rows keep score snapshots, a tree
-    block's ``parents`` (int32 ``[T]``; None: a chain), and for retention's observation window the width its scores
-    are pooled over and the budget it selects (``pool`` 0: not a window)."""
-
-    first: int
-    n_rows: int
-    per_block: bool
-    start: int
-    visible_before: int
-    per_row: bool
-    budget: int | None
-    first_position: int
-    in_cache: bool
-    cos: torch.Tensor
-    sin: torch.Tensor
-    table_offset: int
-    snapshots: int
-    parents: torch.Tensor | None
-    pool: int
-    select_budget: int
 
 
 class KVArena:
@@ -270,7 +241,7 @@ class KVArena:
         self.evicted_tokens = 0  # tokens evicted (per layer and head) by committed rows
         self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
         self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
-        self._pass: BlockPass | None = None  # what the open block does in every layer
+        self.evicts_per_row = False  # whether the block opened last has its rows evict between them (not per block)
         self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
         self._tree: list[int] | None = None  # the parents of the in-flight tree block's rows (None: a chain)
 
@@ -421,7 +392,7 @@ class KVArena:
                 raise ValueError(f"the observation window needs its {self._window_rows} rows in one block")
         self._block = (self.n_inflight, n_rows, per_block)
         self._per_block_inflight = per_block
-        self._pass = self._block_pass(n_rows, per_block, parents)
+        self._open(n_rows, per_block, parents)
         self._tree = None if parents is None else list(parents)
 
     def takes_tree(self, n_rows: int) -> bool:
@@ -447,8 +418,11 @@ class KVArena:
         if reason is not None:
             raise ValueError(reason)
 
-    def _block_pass(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> "BlockPass":
-        """What :meth:`attend` does with the block just begun, the same in every layer."""
+    def _open(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> None:
+        """Open the block just begun in the native arena: what its rows do, the same in every layer (its slots and
+        first in-flight row, what is visible before it, whether the policy evicts between rows and down to which
+        budget, its first true position, the RoPE tables by position or rank, the rows keeping score snapshots, a
+        tree's parents, retention's window, recall)."""
         first = self.n_inflight
         start = self.n_committed + first
         # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (attend).
@@ -468,24 +442,16 @@ class KVArena:
         snapshots = 0
         if self.policy.needs_scores and not per_block:
             snapshots = n_rows if parents is not None else max(0, min(n_rows, self.max_inflight - 1 - first))
-        tree = None if parents is None else torch.tensor(parents, dtype=torch.int32)
         pool = self.retention.pool if self._block_mode == "select" else 0
-        return BlockPass(first, n_rows, per_block, start, visible_before, per_row, budget, first_position, in_cache,
-                         cos, sin, table_offset, snapshots, tree, pool, self.policy.budget if pool else 0)
-
-    def arena_pass(self) -> tuple:
-        """The open block as the native code takes it (``kernels.arena_attention``, the native pass): this arena's
-        handle with :class:`BlockPass`'s fields."""
-        block = self._pass
-        return (self.handle, block.start, block.first, block.visible_before, block.first_position,
-                block.snapshots, block.per_row, -1 if block.budget is None else block.budget, block.in_cache,
-                block.cos, block.sin, block.table_offset, block.parents, block.pool, block.select_budget,
-                self.cold is not None and not block.per_block)
+        self.evicts_per_row = per_row
+        self.handle.open(n_rows, start, first, visible_before, first_position, snapshots, per_row,
+                         -1 if budget is None else budget, in_cache, cos, sin, table_offset, parents, pool,
+                         self.policy.budget if pool else 0, self.cold is not None and not per_block)
 
     def native_pass(self) -> tuple[list, list[tuple[int, int]]]:
-        """The open block as the native forward pass takes it (``kernels.native_model``): ``([arena pass], route)``,
-        the route each model layer's place in it."""
-        return [self.arena_pass()], self._route
+        """The open block as the native forward pass takes it (``kernels.native_model``): ``([native arena],
+        route)``, the route each model layer's place in it."""
+        return [self.handle], self._route
 
     @property
     def _route(self) -> list[tuple[int, int]]:
@@ -502,7 +468,7 @@ class KVArena:
                 seen = (alive if parent < 0 else self._alive_after_row[parent]) + 1
                 self._alive_after_row.append(seen if budget is None else min(seen, budget))
             self._block = None
-            self._pass = None
+            self.handle.close()
             return
         for _ in range(n_rows):
             alive = alive + 1 if budget is None or per_block else min(alive + 1, budget)
@@ -510,7 +476,7 @@ class KVArena:
         if per_block and budget is not None:
             self._alive_after_row[-1] = min(alive, budget)
         self._block = None
-        self._pass = None
+        self.handle.close()
 
     def commit(self, n_rows: int) -> None:
         """Accept the first ``n_rows`` in-flight rows, drop the rest, and compact the buffers.
@@ -576,7 +542,6 @@ class KVArena:
         self.evicted_tokens = 0
         self._alive_after_row = []
         self._block = None
-        self._pass = None
         self._per_block_inflight = False
         self._tree = None
 
@@ -597,4 +562,4 @@ class KVArena:
         Returns:
             ``[T, n_heads * head_dim]`` attention output.
         """
-        return kernels.arena_attention(self.arena_pass(), layer, q, k, v)
+        return kernels.arena_attention(self.handle, layer, q, k, v)

@@ -28,7 +28,7 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
 * ``native_arena(...)``: a KV arena owning its memory, with its policy, as a handle; its ``commit`` accepts
   in-flight rows and compacts the buffers (``csrc/arena.h``), moving what they evicted into the arena's cold tier
   (``cold_tier(...)``, which owns its memory too: ``csrc/recall.h``).
-* ``arena_attention(arena pass, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
+* ``arena_attention(arena, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
   the KV arena (RoPE, stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
   steps never depend on the rows beside it.
@@ -247,7 +247,7 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, k: int, index: torch.T
     return _load().gguf_dequantize(weight, ggml_type, k, index)
 
 
-def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def arena_attention(arena, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     isa: int = ISA_AUTO) -> torch.Tensor:
     """The open block's ``T`` rows entering one layer of the KV arena and attending over it (see ``cache/arena.py``).
 
@@ -262,20 +262,20 @@ def arena_attention(arena_pass: tuple, layer: int, q: torch.Tensor, k: torch.Ten
     ``first_position + i - recent_window`` from there (its block's own rows from the block).
 
     Args:
-        arena_pass: ``(arena, start, first, visible_before, first_position, snapshots, per_row, budget, in_cache,
-            cos, sin, table_offset, parents, pool, select_budget, recall)`` as ``KVArena.arena_pass`` makes it: the
-            :func:`native_arena` handle, the block's slots and in-flight rows, whether the policy evicts after every
-            row, the budget (-1: the full cache), the position mode, the float32 RoPE tables ``[P, head_dim]`` whose
-            row ``p - table_offset`` serves position (or rank) ``p``, a tree block's parents (int32 ``[T]``, or
-            None: a chain), for retention's observation window its pooling width and the budget it selects (pool
-            0: none; ``csrc/attention.h``), and whether each row merges in what it recalls from the arena's cold
-            tier (``csrc/recall.h``).
+        arena: a :func:`native_arena` with a block of ``T`` rows open: its ``open(n_rows, start, first,
+            visible_before, first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents,
+            pool, select_budget, recall)`` (``KVArena.begin`` calls it) said the block's slots and in-flight rows,
+            whether the policy evicts after every row, the budget (-1: none while the rows attend), the position
+            mode, the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset`` serves position (or
+            rank) ``p``, a tree block's parents (a list, -1 a root; None: a chain), for retention's observation
+            window its pooling width and the budget it selects (pool 0: none; ``csrc/attention.h``), and whether
+            each row merges in what it recalls from the arena's cold tier (``csrc/recall.h``); ``close()`` ends it.
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
 
     Returns:
         ``[T, n_heads * head_dim]`` attention output in the dtype of ``q``.
     """
-    return _load().arena_attention(arena_pass, layer, q, k, v, isa)
+    return _load().arena_attention(arena, layer, q, k, v, isa)
 
 
 def cold_tier(n_layers: int, n_kv: int, head_dim: int, inv_freq: torch.Tensor, attention_factor: float,
@@ -346,9 +346,9 @@ def native_model(spec: dict):
     ``down``. A projection is ``(blocks, types, rows, k, bias or None, float_activations)`` as
     :func:`gguf_linear` takes them.
 
-    The returned object's ``forward(blocks, isa)`` runs ``blocks``: ``(tokens int64 [T], last_only, arena passes,
-    route)`` each, the last two from ``KVArena.native_pass``; it returns float32 logits ``[rows, vocab]`` (each
-    block's rows, or its last with ``last_only``), ids past the head's rows at -inf.
+    The returned object's ``forward(blocks, isa)`` runs ``blocks``: ``(tokens int64 [T], last_only, native arenas,
+    route)`` each, the last two from ``KVArena.native_pass`` (each arena with its block open); it returns float32
+    logits ``[rows, vocab]`` (each block's rows, or its last with ``last_only``), ids past the head's rows at -inf.
     """
     return _load().NativeModel(spec)
 

@@ -129,6 +129,12 @@ struct NativeArena {
   ArenaStorage storage;
   std::shared_ptr<ArenaMemory> memory;
   std::shared_ptr<ColdTier> cold;  // or null
+  // The open block (KVArena.begin to KVArena.end): its rows, what it does in every layer, and the tables and
+  // parents its pass points into.
+  int block_rows = 0;  // 0: no block open
+  ArenaPass block;
+  at::Tensor cos, sin;
+  std::vector<int32_t> parents;
 
   // storage's buffers and tier, after the memory or the tier changed.
   void bind() {
@@ -174,6 +180,70 @@ struct NativeArena {
     TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
   }
 
+  // Open a block of n_rows rows (KVArena.begin): where they go and what they see (start, first, visible_before,
+  // first_position), how the policy evicts (per_row, budget; -1: not while they attend), the rows keeping score
+  // snapshots, the RoPE tables (cos, sin [P, hd] float32, row p - table_offset serving position, or in_cache rank,
+  // p), a tree's parents (one per row, -1 a root) or none, retention's window (pool, select_budget; pool 0: none)
+  // and whether rows recall. The tables and parents are checked here, the rest with the rows (check_arena_pass).
+  void open(int64_t n_rows, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
+            int64_t snapshots, bool per_row, int64_t budget, bool in_cache, const at::Tensor& cos_table,
+            const at::Tensor& sin_table, int64_t table_offset, const c10::optional<std::vector<int64_t>>& tree,
+            int64_t pool, int64_t select_budget, bool recall) {
+    const char* op = "NativeArena.open";
+    const std::pair<const char*, int64_t> counts[] = {{"n_rows", n_rows}, {"start", start}, {"first", first},
+                                                      {"visible_before", visible_before}, {"snapshots", snapshots},
+                                                      {"pool", pool}, {"select_budget", select_budget}};
+    for (const auto& [name, n] : counts)
+      TORCH_CHECK(n >= 0 && n <= INT32_MAX, op, ": ", name, " must be from 0 to 2^31 - 1, not ", n);
+    TORCH_CHECK(budget >= -1 && budget <= INT32_MAX, op, ": a budget of ", budget);
+    TORCH_CHECK(n_rows >= 1, op, ": a block of no rows");
+    ArenaPass p;
+    p.start = (int)start;
+    p.first = (int)first;
+    p.visible_before = (int)visible_before;
+    p.first_position = first_position;
+    p.snapshots = (int)snapshots;
+    p.per_row = per_row;
+    p.budget = (int)budget;
+    p.in_cache = in_cache;
+    pass_tables(op, p, cos_table, sin_table, storage.hd);
+    p.table_offset = table_offset;
+    std::vector<int32_t> rows;
+    if (tree.has_value()) {
+      TORCH_CHECK((int64_t)tree->size() == n_rows, op, ": a tree block names a parent for each of its ", n_rows,
+                  " rows");
+      for (int64_t parent : *tree) {
+        TORCH_CHECK(parent >= -1 && parent < n_rows, op, ": parent ", parent, " outside the block");
+        rows.push_back((int32_t)parent);
+      }
+    }
+    p.pool = (int)pool;
+    p.select_budget = (int)select_budget;
+    p.recall = recall;
+    close();
+    cos = cos_table;
+    sin = sin_table;
+    parents = std::move(rows);
+    p.parents = parents.empty() ? nullptr : parents.data();
+    block = p;
+    block_rows = (int)n_rows;
+  }
+
+  // Close the open block (KVArena.end), if any.
+  void close() {
+    block_rows = 0;
+    block = ArenaPass();
+    cos = sin = at::Tensor();
+    parents.clear();
+  }
+
+  // The open block's pass for a call of T rows (the block's).
+  const ArenaPass& open_block(const char* op, int64_t T) const {
+    TORCH_CHECK(block_rows > 0, op, ": the arena has no block open");
+    TORCH_CHECK(T == block_rows, op, ": ", T, " rows for a block of ", block_rows);
+    return block;
+  }
+
   // `capacity` slots per KV head from now on, the entries of slots [0, keep) kept (ArenaMemory::resized).
   void resize(int64_t capacity, int64_t keep) {
     TORCH_CHECK(capacity >= 1 && capacity <= INT32_MAX && keep >= 0 && keep <= capacity && keep <= storage.cap,
@@ -184,6 +254,7 @@ struct NativeArena {
 
   // Forget every token, keeping the memory (cold tier included).
   void reset() {
+    close();
     memory->forget();
     if (cold) cold->count = 0;
   }
@@ -194,6 +265,7 @@ struct NativeArena {
     out->memory = std::make_shared<ArenaMemory>(*memory);
     if (cold) out->cold = std::make_shared<ColdTier>(*cold);
     out->bind();
+    if (out->block.parents) out->block.parents = out->parents.data();
     return out;
   }
 
@@ -311,53 +383,25 @@ std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_
   return arena;
 }
 
-// An open block of T rows over one arena as KVArena.arena_pass gives it: (NativeArena, start, first, visible_before,
-// first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents: int32 [T] or None, pool,
-// select_budget, recall). The arena is kept in `arenas` and the tensors in `tables`, alive while the pass runs.
-ArenaPass arena_pass(const char* op, const pybind11::handle& item, int64_t hd, int64_t T,
-                     std::vector<std::shared_ptr<NativeArena>>& arenas, std::vector<at::Tensor>& tables) {
-  const auto args = item.cast<pybind11::tuple>();
-  TORCH_CHECK(args.size() == 16, op, ": an arena pass has 16 fields");
-  arenas.push_back(args[0].cast<std::shared_ptr<NativeArena>>());
-  ArenaPass p;
-  p.start = args[1].cast<int>();
-  p.first = args[2].cast<int>();
-  p.visible_before = args[3].cast<int>();
-  p.first_position = args[4].cast<int64_t>();
-  p.snapshots = args[5].cast<int>();
-  p.per_row = args[6].cast<bool>();
-  p.budget = args[7].cast<int>();
-  p.in_cache = args[8].cast<bool>();
-  tables.push_back(args[9].cast<at::Tensor>());
-  tables.push_back(args[10].cast<at::Tensor>());
-  pass_tables(op, p, tables[tables.size() - 2], tables.back(), hd);
-  p.table_offset = args[11].cast<int64_t>();
-  if (!args[12].is_none()) {
-    const at::Tensor parents = args[12].cast<at::Tensor>();
-    check_cpu(op, {&parents});
-    TORCH_CHECK(parents.scalar_type() == at::kInt && parents.is_contiguous() && parents.dim() == 1 &&
-                    parents.size(0) == T, op, ": a tree block's parents must be contiguous int32 [", T, "]");
-    tables.push_back(parents);
-    p.parents = parents.data_ptr<int32_t>();
-  }
-  p.pool = args[13].cast<int>();
-  p.select_budget = args[14].cast<int>();
-  p.recall = args[15].cast<bool>();
-  return p;
+// The open block of the arena `item` (a NativeArena) for a call of T rows; the arena is kept in `arenas`, alive
+// while the pass runs.
+const ArenaPass& arena_pass(const char* op, const pybind11::handle& item, int64_t T,
+                            std::vector<std::shared_ptr<NativeArena>>& arenas) {
+  arenas.push_back(item.cast<std::shared_ptr<NativeArena>>());
+  return arenas.back()->open_block(op, T);
 }
 
 // The open block's T rows entering and attending over one layer of the KV arena (attention.h; cache/arena.py):
-// `pass` as arena_pass reads it; q [n_heads, T, hd], k, v [n_kv, T, hd] the block's queries, keys and values before
+// q [n_heads, T, hd], k, v [n_kv, T, hd] the block's queries, keys and values before
 // RoPE (float32 or bfloat16, any strides). Returns [T, n_heads * hd] in q's dtype.
-at::Tensor arena_attention(const pybind11::tuple& pass, int64_t layer, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, int64_t isa) {
+at::Tensor arena_attention(const pybind11::handle& native_arena, int64_t layer, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, int64_t isa) {
   const char* op = "arena_attention";
   check_cpu(op, {&q, &k, &v});
   TORCH_CHECK(q.dim() == 3 && float_or_bf16(q), op, ": q must be float32 or bfloat16 [n_heads, T, hd]");
   const int64_t hd = q.size(2), T = q.size(1);
   std::vector<std::shared_ptr<NativeArena>> arenas;
-  std::vector<at::Tensor> tables;
-  const ArenaPass p = arena_pass(op, pass, hd, T, arenas, tables);
+  const ArenaPass& p = arena_pass(op, native_arena, T, arenas);
   const ArenaStorage& arena = arenas.back()->storage;
   TORCH_CHECK(hd == arena.hd, op, ": q's heads are not the arena's size ", arena.hd);
   TORCH_CHECK(layer >= 0 && layer < arena.n_layers, op, ": layer ", layer, " outside the arena");
@@ -610,7 +654,6 @@ struct NativeModel {
     TORCH_CHECK(isa == kAuto || isa_available((int)isa), "native pass: instruction set ", isa, " not available");
     std::vector<BlockPass> passes;
     std::vector<std::shared_ptr<NativeArena>> arenas;  // alive until the pass ends
-    std::vector<at::Tensor> tables;
     for (const auto& item : blocks) {
       const auto block = item.cast<pybind11::tuple>();
       TORCH_CHECK(block.size() == 4, "native pass: a block is (tokens, last_only, arenas, route)");
@@ -622,8 +665,7 @@ struct NativeModel {
       pass.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
       pass.last_only = block[1].cast<bool>();
       for (const auto& a : block[2].cast<pybind11::list>()) {
-        const ArenaPass p = arena_pass("native pass", a, weights.head_dim, (int64_t)pass.tokens.size(), arenas,
-                                       tables);
+        const ArenaPass& p = arena_pass("native pass", a, (int64_t)pass.tokens.size(), arenas);
         pass.arenas.emplace_back(&arenas.back()->storage, p);
       }
       for (const auto& r : block[3].cast<pybind11::list>()) {
@@ -661,6 +703,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<NativeArena, std::shared_ptr<NativeArena>>(module, "NativeArena")
       .def("commit", &NativeArena::commit)
       .def("commit_path", &NativeArena::commit_path)
+      .def("open", &NativeArena::open)
+      .def("close", &NativeArena::close)
       .def("resize", &NativeArena::resize)
       .def("reset", &NativeArena::reset)
       .def("buffer", &NativeArena::buffer)
