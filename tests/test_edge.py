@@ -293,6 +293,19 @@ def test_native_weights_stream_at_each_types_rate():
     assert forward_pass(m, cold, tokens=1, kv_entries=0, weights=weights).overhead_s == pytest.approx(0.25 * 3.1)
 
 
+def test_native_weights_are_not_bound_by_the_torch_gemm_peak():
+    """A host without a bf16 GEMM (AVX2: torch's bf16 matmul about 1 GFLOP/s) prices a pass on native weights by
+    the kernels' measured rates alone; dense weights, whose products are torch's, stay bound by the peak."""
+    m = toy_model()
+    fast, slow = (toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": peak},
+                             native_stream={"Q8_0": {"bytes_per_s": 300.0}}) for peak in (1e30, 1.0))
+    for tokens in (1, 4):
+        native = [forward_pass(m, dev, tokens=tokens, kv_entries=8, weights={"Q8_0": 900.0}) for dev in (fast, slow)]
+        assert native[1].time_s == native[0].time_s and native[1].bound == "memory"
+    dense = forward_pass(m, slow, tokens=1, kv_entries=8, weights="bf16")
+    assert dense.bound == "compute" and dense.time_s == pytest.approx(dense.flops)
+
+
 def test_measured_attention_stands_for_its_kv_reads():
     """Where the profile has the attention op's rate, the op's time holds its reads of the cache: the KV bytes are
     reported, not timed again. int8 / int4 keys use their own rate where the profile has one."""

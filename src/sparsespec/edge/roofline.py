@@ -285,7 +285,10 @@ def forward_pass(
     streaming_weights_s = weights_seconds(device, weights, dram["weights"])
     memory_s = streaming_weights_s + kv_s + sram["activations"] / device.sram_bandwidth
     flops = forward_flops(model, tokens, read)
-    compute_s = flops / device.peak(compute_dtype)
+    # Native weights: the profile's per-type rates, for the first row and for each extra one, are the kernels' own
+    # roofline, their arithmetic included; the GEMM peak is torch's (the dense and torch formats' products), which
+    # the native kernels never run (on a host without a bf16 GEMM it is 1 GFLOP/s, two orders below them).
+    compute_s = 0.0 if isinstance(weights, Mapping) else flops / device.peak(compute_dtype)
     layers = model.num_hidden_layers
     extra = tokens - 1
     extra_rows_s = extra * extra_row_seconds(model, device, weights) if extra else 0.0
