@@ -126,20 +126,22 @@ class Reference:
         positions, holding its entries exactly and its scores to float32 rounding."""
         arena, naive = self.arena, self.naive
         end = arena.n_committed + arena.n_inflight
+        buffers = arena.buffers()
         for layer in range(arena.config.num_hidden_layers):
             for head in range(arena.config.num_key_value_heads):
-                live = (arena.buffer("evicted_at")[layer, head, :end] == NEVER).nonzero().flatten()
-                positions = arena.buffer("positions")[layer, head, live]
+                live = (buffers["evicted_at"][layer, head, :end] == NEVER).nonzero().flatten()
+                positions = buffers["positions"][layer, head, live]
                 order = positions.argsort()
                 kept = naive.kept[layer, head].nonzero().flatten()
                 where = f"{what}, layer {layer} head {head}"
                 assert torch.equal(positions[order], kept), f"{where}: keeps {positions[order].tolist()}, " \
                                                             f"expected {kept.tolist()}"
-                assert torch.equal(arena.buffer("keys")[layer, head, live].float(), naive.k[layer, head, positions]), where
-                assert torch.equal(arena.buffer("values")[layer, head, live].float(), naive.v[layer, head, positions]), where
+                assert torch.equal(buffers["keys"][layer, head, live].float(), naive.k[layer, head, positions]), where
+                assert torch.equal(buffers["values"][layer, head, live].float(), naive.v[layer, head, positions]), where
                 if arena.policy.needs_scores:
-                    torch.testing.assert_close(arena.buffer("scores")[layer, head, live], naive.scores[layer, head, positions],
-                                               rtol=1e-5, atol=1e-6, msg=f"{where}: scores")
+                    torch.testing.assert_close(buffers["scores"][layer, head, live],
+                                               naive.scores[layer, head, positions], rtol=1e-5, atol=1e-6,
+                                               msg=f"{where}: scores")
 
 
 def _run(config, name, mode, dtype, seed, n_ops=14, kv_dtype="auto"):
@@ -418,7 +420,7 @@ def test_two_kv_heads_on_three_threads_run_by_chunks_match_the_naive_decoder(nam
         finally:
             torch.set_num_threads(previous)
         assert arena.n_committed > 2 * 256 and within > 0
-        states.append((arena.buffer("keys").clone(), arena.buffer("evicted_at").clone(), arena.buffer("scores").clone()))
+        states.append(tuple(arena.buffer(name).clone() for name in ("keys", "evicted_at", "scores")))
     for by_chunks, by_heads in zip(*states):
         assert torch.equal(by_chunks, by_heads)
 

@@ -202,7 +202,8 @@ def test_keys_with_an_offset_are_stored_without_it_and_read_back_with_it(native_
         arena.end()
         arena.commit(5)
     codes, params = quantize(x - offset[1][:, None], bits)
-    assert torch.equal(shifted.buffer("keys")[1, :, :5], codes) and torch.equal(shifted.buffer("key_params")[1, :, :5], params)
+    assert torch.equal(shifted.buffer("keys")[1, :, :5], codes)
+    assert torch.equal(shifted.buffer("key_params")[1, :, :5], params)
     back = _stored_keys(shifted, 1, 5)
     torch.testing.assert_close(back, dequantize(codes, params, bits) + offset[1][:, None])
     group = {8: 32, 4: 16}[bits]

@@ -211,7 +211,8 @@ def test_recall_keeps_what_the_budget_keeps_and_stores_every_eviction(positions)
     assert with_recall.cold.count == with_recall.evicted_tokens
     for layer in range(CONFIG.num_hidden_layers):
         kept = with_recall.buffer("positions")[layer][:, : with_recall.n_committed]
-        assert torch.equal(kept.sort().values, without.buffer("positions")[layer][:, : without.n_committed].sort().values)
+        kept_without = without.buffer("positions")[layer][:, : without.n_committed]
+        assert torch.equal(kept.sort().values, kept_without.sort().values)
         cold = with_recall.cold.positions(layer).T  # [n_kv, n]
         union = torch.cat((kept, cold), dim=-1).sort().values
         assert torch.equal(union, torch.arange(90).expand_as(union))  # every token is resident or cold, once

@@ -184,7 +184,7 @@ def test_qwen2_quantized_keys_stored_without_their_bias_speculate_exactly(native
 def committed_state(cache: KVArena):
     """Committed arena contents per (layer, head), slot by slot (the layout is part of the state)."""
     n = cache.n_committed
-    state = {"positions": cache.buffer("positions")[..., :n], "keys": cache.buffer("keys")[..., :n, :], "values": cache.buffer("values")[..., :n, :]}
+    state = {name: cache.buffer(name)[:, :, :n] for name in ("positions", "keys", "values")}
     if cache.policy.needs_scores:
         state["scores"] = cache.buffer("scores")[..., :n]
     return state
