@@ -158,6 +158,15 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     return path
 
 
+def rotate(x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
+    """``x: [heads, tokens, head_dim]`` rotated by ``positions: [tokens]`` as the kernels rotate (``x * cos +
+    rotate_half(x) * sin`` in ``x``'s dtype, with the rows ``rope.rows`` gives)."""
+    cos, sin = rope.rows(0, int(positions.max()) + 1 if positions.numel() else 0)
+    cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def tiny_model(architecture: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
     config = tiny_config(architecture, **overrides)
     return Transformer(config, random_state(config, seed), dtype)

@@ -107,16 +107,13 @@ def test_rss_stays_flat_over_20k_tokens(mode):
     one KV row per token in this model (4 KV heads x 64 dims x K and V x 4 bytes = 2 KiB per token and layer)
     would add ~35 MiB over the 18 000 measured tokens, far outside the allowance.
 
-    In the ``original`` mode the RoPE cos/sin tables grow with the largest position seen (by design: keys are
-    rotated by their true positions); they are sized for the whole run before measuring, so that only the cache is
-    measured.
+    The RoPE rows grow with nothing either: the ``original`` mode makes each block's rows for its own positions,
+    the ``in-cache`` mode keeps rows for the ranks its slots can take.
     """
     model = tiny_model(num_hidden_layers=1, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     n_tokens, warmup = 20_000, 2_000
     arena = KVArena(model.config, make_policy("hybrid", 64), dtype=torch.float32, max_block=16, positions=mode)
     kv_pointer = arena.buffer("keys").data_ptr()
-    if mode == "original":
-        arena.rope.rotate(torch.zeros(1, 1, model.config.head_dim), torch.tensor([n_tokens + 16]))
     gen = torch.Generator().manual_seed(0)
     stream = torch.randint(0, model.config.vocab_size, (n_tokens,), generator=gen).tolist()
     process = psutil.Process()
@@ -246,12 +243,16 @@ def test_a_deep_copy_owns_its_memory_and_its_cold_tier():
     (dict(heavy=2), "heavy hitters needs scores"),
     (dict(row_score_rows=2), "score snapshots need scores"),
     (dict(capacity=-1), "sizes and counts from 0"),
+    (dict(inv_freq=[1.0] * 3), "4 inverse frequencies, not 3"),
+    (dict(attention_factor=0.0), "attention factor must be positive"),
+    (dict(inv_freq=[1.0, float("nan"), 1.0, 1.0]), "inverse frequencies must be finite"),
 ], ids=["odd-head", "no-slots", "3-bit", "group", "window-of-floats", "short-ring", "offset-of-floats",
-        "offset-shape", "heavy-without-scores", "snapshots-without-scores", "negative"])
+        "offset-shape", "heavy-without-scores", "snapshots-without-scores", "negative", "rope-of-other-heads",
+        "rope-factor-0", "rope-nan"])
 def test_a_layout_the_arena_cannot_hold_is_refused(native_kernels, layout, says):
     from sparsespec import kernels
 
-    args = dict(n_layers=1, n_kv=2, head_dim=8, capacity=16) | layout
+    args = dict(n_layers=1, n_kv=2, head_dim=8, capacity=16, inv_freq=[1.0] * 4) | layout
     with pytest.raises(RuntimeError, match=says):
         kernels.native_arena(**args)
 
@@ -259,7 +260,7 @@ def test_a_layout_the_arena_cannot_hold_is_refused(native_kernels, layout, says)
 def test_a_resize_that_would_lose_or_invent_slots_is_refused(native_kernels):
     from sparsespec import kernels
 
-    arena = kernels.native_arena(n_layers=1, n_kv=2, head_dim=8, capacity=16)
+    arena = kernels.native_arena(n_layers=1, n_kv=2, head_dim=8, capacity=16, inv_freq=[1.0] * 4)
     for capacity, keep in ((8, 12), (16, 17), (0, 0), (16, -1)):
         with pytest.raises(RuntimeError, match="NativeArena.resize"):
             arena.resize(capacity, keep)

@@ -90,7 +90,7 @@ class NaiveDecoder:
         inv_freq = 1.0 / (config.rope_theta**half)
         angles = torch.arange(max_tokens, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.cos, self.sin = angles.double().cos().float(), angles.double().sin().float()  # correctly rounded
 
     # -- state snapshots (for blocks whose later rows get rolled back)
     def snapshot(self):

@@ -213,20 +213,19 @@ def test_a_window_over_every_position_reads_as_the_unquantized_arena_bitwise(nam
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_positions_past_the_rope_tables_match_the_naive_decoder(dtype):
-    """True positions beyond the cached RoPE tables: the op gets rows computed for the block alone (a table offset)
+def test_far_positions_match_the_naive_decoder(dtype):
+    """True positions far into a run: the arena makes RoPE rows for each block's positions alone (a table offset)
     and must store and attend as the naive decoder, whose tables reach every position."""
-    from sparsespec.rope import TABLE_LIMIT
-
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     arena = _arena(config, "hybrid", "original", dtype, 64)
-    arena.next_position = TABLE_LIMIT - 3  # the first block straddles the limit, the later ones lie past it
+    start = 40_000
+    arena.next_position = start
     ref = Reference(arena, 64)
     gen = torch.Generator().manual_seed(5)
     for step in range(4):
         ref.block(_rows(config, 3, gen, dtype), False, f"block {step}")
         ref.commit(3, f"block {step}")
-    assert arena.next_position > TABLE_LIMIT + 6 and arena.evicted_tokens > 0
+    assert arena.next_position == start + 12 and arena.evicted_tokens > 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8", "int4"])
@@ -437,8 +436,7 @@ def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, re
         k=torch.randn(n_kv, n_rows, head_dim, generator=gen), v=torch.randn(n_kv, n_rows, head_dim, generator=gen),
         capacity=cap, positions=torch.arange(cap).repeat(1, n_kv, 1),
         evicted_at=torch.full((1, n_kv, cap), NEVER, dtype=torch.int32),
-        scores=torch.rand(1, n_kv, cap, generator=gen), cos=torch.ones(cap, head_dim),
-        sin=torch.zeros(cap, head_dim), table_offset=0, in_cache=True, layer=0, start=committed, first=0,
+        scores=torch.rand(1, n_kv, cap, generator=gen), in_cache=True, layer=0, start=committed, first=0,
         visible_before=committed, first_position=committed, snapshots=0, per_row=True, budget=committed - 2,
         sinks=1, heavy=3, window=1, scale=0.35, code_bits=code_bits, recent_window=recent_window,
     )
@@ -455,13 +453,14 @@ def _attend(args: dict) -> tuple[torch.Tensor, object]:
         n_layers=1, n_kv=a["k"].shape[0], head_dim=head_dim, capacity=a.pop("capacity"), code_bits=code_bits,
         code_group=head_dim if code_bits else 0, scores=True, recent_window=recent_window,
         recent_slots=recent_window, sinks=a.pop("sinks"), heavy=a.pop("heavy"), window=a.pop("window"),
-        age_normalised=a.pop("age_normalised", False), scale=a.pop("scale"))
+        age_normalised=a.pop("age_normalised", False), scale=a.pop("scale"),
+        inv_freq=[0.0] * (head_dim // 2))  # RoPE that rotates nothing
     for name in ("positions", "evicted_at", "scores"):
         arena.buffer(name).copy_(a.pop(name))
     budget = a.pop("budget")
     arena.open(a["q"].shape[1], a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
-               a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"),
-               a.pop("cos"), a.pop("sin"), a.pop("table_offset"), None, 0, 0, a.pop("recall", False))
+               a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"), None, 0, 0,
+               a.pop("recall", False))
     return kernels.arena_attention(arena, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v")), arena
 
 

@@ -12,7 +12,7 @@ from sparsespec.cache import KVArena, make_policy
 from sparsespec.cache.quant import BITS, MIN_SCALE, group_size
 from sparsespec.errors import UserError
 
-from conftest import tiny_config, tiny_model
+from conftest import rotate, tiny_config, tiny_model
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +142,7 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
 
     def spy(layer, q, k, v):
         first = arena.next_position + arena._block[0]
-        stored = arena.rope.rotate(k, torch.arange(first, first + k.shape[1])) if mode == "original" else k
+        stored = rotate(k, torch.arange(first, first + k.shape[1]), arena.rope) if mode == "original" else k
         for i in range(k.shape[1]):  # a rejected row's position is written again by the next block
             written[first + i] = (stored[:, i].clone(), v[:, i].clone())
         return attend(layer, q, k, v)

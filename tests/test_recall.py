@@ -63,7 +63,7 @@ def random_tier(n_entries: int, rank: int | None, seed: int = 0, pages: int = 2)
     L, n_kv, hd = 2, 2, 16
     offset = torch.randn(L, n_kv, hd, generator=g) * 4
     scale = 1 / math.sqrt(hd)
-    tier = Tier(cold_tier(L, n_kv, hd, Rope(hd, 10000.0), scale, offset, rank, Recall(pages)), offset, rank, pages,
+    tier = Tier(cold_tier(L, n_kv, hd, Rope.of(hd, 10000.0), scale, offset, rank, Recall(pages)), offset, rank, pages,
                 scale, hd)
     keys = torch.randn(L, n_entries, n_kv, hd, generator=g) + offset[:, None]
     values = torch.randn(L, n_entries, n_kv, hd, generator=g)
@@ -189,8 +189,8 @@ def test_the_tier_refuses_what_does_not_fit():
         tier.native.append(keys[:, :2].contiguous(), values[:, :2].contiguous(), -positions[:, :2].contiguous() - 1)
     with pytest.raises(RuntimeError, match="outside the tier"):
         tier.native.recall_row(2, torch.zeros(2, 3, 16), 0, torch.zeros(96), torch.zeros(6))
-    with pytest.raises(RuntimeError, match="inv_freq"):
-        kernels.cold_tier(2, 2, 16, torch.zeros(3), 1.0, 0.25, None, -1, 2, PAGE)
+    with pytest.raises(RuntimeError, match="8 inverse frequencies, not 3"):
+        kernels.cold_tier(2, 2, 16, [0.0] * 3, 1.0, 0.25, None, -1, 2, PAGE)
     assert tier.native.count == 20
 
 

@@ -18,7 +18,7 @@ from sparsespec.rope import Rope
 from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
-from conftest import random_state, tiny_config
+from conftest import random_state, rotate, tiny_config
 
 CONFIG = tiny_config("llama", tie_word_embeddings=False)
 STATE = random_state(CONFIG, seed=0, scale=1.0)
@@ -70,8 +70,8 @@ def _reference_selection(model, policy, tokens, rows, pool):
     positions = torch.arange(len(tokens))
     kept = []
     for layer, q, k in captured:
-        q = rope.rotate(q.double(), positions)[:, -rows:].reshape(n_kv, group, rows, -1)
-        k = rope.rotate(k.double(), positions)
+        q = rotate(q.double(), positions, rope)[:, -rows:].reshape(n_kv, group, rows, -1)
+        k = rotate(k.double(), positions, rope)
         logits = torch.matmul(q, k.transpose(-1, -2)[:, None]) / math.sqrt(cfg.head_dim)
         causal = positions[None, :] <= positions[-rows:, None]
         attention = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1).sum(dim=(1, 2))  # [n_kv, S]
@@ -146,13 +146,13 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
             old_keys = before["keys"][layer, h][alive].double()
             n_old = len(old_positions)
             if positions == "original":  # stored rotated; new rows and queries by their true positions
-                new_keys = rope.rotate(k[h : h + 1].double(), new_positions)[0]
-                queries = rope.rotate(q[h * group : (h + 1) * group].double(), new_positions)
+                new_keys = rotate(k[h : h + 1].double(), new_positions, rope)[0]
+                queries = rotate(q[h * group : (h + 1) * group].double(), new_positions, rope)
             else:  # every key and query by its rank among the visible entries, in position order
                 ranks = old_positions.argsort().argsort()
-                old_keys = rope.rotate(old_keys[None], ranks)[0]
-                new_keys = rope.rotate(k[h : h + 1].double(), torch.arange(n_rows) + n_old)[0]
-                queries = rope.rotate(q[h * group : (h + 1) * group].double(), torch.arange(n_rows) + n_old)
+                old_keys = rotate(old_keys[None], ranks, rope)[0]
+                new_keys = rotate(k[h : h + 1].double(), torch.arange(n_rows) + n_old, rope)[0]
+                queries = rotate(q[h * group : (h + 1) * group].double(), torch.arange(n_rows) + n_old, rope)
             keys = torch.cat((old_keys, new_keys))
             key_positions = torch.cat((old_positions, new_positions))
             logits = torch.matmul(queries, keys.T) / math.sqrt(cfg.head_dim)  # [group, rows, entries]

@@ -117,20 +117,23 @@ def test_unscaled_rope_misses_transformers_by_far(scaled_pair):
 
 
 def test_the_scaling_changes_the_tables(scaled_pair):
-    """What the native op reads: the arena's cos/sin tables are the scaled ones (inverse frequencies times
-    position, times YaRN's attention factor), and differ from the unscaled tables."""
+    """What the native op reads: the arena's cos/sin rows are the scaled ones (inverse frequencies times
+    position, times YaRN's attention factor), within an ulp of transformers' float32 ones, and differ from the
+    unscaled rows."""
     name, config, _, _, reference = scaled_pair
     rope = KVArena(config, make_policy("full"), dtype=torch.float32, max_tokens=8).rope
-    cos, sin = rope.tables(PROMPT_TOKENS)
+    cos, sin = rope.rows(0, PROMPT_TOKENS)
     rotary = reference.model.rotary_emb
-    positions = torch.arange(cos.shape[0])[None]
+    positions = torch.arange(PROMPT_TOKENS)[None]
     with torch.no_grad():
         their_cos, their_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    assert torch.equal(rope.inv_freq, rotary.inv_freq)
+    assert torch.equal(torch.tensor(rope.inv_freq), rotary.inv_freq)
     torch.testing.assert_close(cos, their_cos[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, their_sin[0], rtol=0, atol=1e-6)
-    plain_cos, _ = Rope(config.head_dim, config.rope_theta).tables(PROMPT_TOKENS)
-    assert (cos[:PROMPT_TOKENS] - plain_cos[:PROMPT_TOKENS]).abs().max() > 0.5
+    plain_cos, _ = Rope.of(config.head_dim, config.rope_theta).rows(0, PROMPT_TOKENS)
+    assert (cos - plain_cos).abs().max() > 0.5
+    later_cos, later_sin = rope.rows(PROMPT_TOKENS - 10, 10)  # rows from any position are the same rows
+    assert torch.equal(later_cos, cos[-10:]) and torch.equal(later_sin, sin[-10:])
     assert rope.attention_factor == pytest.approx(rotary.attention_scaling)
     assert (rope.attention_factor != 1.0) == name.startswith("yarn")
 
@@ -297,3 +300,17 @@ def test_cli_refuses_a_longrope_gguf_in_one_sentence(capsys, tmp_path):
     path = write_llama_gguf(tmp_path / "longrope.gguf", config, random_state(config),
                             rope__scaling__type="longrope")
     assert_user_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", "w1 w2"), "'longrope'")
+
+
+@pytest.mark.parametrize("first", [0, 40_000, 3_000_000])
+def test_rope_rows_are_float32_angles_correctly_rounded(first):
+    """The rows every rotation reads: the float32 angle (position times inverse frequency, rounded to float32, as
+    transformers computes it), its cos and sin from float64 rounded once, times the attention factor; from any first
+    position (a block far into a run gets rows for its own positions)."""
+    rope = Rope.of(64, 500000.0, RopeScaling("yarn", factor=4.0, attention_factor=1.2,
+                                               original_max_position_embeddings=64))
+    cos, sin = rope.rows(first, 300)
+    angles = (torch.arange(first, first + 300, dtype=torch.float32)[:, None] * torch.tensor(rope.inv_freq)).double()
+    angles = torch.cat((angles, angles), dim=-1)
+    assert torch.equal(cos, (angles.cos().float() * rope.attention_factor).float())
+    assert torch.equal(sin, (angles.sin().float() * rope.attention_factor).float())

@@ -213,11 +213,10 @@ def test_the_native_code_refuses_a_tree_it_cannot_run():
     q = torch.randn(cfg.num_attention_heads, 2, cfg.head_dim)
     k = torch.randn(cfg.num_key_value_heads, 2, cfg.head_dim)
     arena.begin(2, parents=[-1, 0])
-    cos, sin, offset = arena.rope.table_rows(arena.next_position, 2)
 
     def reopen(parents):  # the block as begin opened it, but for its parents
         arena.handle.open(2, arena.n_committed, 0, arena.n_committed, arena.next_position, 2, False,
-                          arena.policy.budget, False, cos, sin, offset, parents, 0, 0, False)
+                          arena.policy.budget, False, parents, 0, 0, False)
 
     reopen([-1, 1])  # row 1 its own parent
     with pytest.raises(RuntimeError, match="row 1 of a tree block names parent 1"):

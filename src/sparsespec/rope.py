@@ -2,19 +2,20 @@
 :class:`~sparsespec.config.RopeScaling`.
 
 The cache applies these, not the model, because in the ``in-cache`` position mode a key's position is its rank
-inside the cache, known only at attention time. Every rotation, the native attention op's included, reads the cos/sin
-tables made here, so a scaling changes the tables and nothing else.
+inside the cache, known only at attention time. A model's RoPE is its inverse frequencies and attention factor,
+computed here once; the native arena and its cold tier make their cos/sin rows from them (``kernels/csrc/rope.h``,
+:meth:`Rope.rows`), so a scaling changes the frequencies and nothing else.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import ModelConfig, RopeScaling
-
-TABLE_LIMIT = 1 << 15  # positions covered by cached cos/sin tables (beyond: computed per call)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -70,62 +71,26 @@ def _yarn(head_dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) 
     return interpolated * (1 - extrapolation_share) + extrapolated * extrapolation_share
 
 
+@dataclass(frozen=True)
 class Rope:
-    """Rotates ``[heads, tokens, head_dim]`` tensors by integer positions with base ``theta`` and ``scaling``."""
+    """A model's rotary embedding: the float32 inverse frequencies (``head_dim / 2`` of them) and the attention
+    factor that scales every rotated vector (YaRN's; 1 for the other kinds)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
-        self.head_dim = head_dim
-        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        # YaRN scales cos and sin (so every query and key) by its attention factor; the other kinds' is 1.
-        self.attention_factor = scaling.attention_factor if scaling is not None else 1.0
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
+    inv_freq: tuple[float, ...]
+    attention_factor: float = 1.0
 
     @classmethod
     def for_model(cls, config: ModelConfig) -> "Rope":
         """The RoPE of the model ``config`` describes."""
-        return cls(config.head_dim, config.rope_theta, config.rope_scaling)
+        return cls.of(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[>= upto, head_dim]`` in float32 (contiguous), grown by doubling."""
-        if upto > self._cos.shape[0]:
-            size = max(upto, 2 * self._cos.shape[0], 256)
-            self._cos, self._sin = self._computed(torch.arange(size))
-        return self._cos, self._sin
+    @classmethod
+    def of(cls, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> "Rope":
+        """The RoPE of heads of ``head_dim`` channels with base ``theta`` and ``scaling``."""
+        return cls(tuple(inverse_frequencies(head_dim, theta, scaling).tolist()),
+                   scaling.attention_factor if scaling is not None else 1.0)
 
-    def table_rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """float32 cos/sin ``[P, head_dim]`` covering positions ``[first, first + count)``, and the position of their
-        row 0: the cached tables (row 0 = position 0) while they reach, else rows for these positions alone, computed
-        as :meth:`rotate` computes them."""
-        if first + count <= TABLE_LIMIT:
-            cos, sin = self.tables(first + count)
-            return cos, sin, 0
-        cos, sin = self._computed(torch.arange(first, first + count))
-        return cos, sin, first
-
-    def _computed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos/sin ``[..., head_dim]`` for ``positions`` past the cached tables, computed for them alone
-        (memory stays bounded in very long runs)."""
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if self.attention_factor == 1.0:
-            return emb.cos(), emb.sin()
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x: [heads, tokens, head_dim]`` by ``positions: [tokens]`` or ``[heads, tokens]`` (int64)."""
-        cos, sin = self.cos_sin(positions, x.dtype)
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    def cos_sin(self, positions: torch.Tensor,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[..., head_dim]`` of ``positions`` (>= 0) in ``dtype``: rows of the tables while they reach."""
-        highest = int(positions.max()) + 1 if positions.numel() else 0
-        if highest <= TABLE_LIMIT:
-            cos_table, sin_table = self.tables(highest)
-            cos, sin = cos_table[positions], sin_table[positions]
-        else:
-            cos, sin = self._computed(positions)
-        return cos.to(dtype), sin.to(dtype)
+    def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos / sin ``[count, head_dim]``: the rotations by positions (or ranks) ``first ..
+        first + count - 1`` as the kernels make and apply them (``kernels.rope_rows``)."""
+        return kernels.rope_rows(self.inv_freq, self.attention_factor, first, count)

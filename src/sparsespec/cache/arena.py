@@ -230,7 +230,8 @@ class KVArena:
             row_score_rows=self._row_score_rows, row_evicted_rows=max(max_inflight, 1),
             recent_window=self.recent_window, recent_slots=self.recent_slots, recent_bf16=dtype == torch.bfloat16,
             sinks=policy.sinks, heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
-            score_decay=policy.score_decay, scale=self.scale, cold=cold)
+            score_decay=policy.score_decay, scale=self.scale, inv_freq=self.rope.inv_freq,
+            attention_factor=self.rope.attention_factor, cold=cold)
         self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
         self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
         self._window_rows = 0  # rows of the open hold's observation window
@@ -421,7 +422,7 @@ class KVArena:
     def _open(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> None:
         """Open the block just begun in the native arena: what its rows do, the same in every layer (its slots and
         first in-flight row, what is visible before it, whether the policy evicts between rows and down to which
-        budget, its first true position, the RoPE tables by position or rank, the rows keeping score snapshots, a
+        budget, its first true position, whether it rotates by position or rank, the rows keeping score snapshots, a
         tree's parents, retention's window, recall)."""
         first = self.n_inflight
         start = self.n_committed + first
@@ -433,19 +434,13 @@ class KVArena:
         depth = n_rows if parents is None else max(tree_depths(parents)) + 1
         per_row = budget is not None and n_rows > 1 and not per_block and visible_before + depth > budget
         first_position = self.next_position + first
-        in_cache = self.positions_mode == "in-cache"
-        if in_cache:  # queries and keys rotate by rank, below start + n_rows
-            cos, sin = self.rope.tables(start + n_rows)
-            table_offset = 0
-        else:
-            cos, sin, table_offset = self.rope.table_rows(first_position, n_rows)
         snapshots = 0
         if self.policy.needs_scores and not per_block:
             snapshots = n_rows if parents is not None else max(0, min(n_rows, self.max_inflight - 1 - first))
         pool = self.retention.pool if self._block_mode == "select" else 0
         self.evicts_per_row = per_row
         self.handle.open(n_rows, start, first, visible_before, first_position, snapshots, per_row,
-                         -1 if budget is None else budget, in_cache, cos, sin, table_offset, parents, pool,
+                         -1 if budget is None else budget, self.positions_mode == "in-cache", parents, pool,
                          self.policy.budget if pool else 0, self.cold is not None and not per_block)
 
     def native_pass(self) -> tuple[list, list[tuple[int, int]]]:

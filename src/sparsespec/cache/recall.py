@@ -101,8 +101,8 @@ def cold_tier(n_layers: int, n_kv: int, head_dim: int, rope: Rope, scale: float,
     ``rope`` the model's rotary embedding, ``scale`` the softmax scale, ``key_offset [n_layers, n_kv, head_dim]`` the
     model's key bias or None, ``rank`` the rank recalled keys take from (the in-cache mode) or None: their true
     positions."""
-    return kernels.cold_tier(n_layers, n_kv, head_dim, rope.inv_freq.float().contiguous(), rope.attention_factor,
-                             scale, None if key_offset is None else key_offset.float().contiguous(),
+    return kernels.cold_tier(n_layers, n_kv, head_dim, rope.inv_freq, rope.attention_factor, scale,
+                             None if key_offset is None else key_offset.float().contiguous(),
                              -1 if rank is None else rank, recall.pages, PAGE)
 
 

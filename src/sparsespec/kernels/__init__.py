@@ -43,6 +43,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -263,11 +264,11 @@ def arena_attention(arena, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 
     Args:
         arena: a :func:`native_arena` with a block of ``T`` rows open: its ``open(n_rows, start, first,
-            visible_before, first_position, snapshots, per_row, budget, in_cache, cos, sin, table_offset, parents,
-            pool, select_budget, recall)`` (``KVArena.begin`` calls it) said the block's slots and in-flight rows,
-            whether the policy evicts after every row, the budget (-1: none while the rows attend), the position
-            mode, the float32 RoPE tables ``[P, head_dim]`` whose row ``p - table_offset`` serves position (or
-            rank) ``p``, a tree block's parents (a list, -1 a root; None: a chain), for retention's observation
+            visible_before, first_position, snapshots, per_row, budget, in_cache, parents, pool, select_budget,
+            recall)`` (``KVArena.begin`` calls it) said the block's slots and in-flight rows, whether the policy
+            evicts after every row, the budget (-1: none while the rows attend), the position mode (queries and
+            keys rotate by the arena's own RoPE rows, :func:`rope_rows`), a tree block's parents (a list, -1 a
+            root; None: a chain), for retention's observation
             window its pooling width and the budget it selects (pool 0: none; ``csrc/attention.h``), and whether
             each row merges in what it recalls from the arena's cold tier (``csrc/recall.h``); ``close()`` ends it.
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
@@ -278,14 +279,15 @@ def arena_attention(arena, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
     return _load().arena_attention(arena, layer, q, k, v, isa)
 
 
-def cold_tier(n_layers: int, n_kv: int, head_dim: int, inv_freq: torch.Tensor, attention_factor: float,
+def cold_tier(n_layers: int, n_kv: int, head_dim: int, inv_freq: Sequence[float], attention_factor: float,
               scale: float, key_offset: torch.Tensor | None, rank: int, pages: int, page_size: int):
     """A cold tier for an arena of ``n_layers`` x ``n_kv`` heads of ``head_dim`` channels, owning its memory
     (``cache/recall.py`` describes it; ``csrc/recall.h``). Handed to :func:`native_arena`, it receives what each
     commit evicts, and the rows of row-by-row blocks recall from it.
 
     Args:
-        inv_freq: float32 ``[head_dim / 2]`` and ``attention_factor``: the model's RoPE (``rope.py``).
+        inv_freq: ``head_dim / 2`` float32 values and ``attention_factor``: the model's RoPE (``rope.py``;
+            :func:`rope_rows`).
         key_offset: float32 ``[n_layers, n_kv, head_dim]`` the model's key bias, or None.
         rank: the in-cache mode's first recalled rank, or -1: keys rotate by their true positions.
         pages: pages of ``page_size`` entries each row recalls.
@@ -303,7 +305,8 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
                  bf16: bool = False, key_offset: torch.Tensor | None = None, scores: bool = False,
                  row_score_rows: int = 0, row_evicted_rows: int = 0, recent_window: int = 0, recent_slots: int = 0,
                  recent_bf16: bool = False, sinks: int = 0, heavy: int = 0, window: int = 0,
-                 age_normalised: bool = False, score_decay: float = 1.0, scale: float = 1.0, cold=None):
+                 age_normalised: bool = False, score_decay: float = 1.0, scale: float = 1.0,
+                 inv_freq: Sequence[float], attention_factor: float = 1.0, cold=None):
     """A KV arena owning its memory (``csrc/arena.h``: ``ArenaMemory``), every slot empty, and its policy, checked
     once. :func:`arena_attention` and the native pass attend through it.
 
@@ -319,6 +322,7 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
         recent_window, recent_slots, recent_bf16: the full-precision window's positions and its ring (quantized
             entries only), bfloat16 or float32.
         sinks, heavy, window, age_normalised, score_decay: the policy (``cache/policy.py``); scale: the attention's.
+        inv_freq, attention_factor: the model's RoPE (``head_dim / 2`` float32 values; :func:`rope_rows`).
         cold: a :func:`cold_tier` that each commit moves the evicted entries into (before compaction writes over
             them), or None: they are dropped.
 
@@ -333,7 +337,18 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
     """
     return _load().native_arena(n_layers, n_kv, head_dim, capacity, code_bits, code_group, bf16, key_offset, scores,
                                 row_score_rows, row_evicted_rows, recent_window, recent_slots, recent_bf16, sinks,
-                                heavy, window, age_normalised, score_decay, scale, cold)
+                                heavy, window, age_normalised, score_decay, scale, list(inv_freq),
+                                attention_factor, cold)
+
+
+def rope_rows(inv_freq: Sequence[float], attention_factor: float, first: int,
+              count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[first, first + count)`` of the RoPE tables every rotation in the kernels reads (``csrc/rope.h``):
+    float32 cos and sin ``[count, 2 * len(inv_freq)]``, row ``r`` the rotation by position (or rank) ``first + r``:
+    the float32 angle ``(first + r) * inv_freq``, its cos and sin correctly rounded, times ``attention_factor``, in
+    the rotate-half layout (both halves alike)."""
+    cos, sin = _load().rope_rows(list(inv_freq), attention_factor, first, count)
+    return cos, sin
 
 
 def native_model(spec: dict):

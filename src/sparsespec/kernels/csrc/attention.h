@@ -192,8 +192,8 @@ struct AttnBlock {
 
 void attend_block(int isa, const AttnBlock& b);
 
-// The block's new rows entering one layer of the arena, before attend_block (rotations as sparsespec/rope.py's
-// Rope.rotate computes them): queries rotated in float32 by true position (original mode) or by rank
+// The block's new rows entering one layer of the arena, before attend_block (by the RoPE rows of rope.h): queries
+// rotated in float32 by true position (original mode) or by rank
 // (the tokens visible before the row); keys rotated by true position in the original mode, else stored as they are;
 // keys and values stored at slots [start, start + T) in the arena's dtype (or quantize_row's codes), positions set,
 // evicted_at = kNever, scores 0; with a full-precision window, the rows as the ring keeps them in block_keys /
@@ -251,8 +251,8 @@ struct ArenaStorage {
 
 // What KVArena.attend works out once for a block, the same in every layer: the rows' slots, their first in-flight
 // row and position, what they see, how the policy evicts (per_row, budget -1: the full cache), how many rows keep
-// score snapshots, and the RoPE tables [table_rows, hd] (row p - table_offset serves position, or in the in-cache
-// mode rank, p).
+// score snapshots, and the RoPE rows it rotates by (rope.h) [table_rows, hd] (row p - table_offset serves position,
+// or in the in-cache mode rank, p; the arena makes them when it opens the block).
 struct ArenaPass {
   int start = 0, first = 0, visible_before = 0, snapshots = 0, budget = -1;
   int64_t first_position = 0;

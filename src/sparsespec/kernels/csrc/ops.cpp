@@ -110,17 +110,6 @@ std::vector<float> widened(const at::Tensor& t) {
   return out;
 }
 
-// cos, sin [P, hd] float32 RoPE tables into a pass.
-void pass_tables(const char* op, ArenaPass& p, const at::Tensor& cos, const at::Tensor& sin, int64_t hd) {
-  check_cpu(op, {&cos, &sin});
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd,
-              op, ": cos and sin must be contiguous float32 [P, ", hd, "]");
-  p.cos = cos.data_ptr<float>();
-  p.sin = sin.data_ptr<float>();
-  p.table_rows = cos.size(0);
-}
-
 // ------------------------------------------------------------------------------------------ the KV arena
 // One KV arena (cache/arena.py): its memory (arena.h: ArenaMemory), the ArenaStorage that points into it with the
 // policy, its cold tier, and the verbs that change them. Python holds it as a handle; `buffer` gives torch views of
@@ -129,11 +118,12 @@ struct NativeArena {
   ArenaStorage storage;
   std::shared_ptr<ArenaMemory> memory;
   std::shared_ptr<ColdTier> cold;  // or null
-  // The open block (KVArena.begin to KVArena.end): its rows, what it does in every layer, and the tables and
-  // parents its pass points into.
+  // RoPE (rope.h): by rank from 0 in the in-cache mode (up to the slots in use), else the open block's positions.
+  RopeTables rope;
+  // The open block (KVArena.begin to KVArena.end): its rows, what it does in every layer, and the parents its pass
+  // points into.
   int block_rows = 0;  // 0: no block open
   ArenaPass block;
-  at::Tensor cos, sin;
   std::vector<int32_t> parents;
 
   // storage's buffers and tier, after the memory or the tier changed.
@@ -182,13 +172,12 @@ struct NativeArena {
 
   // Open a block of n_rows rows (KVArena.begin): where they go and what they see (start, first, visible_before,
   // first_position), how the policy evicts (per_row, budget; -1: not while they attend), the rows keeping score
-  // snapshots, the RoPE tables (cos, sin [P, hd] float32, row p - table_offset serving position, or in_cache rank,
-  // p), a tree's parents (one per row, -1 a root) or none, retention's window (pool, select_budget; pool 0: none)
-  // and whether rows recall. The tables and parents are checked here, the rest with the rows (check_arena_pass).
+  // snapshots, whether queries and keys rotate by rank (in_cache) or by position, a tree's parents (one per row, -1
+  // a root) or none, retention's window (pool, select_budget; pool 0: none) and whether rows recall. The counts the
+  // RoPE rows are made for and the parents are checked here, the rest with the rows (check_arena_pass).
   void open(int64_t n_rows, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
-            int64_t snapshots, bool per_row, int64_t budget, bool in_cache, const at::Tensor& cos_table,
-            const at::Tensor& sin_table, int64_t table_offset, const c10::optional<std::vector<int64_t>>& tree,
-            int64_t pool, int64_t select_budget, bool recall) {
+            int64_t snapshots, bool per_row, int64_t budget, bool in_cache,
+            const c10::optional<std::vector<int64_t>>& tree, int64_t pool, int64_t select_budget, bool recall) {
     const char* op = "NativeArena.open";
     const std::pair<const char*, int64_t> counts[] = {{"n_rows", n_rows}, {"start", start}, {"first", first},
                                                       {"visible_before", visible_before}, {"snapshots", snapshots},
@@ -197,6 +186,10 @@ struct NativeArena {
       TORCH_CHECK(n >= 0 && n <= INT32_MAX, op, ": ", name, " must be from 0 to 2^31 - 1, not ", n);
     TORCH_CHECK(budget >= -1 && budget <= INT32_MAX, op, ": a budget of ", budget);
     TORCH_CHECK(n_rows >= 1, op, ": a block of no rows");
+    TORCH_CHECK(start + n_rows <= storage.cap, op, ": rows ", start, " to ", start + n_rows - 1,
+                " are outside the arena's ", storage.cap, " slots");
+    TORCH_CHECK(first_position >= 0 && first_position <= INT64_MAX / 2, op, ": first_position must be >= 0, not ",
+                first_position);
     ArenaPass p;
     p.start = (int)start;
     p.first = (int)first;
@@ -206,8 +199,6 @@ struct NativeArena {
     p.per_row = per_row;
     p.budget = (int)budget;
     p.in_cache = in_cache;
-    pass_tables(op, p, cos_table, sin_table, storage.hd);
-    p.table_offset = table_offset;
     std::vector<int32_t> rows;
     if (tree.has_value()) {
       TORCH_CHECK((int64_t)tree->size() == n_rows, op, ": a tree block names a parent for each of its ", n_rows,
@@ -221,8 +212,15 @@ struct NativeArena {
     p.select_budget = (int)select_budget;
     p.recall = recall;
     close();
-    cos = cos_table;
-    sin = sin_table;
+    // Ranks stay below start + n_rows (a row sees at most the slots up to its own); positions are the rows' own.
+    if (in_cache)
+      rope.cover(start + n_rows);
+    else
+      rope.hold(first_position, n_rows);
+    p.cos = rope.cos.data();
+    p.sin = rope.sin.data();
+    p.table_rows = rope.rows;
+    p.table_offset = rope.first;
     parents = std::move(rows);
     p.parents = parents.empty() ? nullptr : parents.data();
     block = p;
@@ -233,7 +231,6 @@ struct NativeArena {
   void close() {
     block_rows = 0;
     block = ArenaPass();
-    cos = sin = at::Tensor();
     parents.clear();
   }
 
@@ -266,6 +263,10 @@ struct NativeArena {
     if (cold) out->cold = std::make_shared<ColdTier>(*cold);
     out->bind();
     if (out->block.parents) out->block.parents = out->parents.data();
+    if (out->block_rows) {
+      out->block.cos = out->rope.cos.data();
+      out->block.sin = out->rope.sin.data();
+    }
     return out;
   }
 
@@ -326,14 +327,15 @@ struct NativeArena {
 // A KV arena of n_layers x n_kv heads of `capacity` slots of hd channels (arena.h: ArenaLayout gives the rest of the
 // layout) and its policy: sinks, heavy, window, age_normalised (hybrid-age: heavy hitters ranked by score / age),
 // score_decay (hybrid-decay: every row multiplies the scores by it first; 1 elsewhere), and the attention's scale.
-// key_offset: [n_layers, n_kv, hd] float32 that quantized keys are stored minus, or None. cold: the tier that
-// receives what commits evict (recall.h), or None.
+// key_offset: [n_layers, n_kv, hd] float32 that quantized keys are stored minus, or None. inv_freq [hd / 2] and
+// attention_factor: the model's RoPE (rope.h). cold: the tier that receives what commits evict (recall.h), or None.
 std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_t hd, int64_t capacity,
                                           int64_t code_bits, int64_t code_group, bool bf16,
                                           const c10::optional<at::Tensor>& key_offset, bool scores,
                                           int64_t row_score_rows, int64_t row_evicted_rows, int64_t recent_window,
                                           int64_t recent_slots, bool recent_bf16, int64_t sinks, int64_t heavy,
                                           int64_t window, bool age_normalised, double score_decay, double scale,
+                                          const std::vector<float>& inv_freq, double attention_factor,
                                           std::shared_ptr<ColdTier> cold) {
   const char* op = "NativeArena";
   for (int64_t n : {n_layers, n_kv, hd, capacity, code_bits, code_group, row_score_rows, row_evicted_rows,
@@ -357,6 +359,8 @@ std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_
   const std::string problem = check_arena_layout(l);
   TORCH_CHECK(problem.empty(), op, ": ", problem);
   TORCH_CHECK(heavy == 0 || scores, op, ": a policy with heavy hitters needs scores");
+  const std::string rope_problem = RopeTables::check((int)hd, inv_freq, attention_factor);
+  TORCH_CHECK(rope_problem.empty(), op, ": ", rope_problem);
   if (l.key_offset) {
     check_cpu(op, {&*key_offset});
     TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->sizes() == at::IntArrayRef({n_layers, n_kv, hd}),
@@ -372,6 +376,7 @@ std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_
     std::memcpy(arena->memory->key_offset.as<void>(), offset.data_ptr<float>(), arena->memory->key_offset.bytes());
   }
   arena->cold = cold;
+  arena->rope = RopeTables((int)hd, inv_freq, (float)attention_factor);
   arena->bind();
   ArenaStorage& a = arena->storage;
   a.sinks = (int)sinks;
@@ -420,25 +425,42 @@ at::Tensor arena_attention(const pybind11::handle& native_arena, int64_t layer, 
   return out;
 }
 
+// Rows [first, first + count) of the RoPE tables the kernels rotate by (rope.h), as float32 cos and sin [count, hd]:
+// for checking them (against transformers' rotary embedding, in the tests) and for inspection.
+std::vector<at::Tensor> rope_rows(const std::vector<float>& inv_freq, double attention_factor, int64_t first,
+                                  int64_t count) {
+  const int hd = 2 * (int)inv_freq.size();
+  const std::string problem = RopeTables::check(hd, inv_freq, attention_factor);
+  TORCH_CHECK(problem.empty(), "rope_rows: ", problem);
+  TORCH_CHECK(first >= 0 && count >= 0 && count <= (1 << 24) && first <= INT64_MAX / 2, "rope_rows: rows ", first,
+              " to ", first + count, " out of range");
+  RopeTables rope(hd, inv_freq, (float)attention_factor);
+  rope.hold(first, count);
+  at::Tensor cos = at::empty({count, hd}, at::kFloat), sin = at::empty({count, hd}, at::kFloat);
+  if (count) {
+    std::memcpy(cos.data_ptr<float>(), rope.cos_row(first), (std::size_t)count * hd * sizeof(float));
+    std::memcpy(sin.data_ptr<float>(), rope.sin_row(first), (std::size_t)count * hd * sizeof(float));
+  }
+  return {cos, sin};
+}
+
 // ------------------------------------------------------------------------------------------- the cold tier
 // A cold tier (recall.h) for an arena of n_layers x n_kv heads of hd channels: inv_freq [hd / 2] float32 and
 // attention_factor its RoPE (rope.py), key_offset [n_layers, n_kv, hd] float32 or None, rank >= 0 the in-cache
 // mode's first rank (-1: true positions), `pages` pages of page_size entries recalled per row.
-std::shared_ptr<ColdTier> cold_tier(int64_t n_layers, int64_t n_kv, int64_t hd, const at::Tensor& inv_freq,
+std::shared_ptr<ColdTier> cold_tier(int64_t n_layers, int64_t n_kv, int64_t hd, const std::vector<float>& inv_freq,
                                     double attention_factor, double scale, const c10::optional<at::Tensor>& key_offset,
                                     int64_t rank, int64_t pages, int64_t page_size) {
   const char* op = "cold_tier";
-  check_cpu(op, {&inv_freq});
   const int64_t code_group = std::min<int64_t>(16, hd);
   TORCH_CHECK(n_layers >= 1 && n_layers <= 4096 && n_kv >= 1 && n_kv <= 4096, op, ": 1 to 4096 layers and KV heads");
   TORCH_CHECK(hd >= 8 && hd <= kAttnMaxHeadDim && hd % 8 == 0 && hd % code_group == 0, op,
               ": heads of a multiple of 8 channels, at most ", kAttnMaxHeadDim);
   TORCH_CHECK(page_size >= 1 && page_size <= 4096 && pages >= 1 && pages <= 65536 && rank >= -1 &&
                   rank <= INT32_MAX, op, ": pages, page_size and rank out of range");
-  TORCH_CHECK(std::isfinite(attention_factor) && attention_factor > 0 && std::isfinite(scale), op,
-              ": attention_factor and scale must be finite, the factor positive");
-  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.numel() == hd / 2, op,
-              ": inv_freq must be contiguous float32 [", hd / 2, "]");
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite");
+  const std::string rope_problem = RopeTables::check((int)hd, inv_freq, attention_factor);
+  TORCH_CHECK(rope_problem.empty(), op, ": ", rope_problem);
   auto tier = std::make_shared<ColdTier>();
   tier->n_layers = (int)n_layers;
   tier->n_kv = (int)n_kv;
@@ -449,8 +471,7 @@ std::shared_ptr<ColdTier> cold_tier(int64_t n_layers, int64_t n_kv, int64_t hd, 
   tier->pages = (int)pages;
   tier->rank = rank;
   tier->scale = (float)scale;
-  tier->attention_factor = (float)attention_factor;
-  tier->inv_freq.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + hd / 2);
+  tier->rope = RopeTables((int)hd, inv_freq, (float)attention_factor);
   if (key_offset.has_value() && key_offset->defined()) {
     check_cpu(op, {&*key_offset});
     TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
@@ -719,7 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              arg("capacity"), arg("code_bits"), arg("code_group"), arg("bf16"), arg("key_offset"), arg("scores"),
              arg("row_score_rows"), arg("row_evicted_rows"), arg("recent_window"), arg("recent_slots"),
              arg("recent_bf16"), arg("sinks"), arg("heavy"), arg("window"), arg("age_normalised"),
-             arg("score_decay"), arg("scale"), arg("cold"));
+             arg("score_decay"), arg("scale"), arg("inv_freq"), arg("attention_factor"), arg("cold"));
   using sparsespec::ColdTier;
   pybind11::class_<ColdTier, std::shared_ptr<ColdTier>>(module, "ColdTier")
       .def_readonly("count", &ColdTier::count)
@@ -741,6 +762,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                                      {pages, t.n_kv, 2 * t.hd}, at::kFloat);
       });
   module.def("cold_tier", &sparsespec::cold_tier);
+  module.def("rope_rows", &sparsespec::rope_rows);
   pybind11::class_<sparsespec::NativeModel>(module, "NativeModel")
       .def(pybind11::init<const pybind11::dict&>())
       .def("forward", &sparsespec::NativeModel::forward);

@@ -122,8 +122,8 @@ void read_departed(const ColdTier& tier, const ArenaStorage& a, int layer, const
       read_arena_entry(a, layer, h, s, true, keys + at * hd);
       read_arena_entry(a, layer, h, s, false, values + at * hd);
       if (tier.rank < 0)
-        unrotate(keys + at * hd, tier.cos.data() + positions[at] * hd, tier.sin.data() + positions[at] * hd, hd,
-                 tier.attention_factor);
+        unrotate(keys + at * hd, tier.rope.cos_row(positions[at]), tier.rope.sin_row(positions[at]), hd,
+                 tier.rope.attention_factor);
     }
 }
 
@@ -252,26 +252,6 @@ void recall_row(const RecallRow& r) {
 }
 
 // ------------------------------------------------------------------------------------------------ the tier
-void ColdTier::cover(int64_t upto) {
-  if (upto <= table_rows) return;
-  const int64_t rows = std::max<int64_t>({upto, 2 * table_rows, 256});
-  const int half = hd / 2;
-  cos.resize((std::size_t)rows * hd);
-  sin.resize(cos.size());
-  for (int64_t p = table_rows; p < rows; ++p)
-    for (int c = 0; c < half; ++c) {
-      const float angle = (float)p * inv_freq[c];
-      float cv = std::cos(angle), sv = std::sin(angle);
-      if (attention_factor != 1.0f) {
-        cv *= attention_factor;
-        sv *= attention_factor;
-      }
-      cos[p * hd + c] = cos[p * hd + c + half] = cv;
-      sin[p * hd + c] = sin[p * hd + c + half] = sv;
-    }
-  table_rows = rows;
-}
-
 void ColdTier::encode(int layer, int h, const float* key, const float* value, uint8_t* out) const {
   float shifted[kAttnMaxHeadDim];
   const float* offset = key_offset.empty() ? nullptr : key_offset.data() + ((long)layer * n_kv + h) * hd;
@@ -298,7 +278,7 @@ void ColdTier::summarise(int layer, const uint8_t* page_entries, const int64_t* 
       if (!key_offset.empty())
         for (int c = 0; c < hd; ++c) key[c] += key_offset[((long)layer * n_kv + h) * hd + c];
       const int64_t row = rank >= 0 ? rank : page_positions[(long)j * n_kv + h];
-      rotate(key.data(), cos.data() + row * hd, sin.data() + row * hd, hd, rotated.data());
+      rotate(key.data(), rope.cos_row(row), rope.sin_row(row), hd, rotated.data());
       for (int c = 0; c < hd; ++c) {
         high[c] = std::max(high[c], rotated[c]);
         low[c] = std::min(low[c], rotated[c]);
@@ -372,8 +352,8 @@ RecallRow ColdTier::stored_view(int layer, int group) const {
   r.positions = positions.data() + (long)layer * capacity * n_kv;
   r.summaries = summaries.data() + (long)layer * (capacity / page_size) * n_kv * 2 * hd;
   if (!key_offset.empty()) r.key_offset = key_offset.data() + (long)layer * n_kv * hd;
-  r.cos = cos.data();
-  r.sin = sin.data();
+  r.cos = rope.cos_row(0);
+  r.sin = rope.sin_row(0);
   r.rank = rank;
   r.scale = scale;
   return r;

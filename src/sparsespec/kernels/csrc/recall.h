@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "rope.h"
 
 namespace sparsespec {
 
@@ -55,12 +56,7 @@ struct ColdTier {
   int64_t rank = -1;  // >= 0: the in-cache mode (the arena's keys are unrotated); -1: true positions
   float scale = 1.0f;
   std::vector<float> key_offset;  // [L, n_kv, hd] the model's key bias, or empty
-  // RoPE: cos / sin [table_rows, hd] row p = the rotation by p, computed as sparsespec/rope.py computes its tables
-  // (angle = float32(p) * inv_freq, then cos and sin in float32, times attention_factor).
-  std::vector<float> inv_freq;  // [hd / 2]
-  float attention_factor = 1.0f;
-  std::vector<float> cos, sin;
-  int64_t table_rows = 0;
+  RopeTables rope;  // rows from 0 (cover()): rotations by position, or by rank from `rank` up
   int count = 0, capacity = 0;
   int64_t highest_position = -1;  // of every entry appended
   std::vector<uint8_t> entries;
@@ -70,8 +66,8 @@ struct ColdTier {
   // Bytes one entry holds in one layer and KV head, its share of its page's summary included.
   long bytes_per_entry() const { return width + 8 + 2L * hd * 4 / page_size; }
   long nbytes() const { return (long)count * n_layers * n_kv * bytes_per_entry(); }
-  // The RoPE tables reach row upto - 1 (grown by doubling; call before any thread reads them).
-  void cover(int64_t upto);
+  // The RoPE tables reach row upto - 1 (call before any thread reads them).
+  void cover(int64_t upto) { rope.cover(upto); }
   // One entry's bytes from its key (unrotated, key_offset in) and value [hd] float32, of KV head h in `layer`.
   void encode(int layer, int h, const float* key, const float* value, uint8_t* out) const;
   // Page summaries [n_kv, 2 * hd] of `page_size` consecutive entries at entries [page_size, n_kv, width] with
