@@ -293,14 +293,14 @@ def row_by_row(monkeypatch):
     calls: dict[int, int] = {}
     from sparsespec.cache.arena import KVArena
 
-    open_block = KVArena._open
+    begin = KVArena.begin
 
-    def spy(self, n_rows, per_block, parents=None):
-        open_block(self, n_rows, per_block, parents)
+    def spy(self, n_rows, per_block=False, parents=None):
+        begin(self, n_rows, per_block, parents)
         if self.evicts_per_row:
             calls[id(self)] = calls.get(id(self), 0) + self.config.num_hidden_layers
 
-    monkeypatch.setattr(KVArena, "_open", spy)
+    monkeypatch.setattr(KVArena, "begin", spy)
     return calls
 
 

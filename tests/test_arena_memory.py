@@ -185,36 +185,40 @@ def test_a_full_cache_stops_growing_at_max_tokens():
 
 
 # ------------------------------------------------------------------------------ the native arena's own memory
-def _fed(kv_dtype: str = "int4", recall: bool = False) -> KVArena:
-    """A budgeted arena after 40 tokens of a tiny model, its entries quantized and (``recall``) its evictions in a
-    cold tier."""
+def _fed(kv_dtype: str = "int4", recall: bool = False, retention: bool = False) -> KVArena:
+    """A budgeted arena after 40 tokens of a tiny model, its entries quantized, (``recall``) its evictions in a cold
+    tier, and (``retention``) able to hold a prompt."""
     from sparsespec.cache.recall import Recall
+    from sparsespec.cache.retention import Retention
 
     model = tiny_model(num_hidden_layers=2)
     arena = KVArena(model.config, make_policy("hybrid", 16, sinks=2), dtype=torch.float32, max_block=8,
                     max_inflight=4, positions="in-cache", kv_dtype=kv_dtype,
-                    recall=Recall(2) if recall else None)
+                    recall=Recall(2) if recall else None, retention=Retention() if retention else None)
     for at in range(0, 40, 8):
         model.forward(torch.arange(at, at + 8) % model.config.vocab_size, arena, per_block=True)
         arena.commit(8)
     return arena
 
 
-def test_a_resize_keeps_the_committed_slots_and_old_views_keep_the_old_memory():
-    arena = _fed()
-    n = arena.n_committed
+def test_a_hold_grows_the_arena_keeping_the_committed_slots_and_old_views_keep_the_old_memory():
+    arena = _fed(retention=True)
+    n, steady = arena.n_committed, arena.capacity
     before = {name: t.clone() for name, t in arena.buffers().items()}
     old_keys = arena.buffer("keys")
-    arena._resize(arena.capacity + 5)
-    after = arena.buffers()
-    for name in ("keys", "values", "key_params", "value_params", "positions", "scores", "committed_scores"):
-        assert after[name].shape[2] == arena.capacity, name
-        assert torch.equal(after[name][:, :, :n], before[name][:, :, :n]), name
-    assert torch.equal(after["recent_keys"], before["recent_keys"])
-    assert torch.equal(after["recent_values"], before["recent_values"])
-    assert bool((after["evicted_at"] == NEVER).all())
-    assert old_keys.data_ptr() != after["keys"].data_ptr()
-    assert torch.equal(old_keys, before["keys"])  # the view still reads the memory it was made over
+    with arena.hold(steady + 5):  # more rows than the arena has slots: it grows to hold them all
+        assert arena.capacity == n + steady + 5 and arena.peak_nbytes == arena.nbytes
+        after = arena.buffers()
+        for name in ("keys", "values", "key_params", "value_params", "positions", "scores", "committed_scores"):
+            assert after[name].shape[2] == arena.capacity, name
+            assert torch.equal(after[name][:, :, :n], before[name][:, :, :n]), name
+        assert torch.equal(after["recent_keys"], before["recent_keys"])
+        assert torch.equal(after["recent_values"], before["recent_values"])
+        assert bool((after["evicted_at"] == NEVER).all())
+        assert old_keys.data_ptr() != after["keys"].data_ptr()
+        assert torch.equal(old_keys, before["keys"])  # the view still reads the memory it was made over
+    # Left before its rows came: emptied, and back to its steady size (its peak remembered).
+    assert (arena.capacity, arena.n_committed) == (steady, 0) and arena.peak_nbytes > arena.nbytes
 
 
 def test_a_deep_copy_owns_its_memory_and_its_cold_tier():
@@ -245,10 +249,13 @@ def test_a_deep_copy_owns_its_memory_and_its_cold_tier():
     (dict(capacity=-1), "sizes and counts from 0"),
     (dict(inv_freq=[1.0] * 3), "4 inverse frequencies, not 3"),
     (dict(attention_factor=0.0), "attention factor must be positive"),
+    (dict(budget=15, staging=2), "a budget of 15 and a staging of 2 in 16 slots"),
+    (dict(staging=0), "a staging of 0 rows"),
+    (dict(pool=2, budget=8), "retention needs a budget and heavy-hitter scores"),
     (dict(inv_freq=[1.0, float("nan"), 1.0, 1.0]), "inverse frequencies must be finite"),
 ], ids=["odd-head", "no-slots", "3-bit", "group", "window-of-floats", "short-ring", "offset-of-floats",
         "offset-shape", "heavy-without-scores", "snapshots-without-scores", "negative", "rope-of-other-heads",
-        "rope-factor-0", "rope-nan"])
+        "rope-factor-0", "budget-past-slots", "no-staging", "retention-without-scores", "rope-nan"])
 def test_a_layout_the_arena_cannot_hold_is_refused(native_kernels, layout, says):
     from sparsespec import kernels
 
@@ -257,11 +264,25 @@ def test_a_layout_the_arena_cannot_hold_is_refused(native_kernels, layout, says)
         kernels.native_arena(**args)
 
 
-def test_a_resize_that_would_lose_or_invent_slots_is_refused(native_kernels):
-    from sparsespec import kernels
-
-    arena = kernels.native_arena(n_layers=1, n_kv=2, head_dim=8, capacity=16, inv_freq=[1.0] * 4)
-    for capacity, keep in ((8, 12), (16, 17), (0, 0), (16, -1)):
-        with pytest.raises(RuntimeError, match="NativeArena.resize"):
-            arena.resize(capacity, keep)
-    assert arena.capacity == 16
+def test_a_hold_the_arena_cannot_take_is_refused_and_changes_nothing():
+    arena = _fed(retention=True)
+    n, steady = arena.n_committed, arena.capacity
+    for n_tokens, window, error, says in [(0, 1, RuntimeError, "a hold of 0 rows"),
+                                          (4, 5, ValueError, "cannot end with an observation window of 5"),
+                                          (2**31 - 1, 4, ValueError, "does not fit an arena")]:
+        with pytest.raises(error, match=says):
+            arena.handle.hold(n_tokens, window)
+    with pytest.raises(ValueError, match="no hold is open"):
+        arena.handle.release_hold()
+    arena.begin(1)
+    with pytest.raises(ValueError, match="a committed arena with no hold open"):
+        arena.handle.hold(8, 4)
+    arena.end()
+    arena.rollback()
+    arena.handle.hold(8, 4)
+    with pytest.raises(ValueError, match="no hold open"):
+        arena.handle.hold(8, 4)
+    with pytest.raises(ValueError, match="a hold takes per-block chunks of its 8 remaining rows"):
+        arena.begin(1)
+    arena.handle.release_hold()
+    assert (arena.capacity, arena.n_committed, arena.n_inflight) == (steady, 0, 0) and n > 0

@@ -264,8 +264,8 @@ class RecordedRows:
 
         def spy(layer, q, k, v):
             out = attend(layer, q, k, v)
-            first, n_rows, _ = arena._block
-            start = arena.n_committed + first
+            n_rows = q.shape[1]
+            start = arena.n_committed + arena.n_inflight  # the block's rows follow the rows already in flight
             buffers = arena.buffers()
             self.rows[layer] = [(buffers[stored + "s"][layer, :, start : start + n_rows].clone(),
                                  buffers[stored + "_params"][layer, :, start : start + n_rows].clone()

@@ -219,7 +219,7 @@ def test_far_positions_match_the_naive_decoder(dtype):
     config = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     arena = _arena(config, "hybrid", "original", dtype, 64)
     start = 40_000
-    arena.next_position = start
+    arena.handle.assume(0, start)
     ref = Reference(arena, 64)
     gen = torch.Generator().manual_seed(5)
     for step in range(4):
@@ -428,7 +428,8 @@ def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, re
     """The arena, block and rows of a valid :func:`kernels.arena_attention` call (:func:`_attend` makes it): a
     one-layer arena whose first ``committed`` slots hold positions 0, 1, ... (alive, random scores), ``n_rows`` rows
     entering after them in the in-cache mode with a hybrid policy whose budget makes every row evict; ``overrides``
-    replace any of them. With ``code_bits``, one group of codes per head vector."""
+    replace any of them. With ``code_bits``, one group of codes per head vector. What the block's rows do is the
+    arena's ledger's to decide (``csrc/ledger.h``), from these counts."""
     gen = torch.Generator().manual_seed(0)
     cap = committed + n_rows + 2
     args = dict(
@@ -436,9 +437,8 @@ def _op_args(n_kv=2, group=2, head_dim=8, committed=8, n_rows=2, code_bits=0, re
         k=torch.randn(n_kv, n_rows, head_dim, generator=gen), v=torch.randn(n_kv, n_rows, head_dim, generator=gen),
         capacity=cap, positions=torch.arange(cap).repeat(1, n_kv, 1),
         evicted_at=torch.full((1, n_kv, cap), NEVER, dtype=torch.int32),
-        scores=torch.rand(1, n_kv, cap, generator=gen), in_cache=True, layer=0, start=committed, first=0,
-        visible_before=committed, first_position=committed, snapshots=0, per_row=True, budget=committed - 2,
-        sinks=1, heavy=3, window=1, scale=0.35, code_bits=code_bits, recent_window=recent_window,
+        scores=torch.rand(1, n_kv, cap, generator=gen), in_cache=True, layer=0, committed=committed,
+        budget=committed - 2, sinks=1, heavy=3, window=1, scale=0.35, code_bits=code_bits, recent_window=recent_window,
     )
     args.update(overrides)
     return args
@@ -454,13 +454,13 @@ def _attend(args: dict) -> tuple[torch.Tensor, object]:
         code_group=head_dim if code_bits else 0, scores=True, recent_window=recent_window,
         recent_slots=recent_window, sinks=a.pop("sinks"), heavy=a.pop("heavy"), window=a.pop("window"),
         age_normalised=a.pop("age_normalised", False), scale=a.pop("scale"),
-        inv_freq=[0.0] * (head_dim // 2))  # RoPE that rotates nothing
+        inv_freq=[0.0] * (head_dim // 2),  # RoPE that rotates nothing
+        budget=a.pop("budget"), staging=a["q"].shape[1], in_cache=a.pop("in_cache"))
     for name in ("positions", "evicted_at", "scores"):
         arena.buffer(name).copy_(a.pop(name))
-    budget = a.pop("budget")
-    arena.open(a["q"].shape[1], a.pop("start"), a.pop("first"), a.pop("visible_before"), a.pop("first_position"),
-               a.pop("snapshots"), a.pop("per_row"), -1 if budget is None else budget, a.pop("in_cache"), None, 0, 0,
-               a.pop("recall", False))
+    committed = a.pop("committed")
+    arena.assume(committed, committed)
+    arena.begin(a["q"].shape[1], False, None)
     return kernels.arena_attention(arena, a.pop("layer"), a.pop("q"), a.pop("k"), a.pop("v")), arena
 
 
@@ -476,12 +476,7 @@ def test_the_checks_pass_the_valid_calls_the_tests_below_break():
     (lambda: _op_args(n_kv=0), "no KV heads"),  # q.size(0) % n_kv: a division by zero
     (lambda: _op_args(group=0), "0 query heads for 2 KV heads"),
     (lambda: _op_args(head_dim=0), "heads of an even size from 2 to 256, not 0"),
-    (lambda: _op_args(first_position=-3), "first_position"),  # negative positions index the ranks' bitmap
-    (lambda: _op_args(visible_before=-4), "visible_before"),  # a negative rank reads before the RoPE tables
-    (lambda: _op_args(budget=None), "need a budget"),  # the ranks would stop at -1
-    (lambda: _op_args(recall=True), "recall needs the arena's cold tier"),  # a null tier
-], ids=["no-kv-heads", "no-query-heads", "head-dim-0", "negative-first-position", "negative-visible-before",
-        "per-row-without-budget", "recall-without-a-tier"])
+], ids=["no-kv-heads", "no-query-heads", "head-dim-0"])
 def test_integers_the_op_would_misuse_are_errors(args, says):
     with pytest.raises(RuntimeError, match=says):
         _attend(args())
@@ -510,17 +505,34 @@ def test_a_nan_heavy_hitter_score_is_an_error(age_normalised):
         _attend(args)
 
 
-@pytest.mark.parametrize(("counts", "says"), [
-    ((0, 3, 2, 3), "more rows accepted than are in flight"),
-    ((8, 0, 20, 8), "past the arena's capacity"),
-    ((0, 2, 2, 3), "more survivors than entries"),
-    ((0, 1, 2, 1), "past the rows that keep score snapshots"),
-    ((0, 2, 2, 1), "keeps another number of entries than 1"),
-], ids=["rows-past-inflight", "past-capacity", "survivors-past-entries", "no-snapshot", "survivors-disagree"])
-def test_a_commit_the_arena_cannot_make_is_an_error(counts, says):
-    """The native commit checks the counts it is given against the arena (and each KV head's survivors against the
-    caller's) instead of reading or writing past its buffers."""
-    policy = make_policy("hybrid", 6, sinks=1, heavy=2)
-    arena = KVArena(tiny_config(), policy, dtype=torch.float32, max_block=4, max_inflight=1)
-    with pytest.raises(RuntimeError, match=says):
-        arena.handle.commit(*counts)
+def test_a_commit_the_arena_cannot_make_is_refused_and_changes_nothing():
+    """The native arena checks a commit against its own counts (rows in flight, an open block, a partial commit of a
+    prefill chunk) before it touches memory, and a KV head whose entries disagree with the count (its eviction marks
+    written through a view) instead of compacting past its buffers."""
+    config = tiny_config()
+    policy = make_policy("hybrid", 3, sinks=1, heavy=1)
+    arena = KVArena(config, policy, dtype=torch.float32, max_block=4, max_inflight=3)
+    gen = torch.Generator().manual_seed(0)
+
+    def block(n_rows, per_block=False):
+        arena.begin(n_rows, per_block)
+        for layer, (q, k, v) in enumerate(_rows(config, n_rows, gen, torch.float32)):
+            arena.attend(layer, q, k, v)
+
+    with pytest.raises(ValueError, match="cannot commit 3 of 0 in-flight rows"):
+        arena.commit(3)
+    block(4, per_block=True)
+    with pytest.raises(ValueError, match="commit inside an open block"):
+        arena.commit(4)
+    arena.end()
+    with pytest.raises(ValueError, match="only the first max_inflight rows"):
+        arena.commit(2)
+    assert (arena.n_committed, arena.n_inflight) == (0, 4)
+    arena.commit(4)
+    assert arena.n_committed == 3 and arena.evicted_tokens == 1
+    block(2)
+    arena.end()
+    alive = (arena.buffer("evicted_at")[0, 1, :5] == NEVER).nonzero().flatten()
+    arena.buffer("evicted_at")[0, 1, alive[0]] = 0  # KV head 1 of layer 0 now says row 0 evicted one more
+    with pytest.raises(RuntimeError, match="keeps another number of entries than"):
+        arena.commit(2)

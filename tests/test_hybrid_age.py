@@ -27,10 +27,11 @@ def test_age_normalisation_evicts_the_old_token_that_hybrid_keeps():
         hd, cap = 8, 10
         arena = kernels.native_arena(n_layers=1, n_kv=1, head_dim=hd, capacity=cap, scores=True, sinks=policy.sinks,
                                      heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
-                                     inv_freq=[0.0] * (hd // 2))  # no rotation
+                                     inv_freq=[0.0] * (hd // 2), budget=policy.budget)  # no rotation
         arena.buffer("positions").copy_(torch.arange(cap).view(1, 1, cap))
         arena.buffer("scores").copy_(torch.tensor(scores + [0.0]).view(1, 1, cap))
-        arena.open(1, 9, 0, 9, 9, 0, True, policy.budget, False, None, 0, 0, False)
+        arena.assume(9, 9)  # the slots written above: 9 committed tokens
+        arena.begin(1, False, None)
         kernels.arena_attention(arena, 0, torch.zeros(2, 1, hd), torch.zeros(1, 1, hd), torch.zeros(1, 1, hd))
         outcome[name] = set((arena.buffer("evicted_at")[0, 0] == NEVER).nonzero().flatten().tolist())
     assert outcome["hybrid"] == {0, 1, 6, 8, 9}

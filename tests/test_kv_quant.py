@@ -141,7 +141,7 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
     attend = arena.attend
 
     def spy(layer, q, k, v):
-        first = arena.next_position + arena._block[0]
+        first = arena.next_position + arena.n_inflight
         stored = rotate(k, torch.arange(first, first + k.shape[1]), arena.rope) if mode == "original" else k
         for i in range(k.shape[1]):  # a rejected row's position is written again by the next block
             written[first + i] = (stored[:, i].clone(), v[:, i].clone())

@@ -184,18 +184,10 @@ def test_bad_blocks_are_refused_with_a_clear_error():
     native = model.native_model()
     arena.begin(2)
     passes, route = arena.native_pass()
-
-    def reopen(start=0, first_position=0):  # the block begin(2) opened, but for a count
-        arena.handle.open(2, start, 0, 0, first_position, 0, False, -1, False, None, 0, 0, False)
-
     for tokens, message in [(torch.tensor([1, 500]), "outside the vocabulary"),
                             (torch.tensor([1, 2, 3]), "3 rows for a block of 2")]:
         with pytest.raises(RuntimeError, match=message):
             native.forward([(tokens, False, passes, route)], -1)
-    for counts, message in [(dict(start=10_000), "outside the arena"), (dict(first_position=-5), "must be >= 0")]:
-        with pytest.raises(RuntimeError, match=message):
-            reopen(**counts)
-    reopen()
     for p, r, message in [(passes, route[:1], "route of another length"), (passes, [(1, 0), (0, 1)], "routed outside"),
                           (passes * 2, route, "in two blocks")]:
         with pytest.raises(RuntimeError, match=message):
@@ -204,7 +196,7 @@ def test_bad_blocks_are_refused_with_a_clear_error():
         native.forward([(torch.tensor([1, 2]), False, passes, route)] * 2, -1)
     with pytest.raises(RuntimeError, match="no blocks"):
         native.forward([], -1)
-    arena.handle.close()
+    arena.end()
     with pytest.raises(RuntimeError, match="the arena has no block open"):
         native.forward([(torch.tensor([1, 2]), False, passes, route)], -1)
 

@@ -119,7 +119,7 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
 
     def spy_begin(n_rows, per_block=False, parents=None):
         begin(n_rows, per_block, parents)
-        if arena._block_mode == "select":  # the window: what it chooses among, as stored
+        if arena.block_mode == "select":  # the window: what it chooses among, as stored
             start = arena.n_committed + arena.n_inflight  # the window's first slot, and its first position below
             before.update(start=start, first_position=arena.next_position + arena.n_inflight,
                           positions=arena.buffer("positions")[:, :, :start].clone(),
@@ -127,7 +127,7 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
                           alive=arena.buffer("evicted_at")[:, :, :start] == torch.iinfo(torch.int32).max)
 
     def spy_attend(layer, q, k, v):
-        if arena._block_mode == "select":
+        if arena.block_mode == "select":
             rows[layer] = (q.clone(), k.clone())
         return attend(layer, q, k, v)
 

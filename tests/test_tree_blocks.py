@@ -205,23 +205,20 @@ def test_only_a_path_of_the_tree_is_committed():
 
 
 def test_the_native_code_refuses_a_tree_it_cannot_run():
-    """Parents the Python side would refuse, given to the native op directly, and a path off the tree's rows."""
+    """Parents that are not a tree and paths off the tree's rows, given to the native arena directly: its ledger
+    refuses them before any memory is touched."""
     from sparsespec import kernels
 
     cfg = tiny_config()
     arena = _prepared(cfg, "hybrid", "original", torch.Generator().manual_seed(2))
     q = torch.randn(cfg.num_attention_heads, 2, cfg.head_dim)
     k = torch.randn(cfg.num_key_value_heads, 2, cfg.head_dim)
-    arena.begin(2, parents=[-1, 0])
-
-    def reopen(parents):  # the block as begin opened it, but for its parents
-        arena.handle.open(2, arena.n_committed, 0, arena.n_committed, arena.next_position, 2, False,
-                          arena.policy.budget, False, parents, 0, 0, False)
-
-    reopen([-1, 1])  # row 1 its own parent
-    with pytest.raises(RuntimeError, match="row 1 of a tree block names parent 1"):
-        kernels.arena_attention(arena.handle, 0, q, k, k)
-    with pytest.raises(RuntimeError, match="names a parent for each of its 2 rows"):
-        reopen([-1])
-    with pytest.raises(RuntimeError, match="increasing order"):
-        arena.handle.commit_path(arena.n_committed, [1, 0], 2, arena.n_committed)
+    for parents in ([-1, 1], [-1], [0, -1], [-1, 5]):  # row 1 its own parent, too few, a later row, outside
+        with pytest.raises(ValueError, match="parents name, for each of its 2 rows, an earlier row or -1"):
+            arena.handle.begin(2, False, parents)
+    arena.handle.begin(2, False, [-1, 0])
+    kernels.arena_attention(arena.handle, 0, q, k, k)
+    arena.handle.end()
+    for path in ([1, 0], [1], [], [0, 7], [-3]):
+        with pytest.raises(ValueError, match="is not a path from a root of the tree block"):
+            arena.handle.commit_path(path)

@@ -1,9 +1,11 @@
 """The static KV arena: fixed buffers for every layer, staged rows, commit / rollback / compaction.
 
-The memory is a native object's (``kernels.native_arena``; ``csrc/arena.h``: ``ArenaMemory``), which owns every
-buffer below and the verbs that change them (commit, resize, reset, copy); the arena holds it as :attr:`handle` and
-keeps the counts (committed, in flight, positions). Python reads a buffer only through a view (:meth:`buffer`), for
-tests and inspection. Layout (allocated once; only a retention hold, below, grows it for the length of a prompt,
+The arena is a native object (``kernels.native_arena``): its memory (``csrc/arena.h``: ``ArenaMemory``) owns every
+buffer below, its ledger (``csrc/ledger.h``) keeps the counts (committed, in flight, positions, a hold's rows) and
+decides what each block's rows do, and its verbs (begin, end, commit, hold, reset, copy) change them; the class here
+holds it as :attr:`handle`, says what its owner chose (policy, sizes, retention, recall) once, and turns a block past
+the arena's room into a :class:`UserError`. Python reads a buffer only through a view (:meth:`buffer`), for tests
+and inspection. Layout (allocated once; only a retention hold, below, grows it for the length of a prompt,
 and a full cache built with ``initial_tokens`` grows as it fills)::
 
     keys, values   [n_layers, n_kv_heads, capacity, head_dim]   kv_dtype: the compute dtype, bfloat16, or int8 /
@@ -105,14 +107,6 @@ def require_kernels() -> None:
         raise ConfigError(NEEDS_KERNELS + " ({reason}).", reason=kernels.unavailable_reason())
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Each row's depth in a tree block (its ancestors' count) from its ``parents`` (-1: a root)."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 def check_key_storage(policy: CachePolicy, positions: str, kv_dtype: str, key_bias: bool) -> None:
     """Raise :class:`ConfigError` for int4 keys that would keep the model's key bias in: a budgeted cache in the
     original mode stores keys rotated, the bias with them, and the bias's large channels widen every group past
@@ -195,9 +189,9 @@ class KVArena:
             if max_tokens is None:
                 raise ValueError("the full cache needs max_tokens")
             start = max_tokens if initial_tokens is None else max(1, min(initial_tokens, max_tokens))
-            self.capacity = start + self.staging
+            capacity = start + self.staging
         else:
-            self.capacity = policy.budget + self.staging
+            capacity = policy.budget + self.staging
 
         n_layers, n_kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.kv_dtype = check_kv_dtype(kv_dtype)
@@ -216,35 +210,24 @@ class KVArena:
             n_layers, n_kv, hd, self.rope, self.scale, key_offset,
             rank=policy.sinks if self.positions_mode == "in-cache" else None, recall=recall)
         # Score snapshots after each in-flight row that a partial commit can end on (never the last possible row).
-        self._row_score_rows = max(max_inflight - 1, 0) if policy.needs_scores else 0
+        row_score_rows = max(max_inflight - 1, 0) if policy.needs_scores else 0
         # Keys are stored before RoPE only in the in-cache mode: only there is the bias a fixed offset per channel.
         offset = key_offset if bits is not None and self.positions_mode == "in-cache" else None
         if offset is not None and tuple(offset.shape) != (n_layers, n_kv, hd):
             raise ValueError(f"key_offset must be [n_layers, n_kv_heads, head_dim], got {tuple(offset.shape)}")
         # The native arena (kernels.native_arena): the memory, the policy, and the verbs that change them.
         self.handle = kernels.native_arena(
-            n_layers=n_layers, n_kv=n_kv, head_dim=hd, capacity=self.capacity, code_bits=bits or 0,
+            n_layers=n_layers, n_kv=n_kv, head_dim=hd, capacity=capacity, code_bits=bits or 0,
             code_group=group_size(hd, bits) if bits else 0,
             bf16=storage_dtype(kv_dtype, dtype) == torch.bfloat16,
             key_offset=None if offset is None else offset.float(), scores=policy.needs_scores,
-            row_score_rows=self._row_score_rows, row_evicted_rows=max(max_inflight, 1),
+            row_score_rows=row_score_rows, row_evicted_rows=max(max_inflight, 1),
             recent_window=self.recent_window, recent_slots=self.recent_slots, recent_bf16=dtype == torch.bfloat16,
             sinks=policy.sinks, heavy=policy.heavy, window=policy.window, age_normalised=policy.age_normalised,
             score_decay=policy.score_decay, scale=self.scale, inv_freq=self.rope.inv_freq,
-            attention_factor=self.rope.attention_factor, cold=cold)
-        self.peak_nbytes = self.nbytes  # the most bytes the KV buffers have held (retention holds whole prompts)
-        self._hold_left = 0  # prompt rows still to come in the open hold (:meth:`hold`); 0: none open
-        self._window_rows = 0  # rows of the open hold's observation window
-        self._block_mode = "evict"  # the open block's: evict (as the policy says), hold (nothing), select (retention)
-
-        self.n_committed = 0  # slots [0, n_committed) hold committed tokens
-        self.next_position = 0  # true position of the next token to be committed
-        self.evicted_tokens = 0  # tokens evicted (per layer and head) by committed rows
-        self._alive_after_row: list[int] = []  # visible tokens after each in-flight row
-        self._block: tuple[int, int, bool] | None = None  # (first in-flight row, rows, per_block) of the open block
-        self.evicts_per_row = False  # whether the block opened last has its rows evict between them (not per block)
-        self._per_block_inflight = False  # the in-flight rows came from a per-block chunk (commit all or nothing)
-        self._tree: list[int] | None = None  # the parents of the in-flight tree block's rows (None: a chain)
+            attention_factor=self.rope.attention_factor, cold=cold, budget=policy.budget,
+            max_inflight=max_inflight, staging=self.staging, max_tokens=self.max_tokens,
+            pool=retention.pool if retention is not None else 0, in_cache=self.positions_mode == "in-cache")
 
     @property
     def cold(self):
@@ -259,14 +242,6 @@ class KVArena:
     def buffers(self) -> dict[str, torch.Tensor]:
         """Views of every buffer this arena keeps, by name (:meth:`buffer`)."""
         return {name: self.handle.buffer(name) for name in self.handle.buffers}
-
-    def _resize(self, capacity: int) -> None:
-        """Reallocate every per-slot buffer with ``capacity`` slots, keeping the committed entries (nothing may be
-        in flight)."""
-        assert not self.n_inflight and self.n_committed <= capacity
-        self.handle.resize(capacity, self.n_committed)
-        self.capacity = capacity
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
     # ---------------------------------------------------------------------------------------------- retention
     def tokens_to_hold(self, n_prompt: int) -> int:
@@ -291,31 +266,56 @@ class KVArena:
         ends by evicting down to the budget. The arena grows to hold the rows and shrinks back to ``budget +
         staging`` slots on leaving (:attr:`peak_nbytes` records the peak); left early (an error), it is emptied.
         """
-        if self.retention is None or self.n_inflight or self._hold_left:
+        if self.retention is None:
             raise ValueError("hold needs retention and a committed arena with no hold open")
-        steady = self.capacity
-        if self.n_committed + n_tokens > steady:
-            self._resize(self.n_committed + n_tokens)
-        self._hold_left = n_tokens
-        self._window_rows = self.observation_rows(n_tokens)
+        self.handle.hold(n_tokens, self.observation_rows(n_tokens))
         try:
             yield
         finally:
-            if self._hold_left or self.n_inflight or self.n_committed > steady:
-                self.reset()
-            self._hold_left = 0
-            if self.capacity != steady:
-                self._resize(steady)
+            self.handle.release_hold()
 
     # ----------------------------------------------------------------------------------------------- accounting
+    # The counts are the native arena's (``csrc/ledger.h``).
+    @property
+    def n_committed(self) -> int:
+        """Slots ``[0, n_committed)`` hold committed tokens."""
+        return self.handle.committed
+
     @property
     def n_inflight(self) -> int:
-        return len(self._alive_after_row)
+        """Rows staged and not yet committed or dropped."""
+        return self.handle.inflight
 
     @property
     def n_visible(self) -> int:
         """Tokens visible to the next row: committed survivors plus in-flight survivors."""
-        return self._alive_after_row[-1] if self._alive_after_row else self.n_committed
+        return self.handle.visible
+
+    @property
+    def next_position(self) -> int:
+        """True position of the next token to be committed."""
+        return self.handle.next_position
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted (per layer and KV head) by committed rows."""
+        return self.handle.evicted_tokens
+
+    @property
+    def capacity(self) -> int:
+        """Slots per layer and KV head (``budget + staging``; a hold or a growing full cache changes it)."""
+        return self.handle.capacity
+
+    @property
+    def evicts_per_row(self) -> bool:
+        """Whether the block begun last has its rows evict between them (not once, after the block)."""
+        return self.handle.evicts_per_row
+
+    @property
+    def block_mode(self) -> str:
+        """What the block begun last does as it attends: ``evict`` (as the policy says), ``hold`` (a hold's chunk:
+        nothing) or ``select`` (the chunk that ends a hold: retention chooses what stays)."""
+        return self.handle.block_mode
 
     @property
     def nbytes(self) -> int:
@@ -324,9 +324,15 @@ class KVArena:
         + recent_slots * bytes_per_slot(config, "auto", dtype))``."""
         return self.handle.nbytes
 
+    @property
+    def peak_nbytes(self) -> int:
+        """The most bytes the KV buffers have held (:attr:`nbytes`; retention holds whole prompts) since the arena was
+        made or :meth:`restart_peak`."""
+        return self.handle.peak_nbytes
+
     def restart_peak(self) -> None:
         """Make :attr:`peak_nbytes` count from now (a run's own peak)."""
-        self.peak_nbytes = self.nbytes
+        self.handle.restart_peak()
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, kv_dtype: str, dtype: torch.dtype) -> int:
@@ -369,79 +375,21 @@ class KVArena:
         ``parents``: a tree block (``kernels/csrc/attention.h``): row ``i`` follows row ``parents[i]`` of the block
         (-1: the committed tokens; a parent precedes its children), sees the committed tokens and its ancestors, and
         computes what the autoregressive step along its path computes; :meth:`commit_path` then keeps one path. A
-        tree block starts from a committed state and is the only block in flight until then."""
-        if self._tree is not None:
-            raise ValueError("a tree block is in flight: commit its path or roll it back first")
-        if parents is not None:
-            self._check_tree(n_rows, per_block, parents)
-        if n_rows > self.staging:
-            raise ValueError(f"block of {n_rows} rows exceeds the arena's staging of {self.staging}")
-        if per_block and self.n_inflight:
-            raise ValueError("a per-block (prefill) chunk must start from a committed state")
-        if self.n_committed + self.n_inflight + n_rows > self.capacity:
+        tree block starts from a committed state and is the only block in flight until then.
+
+        The native arena's ledger (``csrc/ledger.h``) decides what the rows do in every layer (their slots, what they
+        see, whether the policy evicts between them, retention's selection, recall) and raises ValueError for a
+        block its state or rules refuse; a block past the arena's room is the caller's :class:`UserError`."""
+        if n_rows > self.handle.room:
             raise UserError(
                 f"The KV cache holds {self.capacity} tokens and this run needs more; "
                 "use a budgeted policy or a shorter prompt / fewer new tokens."
             )
-        self._block_mode = "evict"
-        if self._hold_left:
-            if not per_block or n_rows > self._hold_left:
-                raise ValueError(f"a hold takes per-block chunks of its {self._hold_left} remaining rows")
-            self._hold_left -= n_rows
-            self._block_mode = "hold" if self._hold_left else "select"
-            if not self._hold_left and n_rows < self._window_rows:
-                raise ValueError(f"the observation window needs its {self._window_rows} rows in one block")
-        self._block = (self.n_inflight, n_rows, per_block)
-        self._per_block_inflight = per_block
-        self._open(n_rows, per_block, parents)
-        self._tree = None if parents is None else list(parents)
+        self.handle.begin(n_rows, per_block, parents)
 
     def takes_tree(self, n_rows: int) -> bool:
         """Whether a tree block of ``n_rows`` rows can begin now."""
-        return self._tree_refusal(n_rows) is None
-
-    def _tree_refusal(self, n_rows: int) -> str | None:
-        """Why a tree block of ``n_rows`` rows cannot begin now, or None."""
-        if self.n_inflight or self._hold_left:
-            return "a tree block is a row-by-row block that starts from a committed state"
-        if self.cold is not None or self.recent_window:
-            return "tree blocks run without recall and without a full-precision window"
-        snapshots = self._row_score_rows if self.policy.needs_scores else n_rows
-        if n_rows > min(self.max_inflight, snapshots, self.staging):
-            return f"a tree block of {n_rows} rows needs max_inflight > {n_rows} (every row keeps its score snapshot)"
-        return None
-
-    def _check_tree(self, n_rows: int, per_block: bool, parents: list[int]) -> None:
-        """Raise ValueError for a tree block this arena cannot run (see :meth:`begin`)."""
-        if len(parents) != n_rows or any(not -1 <= p < i for i, p in enumerate(parents)):
-            raise ValueError(f"a tree block's parents name, for each of its {n_rows} rows, an earlier row or -1")
-        reason = "a tree block is a row-by-row block, not a prefill chunk" if per_block else self._tree_refusal(n_rows)
-        if reason is not None:
-            raise ValueError(reason)
-
-    def _open(self, n_rows: int, per_block: bool, parents: list[int] | None = None) -> None:
-        """Open the block just begun in the native arena: what its rows do, the same in every layer (its slots and
-        first in-flight row, what is visible before it, whether the policy evicts between rows and down to which
-        budget, its first true position, whether it rotates by position or rank, the rows keeping score snapshots, a
-        tree's parents, retention's window, recall)."""
-        first = self.n_inflight
-        start = self.n_committed + first
-        # Held and selecting blocks evict nothing as they attend; the selecting block chooses after it (attend).
-        budget = self.policy.budget if self._block_mode == "evict" else None
-        visible_before = self.n_visible
-        # A single row is its own block: evicting after it is the same as evicting after the block. A tree's rows
-        # evict along their paths, which are as long as the tree is deep.
-        depth = n_rows if parents is None else max(tree_depths(parents)) + 1
-        per_row = budget is not None and n_rows > 1 and not per_block and visible_before + depth > budget
-        first_position = self.next_position + first
-        snapshots = 0
-        if self.policy.needs_scores and not per_block:
-            snapshots = n_rows if parents is not None else max(0, min(n_rows, self.max_inflight - 1 - first))
-        pool = self.retention.pool if self._block_mode == "select" else 0
-        self.evicts_per_row = per_row
-        self.handle.open(n_rows, start, first, visible_before, first_position, snapshots, per_row,
-                         -1 if budget is None else budget, self.positions_mode == "in-cache", parents, pool,
-                         self.policy.budget if pool else 0, self.cold is not None and not per_block)
+        return self.handle.tree_refusal(n_rows) is None
 
     def native_pass(self) -> tuple[list, list[tuple[int, int]]]:
         """The open block as the native forward pass takes it (``kernels.native_model``): ``([native arena],
@@ -454,91 +402,28 @@ class KVArena:
         return [(0, layer) for layer in range(self.config.num_hidden_layers)]
 
     def end(self) -> None:
-        """Close the block opened by :meth:`begin` (after the last layer)."""
-        _, n_rows, per_block = self._block
-        alive = self.n_visible
-        budget = None if self._block_mode == "hold" else self.policy.budget
-        if self._tree is not None:  # along each row's path
-            for parent in self._tree:
-                seen = (alive if parent < 0 else self._alive_after_row[parent]) + 1
-                self._alive_after_row.append(seen if budget is None else min(seen, budget))
-            self._block = None
-            self.handle.close()
-            return
-        for _ in range(n_rows):
-            alive = alive + 1 if budget is None or per_block else min(alive + 1, budget)
-            self._alive_after_row.append(alive)
-        if per_block and budget is not None:
-            self._alive_after_row[-1] = min(alive, budget)
-        self._block = None
-        self.handle.close()
+        """Close the block opened by :meth:`begin` (after the last layer): its rows are in flight."""
+        self.handle.end()
 
     def commit(self, n_rows: int) -> None:
         """Accept the first ``n_rows`` in-flight rows, drop the rest, and compact the buffers.
 
-        After ``commit(m)`` the arena equals the arena of an autoregressive run that fed exactly those rows.
+        After ``commit(m)`` the arena equals the arena of an autoregressive run that fed exactly those rows. The
+        native commit (``kernels/csrc/arena.h``) moves what the kept rows evicted to the cold tier (with recall),
+        makes the scores the last kept row's and lays the survivors out as one-row commits would; a full cache that
+        started below its ``max_tokens`` then doubles its room once less than a staging's worth is left.
         """
-        if self._block is not None:
-            raise ValueError("commit inside an open block")
-        if self._tree is not None and n_rows:
-            raise ValueError("a tree block commits a path (commit_path), or nothing")
-        if not 0 <= n_rows <= self.n_inflight:
-            raise ValueError(f"cannot commit {n_rows} of {self.n_inflight} in-flight rows")
-        if 0 < n_rows < self.n_inflight and (n_rows >= self.max_inflight or self._per_block_inflight):
-            raise ValueError("only the first max_inflight rows of row-by-row blocks can be committed partially")
-        if self.recent_window and n_rows < self.n_inflight and self.n_inflight > self.max_inflight:
-            raise ValueError(f"dropping rows with more than max_inflight = {self.max_inflight} in flight would "
-                             "overwrite the full-precision window of the rows kept")
-        extent = self.n_committed + n_rows
-        survivors = self._alive_after_row[n_rows - 1] if n_rows else self.n_committed
-        self._tree = None  # a tree block is rolled back like a chain: its rows' evictions were never marked
-        # The native commit (kernels/csrc/arena.h): what the kept rows evicted moves to the cold tier (with recall),
-        # the scores become the last kept row's, the survivors are laid out as one-row commits would lay them out,
-        # and every slot is alive again. The full cache evicts nothing: dropped rows are simply written over later.
-        if not self.policy.is_full:
-            self.handle.commit(self.n_committed, n_rows, self.n_inflight, survivors)
-        self.evicted_tokens += extent - survivors
-        self.n_committed = survivors
-        self.next_position += n_rows
-        self._alive_after_row = []
-        self._grow_if_full()
+        self.handle.commit(n_rows)
 
     def commit_path(self, path: list[int]) -> None:
         """Accept the rows ``path`` of the tree block in flight (a root first, each the parent of the next), drop the
         others: the arena then equals the arena of an autoregressive run that fed the path's tokens."""
-        if self._block is not None or self._tree is None:
-            raise ValueError("commit_path takes the path of a tree block that has ended")
-        parents = self._tree
-        if not path or any(not 0 <= row < len(parents) for row in path) or \
-                any(parents[row] != (path[k - 1] if k else -1) for k, row in enumerate(path)):
-            raise ValueError(f"{path} is not a path from a root of the tree block (parents {parents})")
-        survivors = self._alive_after_row[path[-1]]
-        self.handle.commit_path(self.n_committed, path, self.n_inflight, survivors)
-        self.evicted_tokens += self.n_committed + len(path) - survivors
-        self.n_committed = survivors
-        self.next_position += len(path)
-        self._alive_after_row = []
-        self._tree = None
-        self._grow_if_full()
-
-    def _grow_if_full(self) -> None:
-        """A full cache that started below its ``max_tokens``: double its room once the committed tokens leave less
-        than a staging's worth (so the next block always fits), up to ``max_tokens``."""
-        limit = None if self.max_tokens is None else self.max_tokens + self.staging
-        if limit is not None and self.capacity < limit and self.n_committed + self.staging > self.capacity:
-            self._resize(min(limit, max(2 * self.capacity, self.n_committed + 2 * self.staging)))
+        self.handle.commit_path(path)
 
     def reset(self) -> None:
         """Forget every token, keeping the buffers: the arena is as freshly built (stale slots are never read, since
         every slot is written when its row is staged)."""
         self.handle.reset()
-        self.n_committed = 0
-        self.next_position = 0
-        self.evicted_tokens = 0
-        self._alive_after_row = []
-        self._block = None
-        self._per_block_inflight = False
-        self._tree = None
 
     def rollback(self) -> None:
         """Drop every in-flight row, restoring the committed state exactly."""

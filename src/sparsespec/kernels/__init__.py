@@ -55,7 +55,7 @@ SOURCES = (
     "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
     "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp", "project.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
-    "norm.cpp", "recall.cpp", "arena.cpp", "model.cpp",
+    "norm.cpp", "recall.cpp", "arena.cpp", "ledger.cpp", "model.cpp",
 )
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON, ISA_AMX = -1, 0, 1, 2, 3, 4
 CFLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-fopenmp"]
@@ -263,14 +263,11 @@ def arena_attention(arena, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
     ``first_position + i - recent_window`` from there (its block's own rows from the block).
 
     Args:
-        arena: a :func:`native_arena` with a block of ``T`` rows open: its ``open(n_rows, start, first,
-            visible_before, first_position, snapshots, per_row, budget, in_cache, parents, pool, select_budget,
-            recall)`` (``KVArena.begin`` calls it) said the block's slots and in-flight rows, whether the policy
-            evicts after every row, the budget (-1: none while the rows attend), the position mode (queries and
-            keys rotate by the arena's own RoPE rows, :func:`rope_rows`), a tree block's parents (a list, -1 a
-            root; None: a chain), for retention's observation
-            window its pooling width and the budget it selects (pool 0: none; ``csrc/attention.h``), and whether
-            each row merges in what it recalls from the arena's cold tier (``csrc/recall.h``); ``close()`` ends it.
+        arena: a :func:`native_arena` with a block of ``T`` rows open (its ``begin``, which ``KVArena.begin``
+            calls): its ledger (``csrc/ledger.h``) decided the block's slots and in-flight rows, whether the policy
+            evicts after every row or after the block, the rows keeping score snapshots, a tree's parents,
+            retention's observation window and recall; queries and keys rotate by the arena's own RoPE rows
+            (:func:`rope_rows`).
         q: ``[n_heads, T, head_dim]``; k, v: ``[n_kv, T, head_dim]``: before RoPE, float32 or bfloat16, any strides.
 
     Returns:
@@ -306,9 +303,11 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
                  row_score_rows: int = 0, row_evicted_rows: int = 0, recent_window: int = 0, recent_slots: int = 0,
                  recent_bf16: bool = False, sinks: int = 0, heavy: int = 0, window: int = 0,
                  age_normalised: bool = False, score_decay: float = 1.0, scale: float = 1.0,
-                 inv_freq: Sequence[float], attention_factor: float = 1.0, cold=None):
-    """A KV arena owning its memory (``csrc/arena.h``: ``ArenaMemory``), every slot empty, and its policy, checked
-    once. :func:`arena_attention` and the native pass attend through it.
+                 inv_freq: Sequence[float], attention_factor: float = 1.0, cold=None, budget: int | None = None,
+                 max_inflight: int = 1, staging: int = 1, max_tokens: int | None = None, pool: int = 0,
+                 in_cache: bool = False):
+    """A KV arena owning its memory (``csrc/arena.h``: ``ArenaMemory``), every slot empty, its policy and the rules
+    of its blocks (``csrc/ledger.h``), checked once. :func:`arena_attention` and the native pass attend through it.
 
     Args:
         n_layers, n_kv, head_dim, capacity: ``n_layers`` x ``n_kv`` heads of ``capacity`` slots of ``head_dim``
@@ -325,12 +324,19 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
         inv_freq, attention_factor: the model's RoPE (``head_dim / 2`` float32 values; :func:`rope_rows`).
         cold: a :func:`cold_tier` that each commit moves the evicted entries into (before compaction writes over
             them), or None: they are dropped.
+        budget: the policy's (None: the full cache, which evicts nothing and grows up to ``max_tokens``, None:
+            ``capacity - staging``); max_inflight: rows a commit may keep part of; staging: the most rows in flight;
+            pool: retention's pooling width (0: no retention); in_cache: keys stored unrotated, rotated by rank.
 
-    The handle's verbs: ``commit(committed, n_rows, n_inflight, survivors)`` accepts the first ``n_rows`` in-flight
-    rows and compacts the buffers, ``commit_path(committed, path, n_inflight, survivors)`` a tree block's path,
-    ``resize(capacity, keep)`` reallocates keeping slots ``[0, keep)``, ``reset()`` forgets every token; its
-    ``capacity``, ``nbytes`` (entries, params, ring), ``metadata_nbytes`` (positions, marks, scores), ``cold``, a
-    deep copy (``copy.deepcopy``), and ``buffer(name)``: a torch view of one buffer (``keys``, ``values``,
+    The handle's verbs (``cache/arena.py`` tells a block's life; a verb its state refuses raises ValueError and
+    changes nothing): ``begin(n_rows, per_block, parents)``, ``end()``, ``commit(n_rows)`` (the first ``n_rows``
+    in-flight rows kept, the buffers compacted; 0: a rollback), ``commit_path(path)`` (a tree block's), ``hold(n_tokens,
+    window_rows)`` / ``release_hold()`` (retention), ``reset()``, ``assume(committed, next_position)`` (an empty
+    arena takes its first slots as committed, for callers that wrote its buffers); its counts ``committed``,
+    ``inflight``, ``visible``, ``room``, ``next_position``, ``evicted_tokens``, ``evicts_per_row``, ``block_mode``,
+    ``tree_refusal(n_rows)`` (why a tree block cannot begin, or None), ``capacity``, ``nbytes`` (entries, params,
+    ring), ``peak_nbytes`` / ``restart_peak()``, ``metadata_nbytes`` (positions, marks, scores), ``cold``, a deep
+    copy (``copy.deepcopy``), and ``buffer(name)``: a torch view of one buffer (``keys``, ``values``,
     ``key_params``, ``value_params``, ``key_offset``, ``positions``, ``evicted_at``, ``scores``,
     ``committed_scores``, ``row_scores``, ``row_evicted``, ``recent_keys``, ``recent_values``; shapes in
     ``csrc/attention.h``'s ``ArenaStorage``).
@@ -338,7 +344,9 @@ def native_arena(*, n_layers: int, n_kv: int, head_dim: int, capacity: int, code
     return _load().native_arena(n_layers, n_kv, head_dim, capacity, code_bits, code_group, bf16, key_offset, scores,
                                 row_score_rows, row_evicted_rows, recent_window, recent_slots, recent_bf16, sinks,
                                 heavy, window, age_normalised, score_decay, scale, list(inv_freq),
-                                attention_factor, cold)
+                                attention_factor, cold, -1 if budget is None else budget, max_inflight, staging,
+                                (capacity - staging if max_tokens is None else max_tokens) if budget is None else -1,
+                                pool, in_cache)
 
 
 def rope_rows(inv_freq: Sequence[float], attention_factor: float, first: int,

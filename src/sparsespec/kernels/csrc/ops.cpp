@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "arena.h"
 #include "attention.h"
 #include "elementwise.h"
+#include "ledger.h"
 #include "fmatmul.h"
 #include "model.h"
 #include "project.h"
@@ -111,147 +113,171 @@ std::vector<float> widened(const at::Tensor& t) {
 }
 
 // ------------------------------------------------------------------------------------------ the KV arena
+// Throws std::invalid_argument (Python's ValueError) with `problem` where it is not "": a verb the arena's state or
+// rules refuse (ledger.h), as cache/arena.py raised them.
+void refuse(const char* op, const std::string& problem) {
+  if (!problem.empty()) throw std::invalid_argument(std::string(op) + ": " + problem);
+}
+
 // One KV arena (cache/arena.py): its memory (arena.h: ArenaMemory), the ArenaStorage that points into it with the
-// policy, its cold tier, and the verbs that change them. Python holds it as a handle; `buffer` gives torch views of
-// its buffers (for tests and inspection), each keeping the memory it views alive, also across a resize.
+// policy, its cold tier, its RoPE rows, its ledger (ledger.h: the counts and the open block) and the verbs that
+// change them. Python holds it as a handle; `buffer` gives torch views of its buffers (for tests and inspection),
+// each keeping the memory it views alive, also across a resize.
 struct NativeArena {
   ArenaStorage storage;
   std::shared_ptr<ArenaMemory> memory;
   std::shared_ptr<ColdTier> cold;  // or null
   // RoPE (rope.h): by rank from 0 in the in-cache mode (up to the slots in use), else the open block's positions.
   RopeTables rope;
-  // The open block (KVArena.begin to KVArena.end): its rows, what it does in every layer, and the parents its pass
-  // points into.
-  int block_rows = 0;  // 0: no block open
-  ArenaPass block;
-  std::vector<int32_t> parents;
+  ArenaLedger ledger;
+  ArenaPass block;              // the open block's (ledger.block_open), its parents in ledger.tree
+  std::size_t peak_nbytes = 0;  // the most bytes the entries have held since restart_peak
 
   // storage's buffers and tier, after the memory or the tier changed.
   void bind() {
     memory->point(storage);
     storage.cold = cold.get();
+    ledger.capacity = storage.cap;
+    peak_nbytes = std::max(peak_nbytes, memory->entry_bytes());
   }
 
-  // Accept the first n_rows of the n_inflight rows staged after `committed` committed entries, leaving
-  // `survivors` (arena.h: commit_arena).
-  void commit(int64_t committed, int64_t n_rows, int64_t n_inflight, int64_t survivors) {
-    TORCH_CHECK(committed >= 0 && committed <= INT32_MAX && n_rows >= 0 && n_rows <= INT32_MAX && n_inflight >= 0 &&
-                    n_inflight <= INT32_MAX && survivors >= 0 && survivors <= INT32_MAX,
-                "NativeArena.commit: counts outside the arena");
-    const ArenaCommit c{(int)committed, (int)n_rows, (int)n_inflight, (int)survivors};
-    std::string problem = check_arena_commit(storage, c);
-    TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
-    {
-      pybind11::gil_scoped_release unlocked;
-      if (cold) problem = retire_evicted(*cold, storage, c.n_rows, c.committed + c.n_rows);
-      if (problem.empty()) problem = commit_arena(storage, c);
+  // Begin a block of n_rows new tokens (KVArena.begin): per_block, a prefill chunk that evicts at its end; parents,
+  // a tree block (one per row, -1 a root) or None: a chain. The ledger decides what the rows do in every layer.
+  void begin(int64_t n_rows, bool per_block, const c10::optional<std::vector<int64_t>>& parents) {
+    const char* op = "NativeArena.begin";
+    TORCH_CHECK(n_rows >= 1 && n_rows <= INT32_MAX, op, ": a block of ", n_rows, " rows");
+    std::vector<int32_t> tree;
+    if (parents.has_value()) {
+      for (int64_t parent : *parents) tree.push_back(parent >= -1 && parent < n_rows ? (int32_t)parent : INT32_MAX);
     }
-    TORCH_CHECK(problem.empty(), "NativeArena.commit: ", problem);
-  }
-
-  // Accept a tree block's path (in-flight rows, a root first, each the parent of the next) of the n_inflight rows
-  // staged after `committed` committed entries, leaving `survivors` (arena.h: commit_arena_path).
-  void commit_path(int64_t committed, const std::vector<int64_t>& path, int64_t n_inflight, int64_t survivors) {
-    TORCH_CHECK(committed >= 0 && committed <= INT32_MAX && n_inflight >= 0 && n_inflight <= INT32_MAX &&
-                    survivors >= 0 && survivors <= INT32_MAX && path.size() <= (std::size_t)INT32_MAX,
-                "NativeArena.commit_path: counts outside the arena");
-    std::vector<int> rows;
-    for (int64_t r : path) {
-      TORCH_CHECK(r >= 0 && r <= INT32_MAX, "NativeArena.commit_path: row ", r, " outside the arena");
-      rows.push_back((int)r);
-    }
-    TORCH_CHECK(!cold, "NativeArena.commit_path: tree blocks do not recall");
-    std::string problem = check_arena_path(storage, (int)committed, rows, (int)n_inflight);
-    TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
-    {
-      pybind11::gil_scoped_release unlocked;
-      problem = commit_arena_path(storage, (int)committed, rows, (int)n_inflight, (int)survivors);
-    }
-    TORCH_CHECK(problem.empty(), "NativeArena.commit_path: ", problem);
-  }
-
-  // Open a block of n_rows rows (KVArena.begin): where they go and what they see (start, first, visible_before,
-  // first_position), how the policy evicts (per_row, budget; -1: not while they attend), the rows keeping score
-  // snapshots, whether queries and keys rotate by rank (in_cache) or by position, a tree's parents (one per row, -1
-  // a root) or none, retention's window (pool, select_budget; pool 0: none) and whether rows recall. The counts the
-  // RoPE rows are made for and the parents are checked here, the rest with the rows (check_arena_pass).
-  void open(int64_t n_rows, int64_t start, int64_t first, int64_t visible_before, int64_t first_position,
-            int64_t snapshots, bool per_row, int64_t budget, bool in_cache,
-            const c10::optional<std::vector<int64_t>>& tree, int64_t pool, int64_t select_budget, bool recall) {
-    const char* op = "NativeArena.open";
-    const std::pair<const char*, int64_t> counts[] = {{"n_rows", n_rows}, {"start", start}, {"first", first},
-                                                      {"visible_before", visible_before}, {"snapshots", snapshots},
-                                                      {"pool", pool}, {"select_budget", select_budget}};
-    for (const auto& [name, n] : counts)
-      TORCH_CHECK(n >= 0 && n <= INT32_MAX, op, ": ", name, " must be from 0 to 2^31 - 1, not ", n);
-    TORCH_CHECK(budget >= -1 && budget <= INT32_MAX, op, ": a budget of ", budget);
-    TORCH_CHECK(n_rows >= 1, op, ": a block of no rows");
-    TORCH_CHECK(start + n_rows <= storage.cap, op, ": rows ", start, " to ", start + n_rows - 1,
-                " are outside the arena's ", storage.cap, " slots");
-    TORCH_CHECK(first_position >= 0 && first_position <= INT64_MAX / 2, op, ": first_position must be >= 0, not ",
-                first_position);
     ArenaPass p;
-    p.start = (int)start;
-    p.first = (int)first;
-    p.visible_before = (int)visible_before;
-    p.first_position = first_position;
-    p.snapshots = (int)snapshots;
-    p.per_row = per_row;
-    p.budget = (int)budget;
-    p.in_cache = in_cache;
-    std::vector<int32_t> rows;
-    if (tree.has_value()) {
-      TORCH_CHECK((int64_t)tree->size() == n_rows, op, ": a tree block names a parent for each of its ", n_rows,
-                  " rows");
-      for (int64_t parent : *tree) {
-        TORCH_CHECK(parent >= -1 && parent < n_rows, op, ": parent ", parent, " outside the block");
-        rows.push_back((int32_t)parent);
-      }
-    }
-    p.pool = (int)pool;
-    p.select_budget = (int)select_budget;
-    p.recall = recall;
-    close();
+    refuse(op, ledger.begin((int)n_rows, per_block, parents.has_value() ? &tree : nullptr, p));
     // Ranks stay below start + n_rows (a row sees at most the slots up to its own); positions are the rows' own.
-    if (in_cache)
-      rope.cover(start + n_rows);
+    if (p.in_cache)
+      rope.cover((int64_t)p.start + n_rows);
     else
-      rope.hold(first_position, n_rows);
+      rope.hold(p.first_position, n_rows);
     p.cos = rope.cos.data();
     p.sin = rope.sin.data();
     p.table_rows = rope.rows;
     p.table_offset = rope.first;
-    parents = std::move(rows);
-    p.parents = parents.empty() ? nullptr : parents.data();
+    p.parents = ledger.tree.empty() ? nullptr : ledger.tree.data();
     block = p;
-    block_rows = (int)n_rows;
   }
 
-  // Close the open block (KVArena.end), if any.
-  void close() {
-    block_rows = 0;
+  // End the open block (KVArena.end): its rows are in flight.
+  void end() {
+    refuse("NativeArena.end", ledger.block_open ? "" : "no block is open");
+    ledger.end();
     block = ArenaPass();
-    parents.clear();
+  }
+
+  // Accept the first n_rows in-flight rows, drop the rest (0: a rollback) and compact the buffers (arena.h:
+  // commit_arena): the arena then equals the arena of an autoregressive run that fed exactly those rows.
+  void commit(int64_t n_rows) {
+    const char* op = "NativeArena.commit";
+    TORCH_CHECK(n_rows >= 0 && n_rows <= INT32_MAX, op, ": ", n_rows, " rows");
+    refuse(op, ledger.check_commit((int)n_rows));
+    const int survivors = ledger.survivors_after((int)n_rows - 1);
+    // The full cache evicts nothing: dropped rows are simply written over later. A tree block is rolled back like a
+    // chain: its rows' evictions were never marked.
+    if (ledger.rules.budget >= 0) {
+      const ArenaCommit c{ledger.committed, (int)n_rows, ledger.inflight(), survivors};
+      std::string problem = check_arena_commit(storage, c);
+      TORCH_CHECK(problem.empty(), op, ": ", problem);
+      {
+        pybind11::gil_scoped_release unlocked;
+        // What the kept rows evicted moves to the cold tier (with recall) before compaction writes over it.
+        if (cold) problem = retire_evicted(*cold, storage, c.n_rows, c.committed + c.n_rows);
+        if (problem.empty()) problem = commit_arena(storage, c);
+      }
+      TORCH_CHECK(problem.empty(), op, ": ", problem);
+    }
+    ledger.committed_rows((int)n_rows, survivors);
+    grow_if_full();
+  }
+
+  // Accept the rows `path` of the tree block in flight (a root first, each the parent of the next), drop the others
+  // (arena.h: commit_arena_path): the arena then equals the arena of an autoregressive run that fed the path.
+  void commit_path(const std::vector<int64_t>& path) {
+    const char* op = "NativeArena.commit_path";
+    std::vector<int> rows;
+    for (int64_t r : path) rows.push_back(r >= 0 && r <= INT32_MAX ? (int)r : -1);
+    refuse(op, ledger.check_path(rows));
+    const int survivors = ledger.survivors_after(rows.back());
+    std::string problem = check_arena_path(storage, ledger.committed, rows, ledger.inflight());
+    TORCH_CHECK(problem.empty(), op, ": ", problem);
+    {
+      pybind11::gil_scoped_release unlocked;
+      problem = commit_arena_path(storage, ledger.committed, rows, ledger.inflight(), survivors);
+    }
+    TORCH_CHECK(problem.empty(), op, ": ", problem);
+    ledger.committed_rows((int)rows.size(), survivors);
+    grow_if_full();
+  }
+
+  // Read the next n_tokens prompt rows with nothing evicted, their last window_rows the observation window whose
+  // chunk ends by selecting what stays (retention.py; KVArena.hold): the buffers grow to hold them all.
+  void hold(int64_t n_tokens, int64_t window_rows) {
+    const char* op = "NativeArena.hold";
+    TORCH_CHECK(n_tokens >= 1 && n_tokens <= INT32_MAX && window_rows >= 1 && window_rows <= INT32_MAX, op,
+                ": a hold of ", n_tokens, " rows with a window of ", window_rows);
+    refuse(op, ledger.check_hold((int)n_tokens, (int)window_rows));
+    const int steady = storage.cap;
+    if (ledger.committed + n_tokens > steady) resize((int)(ledger.committed + n_tokens));
+    ledger.hold_left = (int)n_tokens;
+    ledger.window_rows = (int)window_rows;
+    ledger.steady_capacity = steady;
+  }
+
+  // Leave the open hold: the buffers shrink back; a hold left early (rows still to come or in flight) empties the
+  // arena.
+  void release_hold() {
+    refuse("NativeArena.release_hold", ledger.steady_capacity ? "" : "no hold is open");
+    const int steady = ledger.steady_capacity;
+    if (ledger.hold_left || ledger.inflight() || ledger.committed > steady) reset();
+    ledger.hold_left = 0;
+    ledger.steady_capacity = 0;
+    if (storage.cap != steady) resize(steady);
+  }
+
+  // Take slots [0, committed) as committed tokens and next_position as the next token's position, for a caller
+  // that wrote the arena's buffers itself (tests, tools); refused unless the arena is empty.
+  void assume(int64_t committed, int64_t next_position) {
+    const char* op = "NativeArena.assume";
+    refuse(op, ledger.committed || ledger.inflight() || ledger.block_open ? "the arena is not empty" : "");
+    TORCH_CHECK(committed >= 0 && committed <= storage.cap && next_position >= committed &&
+                    next_position <= INT64_MAX / 4,
+                op, ": ", committed, " committed slots of ", storage.cap, " before position ", next_position);
+    ledger.committed = (int)committed;
+    ledger.next_position = next_position;
   }
 
   // The open block's pass for a call of T rows (the block's).
   const ArenaPass& open_block(const char* op, int64_t T) const {
-    TORCH_CHECK(block_rows > 0, op, ": the arena has no block open");
-    TORCH_CHECK(T == block_rows, op, ": ", T, " rows for a block of ", block_rows);
+    TORCH_CHECK(ledger.block_open, op, ": the arena has no block open");
+    TORCH_CHECK(T == ledger.block_rows, op, ": ", T, " rows for a block of ", ledger.block_rows);
     return block;
   }
 
-  // `capacity` slots per KV head from now on, the entries of slots [0, keep) kept (ArenaMemory::resized).
-  void resize(int64_t capacity, int64_t keep) {
-    TORCH_CHECK(capacity >= 1 && capacity <= INT32_MAX && keep >= 0 && keep <= capacity && keep <= storage.cap,
-                "NativeArena.resize: ", keep, " kept slots of ", storage.cap, " into ", capacity);
-    memory = std::make_shared<ArenaMemory>(memory->resized((int)capacity, (int)keep));
+  // A full cache that started below its max_tokens doubles its room once the committed tokens leave less than a
+  // staging's worth (so the next block always fits), up to max_tokens.
+  void grow_if_full() {
+    const int capacity = ledger.grown_capacity();
+    if (capacity != storage.cap) resize(capacity);
+  }
+
+  // `capacity` slots per KV head from now on, the committed entries kept (ArenaMemory::resized); nothing in flight.
+  void resize(int capacity) {
+    memory = std::make_shared<ArenaMemory>(memory->resized(capacity, ledger.committed));
     bind();
   }
 
-  // Forget every token, keeping the memory (cold tier included).
+  // Forget every token, keeping the memory (cold tier included): the arena is as freshly built (stale slots are
+  // never read, since every slot is written when its row is staged).
   void reset() {
-    close();
+    block = ArenaPass();
+    ledger.reset();
     memory->forget();
     if (cold) cold->count = 0;
   }
@@ -262,8 +288,8 @@ struct NativeArena {
     out->memory = std::make_shared<ArenaMemory>(*memory);
     if (cold) out->cold = std::make_shared<ColdTier>(*cold);
     out->bind();
-    if (out->block.parents) out->block.parents = out->parents.data();
-    if (out->block_rows) {
+    if (out->block.parents) out->block.parents = out->ledger.tree.data();
+    if (out->ledger.block_open) {
       out->block.cos = out->rope.cos.data();
       out->block.sin = out->rope.sin.data();
     }
@@ -329,6 +355,8 @@ struct NativeArena {
 // score_decay (hybrid-decay: every row multiplies the scores by it first; 1 elsewhere), and the attention's scale.
 // key_offset: [n_layers, n_kv, hd] float32 that quantized keys are stored minus, or None. inv_freq [hd / 2] and
 // attention_factor: the model's RoPE (rope.h). cold: the tier that receives what commits evict (recall.h), or None.
+// The rules of its blocks (ledger.h: ArenaRules): budget (-1: the full cache), max_inflight, staging, max_tokens (the
+// full cache's most tokens; -1: budgeted), pool (retention's; 0: none), in_cache (the position mode).
 std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_t hd, int64_t capacity,
                                           int64_t code_bits, int64_t code_group, bool bf16,
                                           const c10::optional<at::Tensor>& key_offset, bool scores,
@@ -336,10 +364,11 @@ std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_
                                           int64_t recent_slots, bool recent_bf16, int64_t sinks, int64_t heavy,
                                           int64_t window, bool age_normalised, double score_decay, double scale,
                                           const std::vector<float>& inv_freq, double attention_factor,
-                                          std::shared_ptr<ColdTier> cold) {
+                                          std::shared_ptr<ColdTier> cold, int64_t budget, int64_t max_inflight,
+                                          int64_t staging, int64_t max_tokens, int64_t pool, bool in_cache) {
   const char* op = "NativeArena";
   for (int64_t n : {n_layers, n_kv, hd, capacity, code_bits, code_group, row_score_rows, row_evicted_rows,
-                    recent_window, recent_slots, sinks, heavy, window})
+                    recent_window, recent_slots, sinks, heavy, window, max_inflight, staging, pool})
     TORCH_CHECK(n >= 0 && n <= INT32_MAX, op, ": sizes and counts from 0 to 2^31 - 1, not ", n);
   ArenaLayout l;
   l.n_layers = (int)n_layers;
@@ -369,7 +398,26 @@ std::shared_ptr<NativeArena> native_arena(int64_t n_layers, int64_t n_kv, int64_
   if (cold)
     TORCH_CHECK(cold->n_layers == n_layers && cold->n_kv == n_kv && cold->hd == hd,
                 op, ": the cold tier's layers, KV heads and head size are not the arena's");
+  TORCH_CHECK(staging >= 1 && staging >= max_inflight && staging <= capacity, op, ": a staging of ", staging,
+              " rows for ", max_inflight, " in flight and ", capacity, " slots");
+  TORCH_CHECK(budget >= -1 && budget <= capacity - staging, op, ": a budget of ", budget, " and a staging of ",
+              staging, " in ", capacity, " slots");
+  TORCH_CHECK(max_tokens >= -1 && max_tokens <= INT32_MAX && (budget < 0) == (max_tokens >= 0), op,
+              ": the full cache (budget -1), and it alone, has max_tokens");
+  TORCH_CHECK(pool == 0 || (budget >= 0 && scores), op, ": retention needs a budget and heavy-hitter scores");
+  TORCH_CHECK(!cold || budget >= 0, op, ": recall needs a budget");
   auto arena = std::make_shared<NativeArena>();
+  ArenaRules& rules = arena->ledger.rules;
+  rules.budget = (int)budget;
+  rules.scores = scores;
+  rules.row_score_rows = (int)row_score_rows;
+  rules.max_inflight = (int)max_inflight;
+  rules.staging = (int)staging;
+  rules.max_tokens = max_tokens;
+  rules.pool = (int)pool;
+  rules.recall = cold != nullptr;
+  rules.recent_window = recent_window > 0;
+  rules.in_cache = in_cache;
   arena->memory = std::make_shared<ArenaMemory>(l);
   if (l.key_offset) {
     const at::Tensor offset = key_offset->contiguous();
@@ -668,9 +716,8 @@ struct NativeModel {
     TORCH_CHECK(problem.empty(), "NativeModel: ", problem);
   }
 
-  // blocks: (tokens int64 [T], last_only, [(NativeArena, start, first, visible_before, first_position, snapshots,
-  // per_row, budget, in_cache, cos, sin, table_offset)], [(arena index, its layer)] per model layer). Returns
-  // float32 logits [scored rows, vocab].
+  // blocks: (tokens int64 [T], last_only, [NativeArena, each with a block of T rows open], [(arena index, its
+  // layer)] per model layer). Returns float32 logits [scored rows, vocab].
   at::Tensor forward(const pybind11::list& blocks, int64_t isa) {
     TORCH_CHECK(isa == kAuto || isa_available((int)isa), "native pass: instruction set ", isa, " not available");
     std::vector<BlockPass> passes;
@@ -722,25 +769,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gated", &sparsespec::gated, unlocked);
   using sparsespec::NativeArena;
   pybind11::class_<NativeArena, std::shared_ptr<NativeArena>>(module, "NativeArena")
+      .def("begin", &NativeArena::begin)
+      .def("end", &NativeArena::end)
       .def("commit", &NativeArena::commit)
       .def("commit_path", &NativeArena::commit_path)
-      .def("open", &NativeArena::open)
-      .def("close", &NativeArena::close)
-      .def("resize", &NativeArena::resize)
+      .def("hold", &NativeArena::hold)
+      .def("release_hold", &NativeArena::release_hold)
+      .def("assume", &NativeArena::assume)
       .def("reset", &NativeArena::reset)
+      .def("tree_refusal", [](const NativeArena& a, int64_t n_rows) -> c10::optional<std::string> {
+        const std::string reason = a.ledger.tree_refusal((int)std::clamp<int64_t>(n_rows, 0, INT32_MAX));
+        return reason.empty() ? c10::nullopt : c10::optional<std::string>(reason);
+      })
       .def("buffer", &NativeArena::buffer)
       .def_property_readonly("buffers", &NativeArena::kept_buffers)
       .def("__deepcopy__", [](const NativeArena& a, const pybind11::dict&) { return a.copy(); })
       .def_readonly("cold", &NativeArena::cold)
       .def_property_readonly("capacity", [](const NativeArena& a) { return a.storage.cap; })
+      .def_property_readonly("committed", [](const NativeArena& a) { return a.ledger.committed; })
+      .def_property_readonly("inflight", [](const NativeArena& a) { return a.ledger.inflight(); })
+      .def_property_readonly("visible", [](const NativeArena& a) { return a.ledger.visible(); })
+      .def_property_readonly("room", [](const NativeArena& a) { return a.ledger.room(); })
+      .def_property_readonly("next_position", [](const NativeArena& a) { return a.ledger.next_position; })
+      .def_property_readonly("evicted_tokens", [](const NativeArena& a) { return a.ledger.evicted_tokens; })
+      .def_property_readonly("evicts_per_row", [](const NativeArena& a) { return a.ledger.evicts_per_row; })
+      .def_property_readonly("block_mode", [](const NativeArena& a) {
+        return a.ledger.mode == sparsespec::BlockMode::evict ? "evict"
+               : a.ledger.mode == sparsespec::BlockMode::hold ? "hold" : "select";
+      })
       .def_property_readonly("nbytes", [](const NativeArena& a) { return a.memory->entry_bytes(); })
+      .def_property_readonly("peak_nbytes", [](const NativeArena& a) { return a.peak_nbytes; })
+      .def("restart_peak", [](NativeArena& a) { a.peak_nbytes = a.memory->entry_bytes(); })
       .def_property_readonly("metadata_nbytes", [](const NativeArena& a) { return a.memory->bookkeeping_bytes(); });
   using pybind11::arg;
   module.def("native_arena", &sparsespec::native_arena, arg("n_layers"), arg("n_kv"), arg("head_dim"),
              arg("capacity"), arg("code_bits"), arg("code_group"), arg("bf16"), arg("key_offset"), arg("scores"),
              arg("row_score_rows"), arg("row_evicted_rows"), arg("recent_window"), arg("recent_slots"),
              arg("recent_bf16"), arg("sinks"), arg("heavy"), arg("window"), arg("age_normalised"),
-             arg("score_decay"), arg("scale"), arg("inv_freq"), arg("attention_factor"), arg("cold"));
+             arg("score_decay"), arg("scale"), arg("inv_freq"), arg("attention_factor"), arg("cold"), arg("budget"),
+             arg("max_inflight"), arg("staging"), arg("max_tokens"), arg("pool"), arg("in_cache"));
   using sparsespec::ColdTier;
   pybind11::class_<ColdTier, std::shared_ptr<ColdTier>>(module, "ColdTier")
       .def_readonly("count", &ColdTier::count)
