@@ -203,10 +203,11 @@ def native_kernels():
     pytest.skip(f"native kernels unavailable here ({reason})")
 
 
-# What a test needs, marked from the fixtures it takes (and, for the HTTP server, its module), so that an inner loop
-# can leave out what is slow to set up: `pytest -m "not model and not server"` (README, "Tests").
+# What a test needs, marked from the fixtures it takes (and, for the HTTP server and the modules that build the
+# kernels themselves, its module), so that an inner loop can leave out what is slow to set up (README, "Tests").
 NEEDS_FETCHED_WEIGHTS = {"smollm2_path", "smollm2_f32", "smollm2_default", "tiny_loaded"}
 SERVER_MODULES = {"test_serve", "test_serve_guard"}
+BUILDING_MODULES = {"test_kernel_build", "test_kernels_arm"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -214,9 +215,10 @@ def pytest_collection_modifyitems(config, items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & NEEDS_FETCHED_WEIGHTS:
             item.add_marker(pytest.mark.model)
-        if "native_kernels" in fixtures:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        if "native_kernels" in fixtures or module in BUILDING_MODULES:
             item.add_marker(pytest.mark.native)
-        if item.module is not None and item.module.__name__.rpartition(".")[2] in SERVER_MODULES:
+        if module in SERVER_MODULES:
             item.add_marker(pytest.mark.server)
 
 

@@ -250,6 +250,7 @@ def test_refusals():
 GEMMA = MODEL_FIXTURES["gemma3-270m"]
 
 
+@pytest.mark.model
 @pytest.mark.skipif(not GEMMA.path.is_file() and not os.environ.get("CI"), reason="gemma3-270m not fetched")
 def test_real_gemma3_270m_greedy_text_equals_transformers():
     """The real file in float32 dense weights: our greedy continuation of two prompts (one past the 512-token

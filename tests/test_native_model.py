@@ -280,6 +280,7 @@ def test_default_configuration_speculative_equals_autoregressive(smollm2_default
     assert bool(laid_out) != target_policy.is_full
 
 
+@pytest.mark.model
 @pytest.mark.skipif(not kernels.tiles_preferred(), reason="no column tiles on this CPU (the row layout loads anyway)")
 def test_float_activations_read_a_tiled_file_in_the_row_layout(monkeypatch, tmp_path):
     """Gemma 3 270M's Q4_K / Q6_K / Q5_0 weights load as column tiles here, which float activations do not read:

@@ -162,6 +162,7 @@ def ngram_histogram(pol, sampling, rule=None):
     return counts
 
 
+@pytest.mark.sampling
 @pytest.mark.parametrize("case", ["full-t1", "hybrid-top-p"])
 def test_sampling_with_ngram_proposals_matches_the_autoregressive_distribution(case):
     from test_speculative import SAMPLING_CASES

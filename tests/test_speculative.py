@@ -286,6 +286,7 @@ def chi_square_p(counts, probs):
     return chisquare(observed, expected).pvalue
 
 
+@pytest.mark.sampling
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
 def test_speculative_sampling_matches_autoregressive_distribution(case):
     pol, sampling = SAMPLING_CASES[case]
