@@ -25,9 +25,10 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
   weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
   of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
-* ``native_arena(...)``: a KV arena owning its memory, with its policy, as a handle; its ``commit`` accepts
-  in-flight rows and compacts the buffers (``csrc/arena.h``), moving what they evicted into the arena's cold tier
-  (``cold_tier(...)``, which owns its memory too: ``csrc/recall.h``).
+* ``native_arena(...)``: a KV arena owning its memory, with its policy, its counts and the rules of its blocks
+  (``csrc/ledger.h``), as a handle; ``begin`` / ``end`` a block, ``commit`` accepts in-flight rows and compacts the
+  buffers (``csrc/arena.h``), moving what they evicted into the arena's cold tier (``cold_tier(...)``, which owns its
+  memory too: ``csrc/recall.h``). ``rope_rows(...)``: the RoPE rows every rotation reads (``csrc/rope.h``).
 * ``arena_attention(arena, layer, q, k, v) -> [T, n_heads * head_dim]``: a block of rows entering one layer of
   the KV arena (RoPE, stored keys and values) and attending over it, with the cache policy's scores and evictions
   (:func:`arena_attention`; ``csrc/attention.h``). AVX-512, AVX2 and scalar paths (scalar on ARM); each row's float
