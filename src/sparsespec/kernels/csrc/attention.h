@@ -249,10 +249,10 @@ struct ArenaStorage {
   ColdTier* cold = nullptr;  // where evicted entries go (recall.h), or null: they are dropped
 };
 
-// What KVArena.attend works out once for a block, the same in every layer: the rows' slots, their first in-flight
-// row and position, what they see, how the policy evicts (per_row, budget -1: the full cache), how many rows keep
-// score snapshots, and the RoPE rows it rotates by (rope.h) [table_rows, hd] (row p - table_offset serves position,
-// or in the in-cache mode rank, p; the arena makes them when it opens the block).
+// What the arena's ledger (ledger.h: ArenaLedger::begin) works out once for a block, the same in every layer: the
+// rows' slots, their first in-flight row and position, what they see, how the policy evicts (per_row, budget -1: the
+// full cache), how many rows keep score snapshots, and the RoPE rows it rotates by (rope.h) [table_rows, hd] (row p -
+// table_offset serves position, or in the in-cache mode rank, p; the arena makes them when it begins the block).
 struct ArenaPass {
   int start = 0, first = 0, visible_before = 0, snapshots = 0, budget = -1;
   int64_t first_position = 0;
