@@ -82,9 +82,7 @@ std::string ArenaLedger::begin(int n_rows, bool per_block, const std::vector<int
   hold_left = left;
   mode = block_mode;
   block_open = true;
-  block_first = first;
   block_rows = n_rows;
-  block_per_block = per_block;
   per_block_inflight = per_block;
   evicts_per_row = pass.per_row;
   if (parents) tree = *parents;
@@ -100,10 +98,10 @@ void ArenaLedger::end() {
       alive_after_row.push_back(within_budget((parent < 0 ? alive : alive_after_row[parent]) + 1));
   } else {
     for (int i = 0; i < block_rows; ++i) {
-      alive = block_per_block ? alive + 1 : within_budget(alive + 1);
+      alive = per_block_inflight ? alive + 1 : within_budget(alive + 1);
       alive_after_row.push_back(alive);
     }
-    if (block_per_block) alive_after_row.back() = within_budget(alive);
+    if (per_block_inflight) alive_after_row.back() = within_budget(alive);
   }
   block_open = false;
 }

@@ -37,14 +37,13 @@ struct ArenaLedger {
   int64_t next_position = 0;        // true position of the next token to be committed
   int64_t evicted_tokens = 0;       // tokens evicted (per layer and head) by committed rows
   std::vector<int> alive_after_row;  // tokens visible after each in-flight row
-  bool per_block_inflight = false;  // the in-flight rows came from a per-block chunk (committed whole or not at all)
+  bool per_block_inflight = false;  // the block begun last is a per-block chunk (committed whole or not at all)
   std::vector<int32_t> tree;        // parents of the in-flight tree block's rows; empty: a chain
   int hold_left = 0;                // prompt rows still to come in the open hold; 0: none open
   int window_rows = 0;              // rows of the open hold's observation window
   int steady_capacity = 0;          // the capacity a hold returns to
   bool block_open = false;          // begin() to end()
-  int block_first = 0, block_rows = 0;  // the open block's first in-flight row and its rows
-  bool block_per_block = false;
+  int block_rows = 0;               // the open block's rows
   BlockMode mode = BlockMode::evict;
   bool evicts_per_row = false;      // whether the block opened last evicts between its rows
 
