@@ -95,12 +95,12 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], q8: bool = False,
+def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], matrix_type: str = "F32",
                      rope_dims: int | None = None, sliding_window: int | None = None, tensors=None,
                      keys: dict | None = None):
     """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3, phi3 or gemma3), laid out as llama.cpp's
-    converter writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): float32 tensors,
-    or with ``q8`` every matrix in Q8_0 blocks (norms stay float32). ``rope_dims``: a ``rope.dimension_count``;
+    converter writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): every matrix in
+    ``matrix_type`` (a GGML type name ``gguf`` quantizes to: F32, F16, BF16, Q8_0, …), norms in float32. ``rope_dims``: a ``rope.dimension_count``;
     ``sliding_window``: an ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name;
     ``keys``: extra ``<arch>.<key>`` metadata (str, int or float)."""
     import gguf
@@ -144,8 +144,8 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
             heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
             array = np.ascontiguousarray(array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2)
                                          .reshape(array.shape))
-        if q8 and array.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q8_0
+        if matrix_type != "F32" and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[matrix_type]
             writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)

@@ -149,7 +149,7 @@ def test_native_weights_close_to_dense(tmp_path, arch, dtype):
     """The file's Q8_0 blocks through the native kernels (8-bit activations) against the same file dequantized,
     in float32."""
     config = CONFIGS[arch]
-    path = write_gguf_model(tmp_path / f"{arch}-q8.gguf", config, STATES[arch], q8=True)
+    path = write_gguf_model(tmp_path / f"{arch}-q8.gguf", config, STATES[arch], matrix_type="Q8_0")
     native, dense = load(path, dtype, "native"), load(path)
     assert native.weights == "native"
     ids = tokens(config.vocab_size, 48, seed=3)
@@ -159,6 +159,25 @@ def test_native_weights_close_to_dense(tmp_path, arch, dtype):
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     assert kl < (0.01 if dtype == torch.float32 else 0.03), kl
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("matrix_type", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_float_matrices_run_natively_as_the_file_stores_them(tmp_path, arch, matrix_type):
+    """A file of float matrices loads in the native format by default (its rows as they are: nothing is
+    quantized, activations included), giving the dequantized torch model's float32 logits up to summation
+    order."""
+    config = CONFIGS[arch]
+    path = write_gguf_model(tmp_path / f"{arch}-{matrix_type}.gguf", config, STATES[arch], matrix_type=matrix_type)
+    native, dense = load(path, torch.float32, "auto"), load(path, torch.float32, "dense")
+    assert native.weights == "native"
+    assert {native.model.layers[0].qkv.types[0], native.model.lm_head.types[0]} == {dict(F32=0, F16=1, BF16=30)[
+        matrix_type]}
+    ids = tokens(config.vocab_size, 24, seed=3)
+    got = native.model.forward(ids, full_arena(config, len(ids)))
+    expected = dense.model.forward(ids, full_arena(config, len(ids)))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("positions", ["original", "in-cache"])
@@ -189,15 +208,16 @@ def test_speculative_equals_autoregressive_over_an_evicting_cache(arch, name, po
 
 @pytest.mark.usefixtures("native_kernels")
 def test_weights_the_kernels_cannot_read_fall_back_to_torch_with_a_note(tmp_path, capsys):
-    """A file of float32 matrices (no block type the kernels read): --weights auto runs the torch format and says
-    so in one line; --weights native is refused in one sentence."""
-    path = write_gguf_model(tmp_path / "f32.gguf", CONFIGS["phi3"], STATES["phi3"])
+    """A file of MXFP4 matrices (a block type the kernels do not read): --weights auto runs the torch format and
+    says so in one line; --weights native is refused in one sentence."""
+    path = write_gguf_model(tmp_path / "mxfp4.gguf", CONFIGS["phi3"], STATES["phi3"], matrix_type="MXFP4")
     loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, tensor_cache=False)
     assert loaded.weights != "native"
     note = capsys.readouterr().err.strip().splitlines()
-    assert len(note) == 1 and note[0].startswith("sparsespec: note: f32.gguf has weights in F32")
+    assert len(note) == 1 and note[0].startswith("sparsespec: note: mxfp4.gguf has weights in MXFP4")
     assert loaded.weights in note[0]
-    with pytest.raises(UserError, match="F32, which the native kernels do not read; use weights int8, int4 or dense"):
+    with pytest.raises(UserError, match="MXFP4, which the native kernels do not read; use weights int8, int4 or "
+                                        "dense"):
         load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
 
 

@@ -133,7 +133,7 @@ def test_hf_folder_matches_transformers(tmp_path, expected_logits):
 @pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_weights_close_to_dense(tmp_path, dtype):
-    path = write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, q8=True)
+    path = write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, matrix_type="Q8_0")
     native, dense = load(path, dtype, "native"), load(path)
     assert native.weights == "native"
     ids = tokens(48, seed=3)
@@ -177,7 +177,7 @@ def test_a_tree_block_over_both_kinds_of_layer_equals_the_steps_along_each_path(
     and committing a path leaves both arenas as those steps leave them."""
     import copy
 
-    loaded = load(write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, q8=True), torch.float32, "native")
+    loaded = load(write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, matrix_type="Q8_0"), torch.float32, "native")
     model = loaded.model
     parents = [-1, 0, 0, 1, 2, 4]
     cache = arena(loaded, "hybrid", 12, len(parents) + 1, 8, positions, sinks=2, heavy=4)

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sparsespec import kernels
-from sparsespec.kernels.repack import BLOCK_TYPES, TILED_TYPES, pack, repack, repack_tiles
+from sparsespec.kernels.repack import BLOCK_TYPES, FLOAT_TYPES, TILED_TYPES, pack, repack, repack_tiles
 
 # Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -207,6 +207,36 @@ def test_float_activations_every_instruction_set_equals_scalar_and_rows_are_inde
         alone = torch.cat([run(blob, kind, rows, k, k_padded, x[i: i + 1], isa, float_activations=True)
                            for i in range(16)])
         assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(FLOAT_TYPES), ids=lambda t: FLOAT_TYPES[t][0])
+def test_float_weights_within_float32_rounding_of_the_float64_product_on_every_instruction_set(ggml_type):
+    """F32 / F16 / BF16 weights multiply the activations as they are, whatever the projection asks for; every
+    instruction set gives the scalar path's bits; a row never depends on the rows beside it."""
+    torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[FLOAT_TYPES[ggml_type][0]]
+    isas = [i for i in (kernels.ISA_AVX2, kernels.ISA_AVX512, kernels.ISA_AMX) if kernels.isa_available(i)]
+    g = torch.Generator().manual_seed(ggml_type)
+    for rows, k in [(37, 608), (3, 96), (17, 64)]:
+        weight = (torch.randn(rows, k, generator=g) * 0.05).to(torch_dtype)
+        blob, k_padded, kind = packed(weight.view(torch.uint8).numpy(), ggml_type, k)
+        assert kind == ggml_type and k_padded == -(-k // 64) * 64
+        w = weight.double().numpy()
+        bias = torch.randn(rows, generator=g)
+        x = torch.randn(16, k, generator=g) * 4
+        for float_activations in (False, True):
+            together = run(blob, kind, rows, k, k_padded, x, bias=bias, float_activations=float_activations)
+            y = together.double().numpy()
+            y_ref = x.double().numpy() @ w.T + bias.double().numpy()
+            scale = np.abs(x.double().numpy()) @ np.abs(w).T + np.abs(bias.double().numpy())
+            bound = (k / 16 + 8) * 2.0**-23 * scale  # the module's float-activation bound; the weight is exact
+            assert (np.abs(y - y_ref) <= bound).all()
+            for isa in (kernels.ISA_SCALAR, *isas):
+                assert torch.equal(run(blob, kind, rows, k, k_padded, x, isa, bias=bias), together)
+            for m in (1, 3, 5):
+                assert torch.equal(run(blob, kind, rows, k, k_padded, x[:m], bias=bias), together[:m])
+        rows_wanted = torch.tensor([rows - 1, 0])
+        assert torch.equal(kernels.gguf_dequantize(blob, kind, k_padded, rows_wanted)[:, :k],
+                           weight[rows_wanted].float())
 
 
 def test_float_activations_refuse_column_tiles():

@@ -328,7 +328,7 @@ def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied
     from sparsespec.linear import NativeLinear, native_layout_tag
 
     config = tiny_config("qwen3", tie_word_embeddings=tied, vocab_size=128)
-    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=6), q8=True)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=6), matrix_type="Q8_0")
     cache = tmp_path / "tensors"
     uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
     first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=cache)
@@ -360,7 +360,7 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     from sparsespec.loading import tensor_cache
 
     config = tiny_config("qwen3", vocab_size=128)
-    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=4), q8=True)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=4), matrix_type="Q8_0")
     monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
     built = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
     reads = []
@@ -419,7 +419,7 @@ def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypat
     from sparsespec.loading import weights
 
     config = tiny_config("phi3", tie_word_embeddings=False, attention_bias=False, vocab_size=128)
-    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=8), q8=True)
+    path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=8), matrix_type="Q8_0")
     cache = tmp_path / "tensors"
     load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache)
     [stored] = cache.rglob("*.safetensors")

@@ -368,13 +368,14 @@ NATIVE_FLOAT_TYPE = 8
 
 
 class NativeLinear:
-    """Weights kept in a GGUF file's own block formats, multiplied by the native kernels (``kernels/``).
+    """Weights kept in a GGUF file's own formats, multiplied by the native kernels (``kernels/``).
 
-    A linear may stack several GGUF tensors of different block types along the output dimension (q, k and v of one
+    A linear may stack several GGUF tensors of different types along the output dimension (q, k and v of one
     layer): ``segments`` lists them as ``(kernel type, repacked bytes, rows)`` (the kernel type is the GGML type,
     or its column-tile layout: ``kernels/repack.py``). Activations are quantized to 8 bits per block inside the
     kernel (``kernels/csrc/qmatmul.h``), or, with ``float_activations`` set (row layouts only), multiply the
-    dequantized blocks as they are (``kernels/csrc/fmatmul.h``); the result is computed in float32 and returned in
+    dequantized blocks as they are (``kernels/csrc/fmatmul.h``); float weights (F32, F16, BF16) always multiply
+    the activations as they are; the result is computed in float32 and returned in
     the dtype of ``x`` (float32 or bfloat16). Each row's result is independent of how many rows share the call.
     """
 
@@ -423,14 +424,20 @@ class NativeLinear:
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int = NATIVE_FLOAT_TYPE):
-        """Quantize a float ``weight [out, in]`` to one GGUF block type (default Q8_0) with ``gguf``'s quantizer:
-        how Hugging Face folders and in-process models get native weights."""
+        """A float ``weight [out, in]`` as one GGUF type (default Q8_0): a block type quantized with ``gguf``'s
+        quantizer, or a float type (F32, F16, BF16) rounded to nearest even: how Hugging Face folders and
+        in-process models get native weights."""
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
-        from .kernels.repack import repack
+        from .kernels.repack import FLOAT_TYPES, repack
 
         out_features, in_features = weight.shape
+        if ggml_type in FLOAT_TYPES:
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[FLOAT_TYPES[ggml_type][0]]
+            raw = weight.detach().to(dtype).contiguous().view(torch.uint8).numpy()
+            packed, padded_in = repack(ggml_type, raw, in_features)
+            return cls([(ggml_type, torch.from_numpy(packed.reshape(-1)), out_features)], in_features, padded_in, bias)
         w = weight.detach().float()
         block = 256 if ggml_type >= 10 else 32
         if in_features % block:

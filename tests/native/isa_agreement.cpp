@@ -1,6 +1,7 @@
 // Standalone check that every instruction-set path of the native matmul (8-bit and float activations) equals the
-// scalar path bit for bit, on random repacked weights of every block type and several row counts. Built without torch, so it runs wherever the
-// kernels' C++ compiles (tests/test_kernels_arm.py builds it for aarch64 and runs it under qemu-user).
+// scalar path bit for bit, on random repacked weights of every block type, float weights of every float type and
+// several row counts. Built without torch, so it runs wherever the kernels' C++ compiles (tests/test_kernels_arm.py
+// builds it for aarch64 and runs it under qemu-user).
 // Prints "N passed, M failed"; exits non-zero on any failure.
 #include <cstdio>
 #include <cstring>
@@ -135,6 +136,38 @@ int main() {
           } else {
             ++failed;
             std::printf("MISMATCH %s float activations type %d k %d m %d\n", isa_name(isa), type, k, m);
+          }
+        }
+      }
+    }
+  }
+  for (int type : {F32, F16, BF16}) {  // float weights: random finite values of the type
+    for (int k : {64, 576, 640}) {
+      const int n = 37;
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<uint8_t> w(weight_bytes(type, k, n));
+      for (std::size_t i = 0; i < w.size(); i += float_type_bytes(type)) {
+        const float v = normal(rng);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        const uint16_t half = random_half(rng), high = (uint16_t)(bits >> 16);
+        if (type == F32) std::memcpy(w.data() + i, &v, 4);
+        else std::memcpy(w.data() + i, type == F16 ? &half : &high, 2);
+      }
+      for (int m : {1, 2, 3, 5, 8, 13}) {
+        std::vector<float> x((std::size_t)m * k), bias(n), reference((std::size_t)m * n), out((std::size_t)m * n);
+        for (auto& v : x) v = normal(rng);
+        for (auto& b : bias) b = normal(rng);
+        fmatmul_rows(kScalar, type, w.data(), k, 0, n, x.data(), m, k, bias.data(), reference.data(), n);
+        for (int isa : isas) {
+          std::fill(out.begin(), out.end(), -1.0f);
+          fmatmul_rows(isa, type, w.data(), k, 0, 21, x.data(), m, k, bias.data(), out.data(), n);
+          fmatmul_rows(isa, type, w.data(), k, 21, n, x.data(), m, k, bias.data(), out.data(), n);
+          if (std::memcmp(out.data(), reference.data(), out.size() * sizeof(float)) == 0) {
+            ++passed;
+          } else {
+            ++failed;
+            std::printf("MISMATCH %s float weights type %d k %d m %d\n", isa_name(isa), type, k, m);
           }
         }
       }

@@ -23,7 +23,8 @@ every call; benchmarks/history/source-notes.md#kernels-dispatcher):
 
 * ``gguf_linear(x [m, k], weights, types, rows, k, bias, isa) -> [m, n]`` (x's dtype): ``x`` times the transpose of a
   weight kept in GGUF block formats (repacked by :mod:`.repack`, in rows or, for Q4_K, Q6_K and Q5_0 on x86, in tiles
-  of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants).
+  of 16 columns), activations quantized to 8 bits per block of 32 (256 for the K-quants); or in a float type (F32,
+  F16, BF16: rows as stored), which multiplies the activations as they are.
 * ``gguf_dequantize(weight, type, k, index [j]) -> [j, k] float32``: rows of such a weight as floats.
 * ``native_arena(...)``: a KV arena owning its memory, with its policy, its counts and the rules of its blocks
   (``csrc/ledger.h``), as a handle; ``begin`` / ``end`` a block, ``commit`` accepts in-flight rows and compacts the

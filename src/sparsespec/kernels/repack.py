@@ -8,6 +8,8 @@ as bit planes. Every code and scale keeps its value: dequantizing the repacked w
 dequantized weight. Bytes per weight equal the file's, but for two small additions of a few percent: the
 K-quants' spread scales (4 bytes per 256 weights) and a full-size scale section in a row's last, partial chunk
 (in rows whose width is not a multiple of 256). Figures: benchmarks/history/source-notes.md#repack-overhead
+
+Float tensors (F32, F16, BF16) keep each row as it is, zero padded to a multiple of 64 weights.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ BLOCK_TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
+# GGML type id -> (name, bytes per weight) of the float types: rows kept as they are, zero padded to whole 64s.
+FLOAT_TYPES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}
 CHUNK, QUARTER = 256, 64
 # Bumped whenever the bytes this module writes change, so that stored repacked weights (the tensor cache) are rebuilt.
 LAYOUT_VERSION = 1
 
 
 def supported(ggml_type: int) -> bool:
-    return int(ggml_type) in BLOCK_TYPES
+    return int(ggml_type) in BLOCK_TYPES or int(ggml_type) in FLOAT_TYPES
 
 
 def _f16_bytes(raw: np.ndarray) -> np.ndarray:
@@ -138,9 +142,17 @@ def repack(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     zero block (zero scale), which the padded activations meet with zeros.
     """
     ggml_type = int(ggml_type)
-    name, size, block_bytes = BLOCK_TYPES[ggml_type]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     n = raw.shape[0]
+    if ggml_type in FLOAT_TYPES:
+        name, width = FLOAT_TYPES[ggml_type]
+        if raw.size != n * k * width:
+            raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights")
+        k_padded = -(-k // QUARTER) * QUARTER
+        rows = np.zeros((n, k_padded * width), np.uint8)
+        rows[:, : k * width] = raw.reshape(n, -1)
+        return rows, k_padded
+    name, size, block_bytes = BLOCK_TYPES[ggml_type]
     nb = k // size
     if k % size or raw.size != n * nb * block_bytes:
         raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights")

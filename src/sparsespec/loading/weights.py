@@ -142,7 +142,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype,
     Q6_K / Q5_0 weights as 16-column tiles (where :func:`~sparsespec.kernels.tiles_preferred`, unless float
     activations will read them) or rows.
     """
-    from ..kernels.repack import BLOCK_TYPES, pack
+    from ..kernels.repack import pack, supported
     from ..linear import NativeEmbedding, NativeLinear
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -173,7 +173,7 @@ def load_gguf_native(path: Path, dtype: torch.dtype,
             raise UserError(f"{path}: {hf} has shape {[rows, k]} but the model's configuration implies {list(want)}; "
                             "the weights do not match the config.")
         kind = t.ggml_type
-        if kind not in BLOCK_TYPES:
+        if not supported(kind):
             raise ConfigError("{path}: {tensor} is stored as {kind}, which the native kernels do not read; use "
                               "{weights} int8, int4 or dense.", path=path, tensor=gguf_name,
                               kind=GGMLQuantizationType(kind).name)

@@ -42,10 +42,33 @@ void rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const float* x
   }
 }
 
+// A float weight (F32, F16, BF16): the same 16 lanes over the inputs in order, w the stored value.
+template <int TYPE>
+void float_rows_scalar(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                       const float* bias, float* out, long ldo) {
+  const std::size_t rb = (std::size_t)k * float_type_bytes(TYPE);
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    for (int r = 0; r < m; ++r) {
+      const float* xr = x + (long)r * ldx;
+      float acc[16] = {};
+      for (int i = 0; i < k; i += 16)
+        for (int L = 0; L < 16; ++L) acc[L] = std::fma(float_weight<TYPE>(row, i + L), xr[i + L], acc[L]);
+      float y = canonical_hsum(acc);
+      if (bias) y += bias[n];
+      out[(long)r * ldo + n] = y;
+    }
+  }
+}
+
 }  // namespace
 
 void fmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                          const float* bias, float* out, long ldo) {
+  if (dispatch_float(type, [&] <int T>() {
+        float_rows_scalar<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo);
+      }))
+    return;
   dispatch_type(type, [&] <int T>() { rows_scalar<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); });
 }
 

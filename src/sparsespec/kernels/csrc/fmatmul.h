@@ -10,7 +10,8 @@
 // a[g], c[g] from formats.h's decode_scales):
 //     w = fma(float(code of input 64p + 16t + L), a[g], c[g])      (the weight as the GGUF dequantizes it)
 //     acc[L] = fma(w, x[r, chunk * 256 + 64p + 16t + L], acc[L])
-// y = canonical_hsum(acc) (+ bias[n]).
+// y = canonical_hsum(acc) (+ bias[n]). A float weight type (F32, F16, BF16) is read the same way, w being the
+// stored value: acc[L] = fma(w[16j + L], x[r, 16j + L], acc[L]) for the groups j of 16 inputs in order.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,8 @@
 namespace sparsespec {
 
 // out[r, n] = sum_k w[n, k] * x[r, k] (+ bias[n]) for weight rows n in [n_begin, n_end) and activation rows
-// r in [0, m): x float32 [m, k] with row stride ldx, out with row stride ldo. `type` a row-layout type.
+// r in [0, m): x float32 [m, k] with row stride ldx, out with row stride ldo. `type` a row-layout block type or a
+// float type.
 void fmatmul_rows(int isa, int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m,
                   long ldx, const float* bias, float* out, long ldo);
 

@@ -103,10 +103,68 @@ void rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const float* x, 
   }
 }
 
+// Eight inputs of a float weight's row from `at` as floats (exact for every type).
+template <int TYPE>
+inline __m256 float_weights(const uint8_t* at) {
+  if constexpr (TYPE == F32) {
+    return _mm256_loadu_ps((const float*)at);
+  } else if constexpr (TYPE == F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)at));
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)at)), 16));
+  }
+}
+
+// Float weight row n against activation rows r0 .. r0 + R - 1.
+template <int TYPE, int R>
+inline void float_tile(const uint8_t* row, int k, int n, int r0, const float* x, long ldx, const float* bias,
+                       float* out, long ldo) {
+  constexpr int E = float_type_bytes(TYPE);
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  for (int at = 0; at < k; at += 16) {
+    if (at % 64 == 0) prefetch_ahead(row + (std::size_t)at * E, 64 * E);
+    const __m256 w_lo = float_weights<TYPE>(row + (std::size_t)at * E);
+    const __m256 w_hi = float_weights<TYPE>(row + (std::size_t)(at + 8) * E);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const float* xr = x + (long)(r0 + i) * ldx + at;
+      lo[i] = _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xr), lo[i]);
+      hi[i] = _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xr + 8), hi[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    float y = hsum(lo[i], hi[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void float_rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                     const float* bias, float* out, long ldo) {
+  const std::size_t rb = (std::size_t)k * float_type_bytes(TYPE);
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    int r = 0;
+    for (; r + 4 <= m; r += 4) float_tile<TYPE, 4>(row, k, n, r, x, ldx, bias, out, ldo);
+    switch (m - r) {
+      case 3: float_tile<TYPE, 3>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      case 2: float_tile<TYPE, 2>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      case 1: float_tile<TYPE, 1>(row, k, n, r, x, ldx, bias, out, ldo); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace
 
 void fmatmul_rows_avx2(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                        const float* bias, float* out, long ldo) {
+  if (dispatch_float(type, [&] <int T>() { float_rows_avx2<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); }))
+    return;
   dispatch_type(type, [&] <int T>() { rows_avx2<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); });
 }
 

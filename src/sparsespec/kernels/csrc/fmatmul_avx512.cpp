@@ -127,10 +127,85 @@ void rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const float* x
   for (; n < n_end; ++n) rows_block<TYPE, 1, 4>(w, rb, k, n, m, x, ldx, bias, out, ldo);
 }
 
+// Sixteen inputs of a float weight's row from `at` as floats (exact for every type).
+template <int TYPE>
+inline __m512 float_weights(const uint8_t* at) {
+  if constexpr (TYPE == F32) {
+    return _mm512_loadu_ps((const float*)at);
+  } else if constexpr (TYPE == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at));
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)at)), 16));
+  }
+}
+
+// Float weight rows n0 .. n0 + NC - 1 against activation rows r0 .. r0 + R - 1.
+template <int TYPE, int NC, int R>
+inline void float_tile(const uint8_t* w, std::size_t rb, int k, int n0, int r0, const float* x, long ldx,
+                       const float* bias, float* out, long ldo) {
+  constexpr int E = float_type_bytes(TYPE);
+  __m512 acc[NC][R];
+#pragma GCC unroll 16
+  for (int j = 0; j < NC; ++j)
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int at = 0; at < k; at += 16) {
+    __m512 xv[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(x + (long)(r0 + i) * ldx + at);
+#pragma GCC unroll 16
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* from = w + (std::size_t)(n0 + j) * rb + (std::size_t)at * E;
+      if (at % 64 == 0) prefetch_ahead(from, 64 * E);
+      const __m512 wv = float_weights<TYPE>(from);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[j][i] = _mm512_fmadd_ps(wv, xv[i], acc[j][i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NC; ++j)
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      float y = hsum(acc[j][i]);
+      if (bias) y += bias[n0 + j];
+      out[(long)(r0 + i) * ldo + n0 + j] = y;
+    }
+}
+
+template <int TYPE, int NC, int R>
+inline void float_rows_block(const uint8_t* w, std::size_t rb, int k, int n0, int m, const float* x, long ldx,
+                             const float* bias, float* out, long ldo) {
+  int r = 0;
+  for (; r + R <= m; r += R) float_tile<TYPE, NC, R>(w, rb, k, n0, r, x, ldx, bias, out, ldo);
+  switch (m - r) {
+    case 3: if constexpr (R > 3) float_tile<TYPE, NC, 3>(w, rb, k, n0, r, x, ldx, bias, out, ldo); break;
+    case 2: if constexpr (R > 2) float_tile<TYPE, NC, 2>(w, rb, k, n0, r, x, ldx, bias, out, ldo); break;
+    case 1: if constexpr (R > 1) float_tile<TYPE, NC, 1>(w, rb, k, n0, r, x, ldx, bias, out, ldo); break;
+    default: break;
+  }
+}
+
+template <int TYPE>
+void float_rows_avx512(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                       const float* bias, float* out, long ldo) {
+  const std::size_t rb = (std::size_t)k * float_type_bytes(TYPE);
+  int n = n_begin;
+  if (m == 1) {
+    for (; n + 4 <= n_end; n += 4) float_tile<TYPE, 4, 1>(w, rb, k, n, 0, x, ldx, bias, out, ldo);
+  } else {
+    for (; n + 2 <= n_end; n += 2) float_rows_block<TYPE, 2, 4>(w, rb, k, n, m, x, ldx, bias, out, ldo);
+  }
+  for (; n < n_end; ++n) float_rows_block<TYPE, 1, 4>(w, rb, k, n, m, x, ldx, bias, out, ldo);
+}
+
 }  // namespace
 
 void fmatmul_rows_avx512(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                          const float* bias, float* out, long ldo) {
+  if (dispatch_float(type, [&] <int T>() {
+        float_rows_avx512<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo);
+      }))
+    return;
   dispatch_type(type, [&] <int T>() { rows_avx512<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); });
 }
 

@@ -61,10 +61,59 @@ void rows_neon(const uint8_t* w, int k, int n_begin, int n_end, const float* x, 
   }
 }
 
+// Four inputs of a float weight's row from `at` as floats (exact for every type).
+template <int TYPE>
+inline float32x4_t float_weights(const uint8_t* at) {
+  if constexpr (TYPE == F32) {
+    return vld1q_f32((const float*)at);
+  } else if constexpr (TYPE == F16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)at)));
+  } else {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)at), 16));
+  }
+}
+
+// Float weight row n against activation rows r0 .. r0 + R - 1.
+template <int TYPE, int R>
+inline void float_tile(const uint8_t* row, int k, int n, int r0, const float* x, long ldx, const float* bias,
+                       float* out, long ldo) {
+  constexpr int E = float_type_bytes(TYPE);
+  float32x4_t acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = vdupq_n_f32(0.0f);
+  for (int at = 0; at < k; at += 16) {
+    float32x4_t w[4];
+    for (int v = 0; v < 4; ++v) w[v] = float_weights<TYPE>(row + (std::size_t)(at + 4 * v) * E);
+    for (int i = 0; i < R; ++i) {
+      const float* xr = x + (long)(r0 + i) * ldx + at;
+      for (int v = 0; v < 4; ++v) acc[i][v] = vfmaq_f32(acc[i][v], w[v], vld1q_f32(xr + 4 * v));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float y = hsum(acc[i]);
+    if (bias) y += bias[n];
+    out[(long)(r0 + i) * ldo + n] = y;
+  }
+}
+
+template <int TYPE>
+void float_rows_neon(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
+                     const float* bias, float* out, long ldo) {
+  const std::size_t rb = (std::size_t)k * float_type_bytes(TYPE);
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + (std::size_t)n * rb;
+    int r = 0;
+    for (; r + 4 <= m; r += 4) float_tile<TYPE, 4>(row, k, n, r, x, ldx, bias, out, ldo);
+    for (; r < m; ++r) float_tile<TYPE, 1>(row, k, n, r, x, ldx, bias, out, ldo);
+  }
+}
+
 }  // namespace
 
 void fmatmul_rows_neon(int type, const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                        const float* bias, float* out, long ldo) {
+  if (dispatch_float(type, [&] <int T>() { float_rows_neon<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); }))
+    return;
   dispatch_type(type, [&] <int T>() { rows_neon<T>(w, k, n_begin, n_end, x, m, ldx, bias, out, ldo); });
 }
 

@@ -239,7 +239,35 @@ inline void tile_codes(const uint8_t* chunk, int i, uint8_t codes[16]) {
   }
 }
 
-// Calls f.template operator()<TYPE>() for a runtime type id (returns false for an unsupported type).
+// Calls f.template operator()<TYPE>() for a float weight type (returns false for any other).
+template <class F>
+inline bool dispatch_float(int type, F&& f) {
+  switch (type) {
+    case F32: f.template operator()<F32>(); return true;
+    case F16: f.template operator()<F16>(); return true;
+    case BF16: f.template operator()<BF16>(); return true;
+    default: return false;
+  }
+}
+
+// Input i of a float weight's row (F32, F16 or BF16), as float32 (exact for every type).
+template <int TYPE>
+inline float float_weight(const uint8_t* row, int i) {
+  if constexpr (TYPE == F32) {
+    float v;
+    std::memcpy(&v, row + 4 * (std::size_t)i, 4);
+    return v;
+  } else if constexpr (TYPE == F16) {
+    return half_to_float(load_u16(row + 2 * (std::size_t)i));
+  } else {
+    const uint32_t bits = (uint32_t)load_u16(row + 2 * (std::size_t)i) << 16;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+  }
+}
+
+// Calls f.template operator()<TYPE>() for a runtime type id of a block format (returns false for any other).
 template <class F>
 inline bool dispatch_type(int type, F&& f) {
   switch (type) {

@@ -69,7 +69,7 @@ void project(int isa, const Projection& p, const void* x, int m, bool bf16, cons
   std::vector<long> first_row;
   long n_total = 0;
   for (std::size_t s = 0; s < p.types.size(); ++s) {
-    if (!p.float_activations) (is_k_quant(p.types[s]) ? any_k : any_32) = true;
+    if (!p.float_activations && !is_float_type(p.types[s])) (is_k_quant(p.types[s]) ? any_k : any_32) = true;
     first_row.push_back(n_total);
     n_total += p.rows[s];
   }
@@ -115,7 +115,7 @@ void project(int isa, const Projection& p, const void* x, int m, bool bf16, cons
       const long lo = std::max<long>(begin, first_row[s]), hi = std::min<long>(end, first_row[s] + p.rows[s]);
       if (lo >= hi) continue;
       const float* segment_bias = p.bias ? p.bias + first_row[s] : nullptr;
-      if (p.float_activations)
+      if (p.float_activations || is_float_type(p.types[s]))
         fmatmul_rows(isa, p.types[s], p.blobs[s], k, (int)(lo - first_row[s]), (int)(hi - first_row[s]), xf, m, k,
                      segment_bias, out_f32 + first_row[s], n_total);
       else

@@ -70,6 +70,11 @@ constexpr int kTiled = 100;
 enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled, Q5_0_T16 = Q5_0 + kTiled };
 constexpr int kTileColumns = 16;
 inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16 || type == Q5_0_T16; }
+// Float weights (GGML's ids): each row k values as they are, k padded with zeros to a multiple of 64. Only
+// fmatmul.h multiplies them (float activations whatever the projection asks: there is nothing to quantize against).
+enum FloatType : int { F32 = 0, F16 = 1, BF16 = 30 };
+constexpr bool is_float_type(int type) { return type == F32 || type == F16 || type == BF16; }
+constexpr int float_type_bytes(int type) { return type == F32 ? 4 : 2; }
 
 // Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs). kAmx is AVX-512 VNNI plus the
 // AMX tile multiply for the column tiles' multi-row passes (everything else runs the AVX-512 path).

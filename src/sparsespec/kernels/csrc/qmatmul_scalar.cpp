@@ -15,7 +15,7 @@
 namespace sparsespec {
 
 bool supported_type(int type) {
-  return is_tiled(type) || dispatch_type(type, [] <int T>() {});
+  return is_tiled(type) || is_float_type(type) || dispatch_type(type, [] <int T>() {});
 }
 
 int code_bits(int type) {
@@ -37,6 +37,7 @@ int quarter_bytes(int type) {
 }
 
 std::size_t row_bytes(int type, int k) {
+  if (is_float_type(type)) return (std::size_t)k * float_type_bytes(type);
   std::size_t out = 0;
   dispatch_type(type, [&] <int T>() { out = row_bytes_of<T>(k); });
   return out;
@@ -296,6 +297,13 @@ void qmatmul_rows_scalar(int type, const uint8_t* w, int k, int n_begin, int n_e
 }
 
 void dequantize_rows(int type, const uint8_t* w, int k, const int64_t* rows, int n_rows, float* out) {
+  if (dispatch_float(type, [&] <int T>() {
+        for (int i = 0; i < n_rows; ++i) {
+          const uint8_t* row = w + (std::size_t)rows[i] * k * float_type_bytes(T);
+          for (int j = 0; j < k; ++j) out[(long)i * k + j] = float_weight<T>(row, j);
+        }
+      }))
+    return;
   if (dispatch_tiled(type, [&] <int T>() {
         for (int i = 0; i < n_rows; ++i) dequantize_tiled_row<T>(w, k, rows[i], out + (long)i * k);
       }))
