@@ -1,4 +1,4 @@
-"""Weight-format benchmark: bf16 dense vs int8 vs int4 linears on decode-sized inputs.
+"""Weight-format benchmark: bf16 dense (native float rows) vs int8 vs int4 linears on decode-sized inputs.
 
 Prints one JSON object:
 
@@ -34,11 +34,13 @@ ROWS = [1, 2, 3, 4, 5, 8]
 
 
 def _clone_layer(lin):
-    """An independent copy of a linear (same values, separate tensor storage)."""
+    """An independent copy of a linear (same values, separate tensor storage; a native linear's blocks too)."""
     dup = copy.copy(lin)
     for name, value in vars(lin).items():
         if isinstance(value, torch.Tensor):
             setattr(dup, name, value.clone())
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            setattr(dup, name, [t.clone() for t in value])
     return dup
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,17 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@contextmanager
+def layer_by_layer(model: Transformer):
+    """Within the block, ``model`` runs its passes layer by layer (one native call per op, ``KVArena.attend`` per
+    layer), bit for bit the native pass (``tests/test_native_pass.py``): so a test can watch each layer's q, k and v."""
+    model.native_model = lambda: None
+    try:
+        yield model
+    finally:
+        del model.native_model
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:

@@ -253,27 +253,31 @@ def _checked_stored(codes, params, bits, own, what):
 
 
 class RecordedRows:
-    """Records the entries (codes and params, or float entries) the arena stores as a block's rows enter a layer;
-    hands them out in order, layer by layer."""
+    """Records the entries (codes and params, or float entries) the arena stored for a block's rows in every layer
+    (read when the block ends); hands them out in order, layer by layer."""
 
     def __init__(self, arena: KVArena):
         self.arena = arena
         self.bits = {"int8": 8, "int4": 4}.get(arena.kv_dtype)
         self.rows: dict[int, list] = {}
-        attend = arena.attend
+        begin, end = arena.begin, arena.end
+        block_rows = [0]
 
-        def spy(layer, q, k, v):
-            out = attend(layer, q, k, v)
-            n_rows = q.shape[1]
-            start = arena.n_committed + arena.n_inflight  # the block's rows follow the rows already in flight
+        def spy_begin(n_rows, *args, **kwargs):
+            block_rows[0] = n_rows
+            return begin(n_rows, *args, **kwargs)
+
+        def spy_end():  # every layer has stored the block's rows; they enter the in-flight count at end()
+            n_rows, start = block_rows[0], arena.n_committed + arena.n_inflight
             buffers = arena.buffers()
-            self.rows[layer] = [(buffers[stored + "s"][layer, :, start : start + n_rows].clone(),
-                                 buffers[stored + "_params"][layer, :, start : start + n_rows].clone()
-                                 if self.bits else None)
-                                for stored in ("key", "value")] + [0]
-            return out
+            for layer in range(buffers["keys"].shape[0]):
+                self.rows[layer] = [(buffers[stored + "s"][layer, :, start : start + n_rows].clone(),
+                                     buffers[stored + "_params"][layer, :, start : start + n_rows].clone()
+                                     if self.bits else None)
+                                    for stored in ("key", "value")] + [0]
+            return end()
 
-        arena.attend = spy
+        arena.begin, arena.end = spy_begin, spy_end
 
     def __call__(self, layer, n):
         keys, values, used = self.rows[layer]

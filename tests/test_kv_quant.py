@@ -12,7 +12,7 @@ from sparsespec.cache import KVArena, make_policy
 from sparsespec.cache.quant import BITS, MIN_SCALE, group_size
 from sparsespec.errors import UserError
 
-from conftest import rotate, tiny_config, tiny_model
+from conftest import layer_by_layer, rotate, tiny_config, tiny_model
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +152,8 @@ def test_the_op_stores_the_codes_of_the_written_rows_and_they_move_with_their_sl
     at = 0
     while at < 60:
         block = ids[at : at + 4]
-        model.forward(block, arena)
+        with layer_by_layer(model):
+            model.forward(block, arena)
         accept = 1 + at % len(block)
         arena.commit(accept)
         at += accept

@@ -1,4 +1,4 @@
-"""Weight formats: dense, int8 (per-channel) and int4 (group-wise) linears."""
+"""Weight formats: dense (native float rows), int8 (per-channel) and int4 (group-wise) linears."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from sparsespec.linear import (
-    DenseLinear,
+    DENSE_TYPES,
     Int4Linear,
     Int8Linear,
+    NativeLinear,
     make_linear,
 )
 
@@ -45,6 +46,20 @@ def _check_against_dequantized(lin, x: torch.Tensor, bias: torch.Tensor | None) 
         tol = eps * (mm.abs() + ref.abs()) + 1e-5 * magnitude + 1e-6
     err = (y.float() - ref).abs()
     assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, max excess {(err - tol).max().item():.3g}"
+
+
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_keeps_the_weights_in_the_compute_dtype_and_matches_the_reference(dtype, shape):
+    w, b = _weights(*shape)
+    lin = make_linear(w, b, dtype)
+    assert lin.types == [DENSE_TYPES[dtype]]
+    assert torch.equal(lin.dequantized_weight(), w.to(dtype).float())  # nothing rounded but to the dtype
+    assert torch.equal(lin.bias, b.to(dtype).float())
+    for lead in LEAD_SHAPES:
+        x = torch.randn(*lead, shape[1]).to(dtype)
+        _check_against_dequantized(lin, x, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,7 +150,7 @@ def test_nbytes():
     out_f, in_f = 48, 576
     w, b = _weights(out_f, in_f)
     dense = make_linear(w, b, torch.bfloat16)
-    assert dense.nbytes == (out_f * in_f + out_f) * 2
+    assert dense.nbytes == out_f * in_f * 2 + out_f * 4  # the native kernels add float32 biases
     i8 = make_linear(w, None, torch.bfloat16, "int8")
     assert i8.nbytes == out_f * in_f + out_f * 2
     i8b = make_linear(w, b, torch.float32, "int8")
@@ -154,8 +169,9 @@ def test_nbytes():
 
 def test_make_linear_formats():
     w, b = _weights(16, 32)
-    assert isinstance(make_linear(w, b, torch.float32), DenseLinear)
-    assert isinstance(make_linear(w, b, torch.float32, fmt="dense"), DenseLinear)
+    assert isinstance(make_linear(w, b, torch.float32), NativeLinear)
+    assert make_linear(w, b, torch.float32, fmt="dense").types == [DENSE_TYPES[torch.float32]]
+    assert make_linear(w, b, torch.float32, fmt="native").types == [8]  # Q8_0
     assert isinstance(make_linear(w, b, torch.float32, "int8"), Int8Linear)
     assert isinstance(make_linear(w, b, torch.float32, "int4"), Int4Linear)
     with pytest.raises(ValueError):
@@ -164,6 +180,8 @@ def test_make_linear_formats():
         make_linear(w, b, torch.float32, "int4", group_size=48)
     with pytest.raises(TypeError):
         make_linear(w, b, torch.float32, "dense", group_size=32)
+    with pytest.raises(ValueError, match="dense weights are float32 or bfloat16"):
+        make_linear(w, b, torch.float16, "dense")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.generate import generate_tokens
-from sparsespec.linear import MODEL_INT4_GROUP_SIZE, Int4Linear, auto_format, resolve_format
+from sparsespec.linear import MODEL_INT4_GROUP_SIZE, Int4Linear, NativeLinear, auto_format, resolve_format
 from sparsespec.loading.load import load_model
 from sparsespec.loading.source import ModelSource
 from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
@@ -75,10 +75,15 @@ def test_format_names_and_auto_rule():
 
 
 def test_tied_dense_head_shares_the_embedding_in_every_dtype():
+    """One copy of a tied table: the native head's rows are the embedding's (without the kernels, the torch head
+    reads the embedding tensor)."""
     config = tiny_config("llama")
     for dtype in (torch.float32, torch.bfloat16):
         model = Transformer(config, random_state(config), dtype)
-        assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+        if isinstance(model.lm_head, NativeLinear):
+            assert model.embed.table is model.lm_head
+        else:
+            assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
 
 
 # ------------------------------------------------------------------------------------------------- closeness
@@ -202,7 +207,9 @@ def _write_hf_folder(folder, config, state) -> None:
 
 
 def _same_model(a: Transformer, b: Transformer) -> None:
-    assert torch.equal(a.embed, b.embed) and torch.equal(a.norm, b.norm)
+    assert type(a.embed) is type(b.embed) and torch.equal(a.norm, b.norm)
+    if isinstance(a.embed, torch.Tensor):  # else the table is the head's, compared below
+        assert torch.equal(a.embed, b.embed)
     for la, lb in zip(a.layers, b.layers):
         assert torch.equal(la.attn_norm, lb.attn_norm) and torch.equal(la.mlp_norm, lb.mlp_norm)
     items_a, items_b = a.linear_items(), b.linear_items()
@@ -230,8 +237,9 @@ def test_tensor_cache_round_trip_is_exact(tmp_path, arch, dtype, fmt):
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     assert second.config == uncached.config and second.weights == fmt
     _same_model(uncached.model, second.model)
-    if config.tie_word_embeddings and fmt == "dense":
-        assert second.model.lm_head.weight.data_ptr() == second.model.embed.data_ptr()
+    if config.tie_word_embeddings and fmt == "dense":  # still one copy of the tied table
+        head, embed = second.model.lm_head, second.model.embed
+        assert embed.table is head if isinstance(head, NativeLinear) else head.weight.data_ptr() == embed.data_ptr()
     ids = random_ids(24, config.vocab_size, seed=2)
     assert torch.equal(full_logits(uncached.model, ids), full_logits(second.model, ids))
 
@@ -297,7 +305,7 @@ def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     source = ModelSource("gguf", tmp_path / "m.gguf", "m")
     (tmp_path / "m.gguf").write_bytes(b"x")
     root = tmp_path / "c"
-    assert tensor_cache_file(root, source, torch.bfloat16, "dense", {}).name == "bfloat16-dense.safetensors"
+    assert tensor_cache_file(root, source, torch.bfloat16, "dense", {}).name == "bfloat16-dense-layout1-rows.safetensors"
     options = {"kernel_dtype": torch.bfloat16, "group_size": 32}
     name = tensor_cache_file(root, source, torch.float32, "int4", options).name
     assert name.startswith("float32-int4-kbfloat16-g32-")
@@ -406,7 +414,7 @@ def test_info_lists_what_the_tensor_cache_holds(tmp_path, monkeypatch, capsys):
     assert main(["info"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].startswith(f"tensor cache: {tmp_path / 'tensors'}, 1 model, ")
-    assert lines[-1].startswith(f"  {path.resolve()}: float32-dense (") and lines[-1].endswith(" MB)")
+    assert lines[-1].startswith(f"  {path.resolve()}: float32-dense-layout1-rows (") and lines[-1].endswith(" MB)")
     monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")
     assert main(["info"]) == 0 and capsys.readouterr().out.splitlines()[-1] == \
         "tensor cache: off ($SPARSESPEC_TENSOR_CACHE)"

@@ -18,7 +18,7 @@ from sparsespec.rope import Rope
 from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
 
-from conftest import random_state, rotate, tiny_config
+from conftest import layer_by_layer, random_state, rotate, tiny_config
 
 CONFIG = tiny_config("llama", tie_word_embeddings=False)
 STATE = random_state(CONFIG, seed=0, scale=1.0)
@@ -61,7 +61,8 @@ def _reference_selection(model, policy, tokens, rows, pool):
     full = make_arena(model, make_policy("full"), retention=None, chunk=len(tokens))
     KVArena.attend = record
     try:
-        model.forward(torch.tensor(tokens), full)
+        with layer_by_layer(model):
+            model.forward(torch.tensor(tokens), full)
     finally:
         KVArena.attend = original
     cfg = model.config
@@ -132,7 +133,8 @@ def test_a_later_prompt_chooses_among_entries_out_of_position_order_as_a_float64
         return attend(layer, q, k, v)
 
     arena.begin, arena.attend = spy_begin, spy_attend
-    prefill(TARGET, arena, ids(30, seed=3), chunk=8)
+    with layer_by_layer(TARGET):
+        prefill(TARGET, arena, ids(30, seed=3), chunk=8)
     assert rows, "the second prompt ended with a selection"
     cfg = TARGET.config
     rope = Rope.for_model(cfg)
@@ -198,15 +200,15 @@ def test_an_error_inside_a_hold_empties_the_arena_and_frees_the_room(monkeypatch
     arena = make_arena(TARGET, make_policy("hybrid", 20, sinks=2, heavy=9))
     steady = arena.capacity
     calls = [0]
-    original = KVArena.attend
+    original = KVArena.end
 
-    def failing(self, *args):
+    def failing(self, *args):  # the third chunk's rows have entered the arena when the error comes
         calls[0] += 1
-        if calls[0] == 9:
+        if calls[0] == 3:
             raise RuntimeError("interrupted")
         return original(self, *args)
 
-    monkeypatch.setattr(KVArena, "attend", failing)
+    monkeypatch.setattr(KVArena, "end", failing)
     with pytest.raises(RuntimeError):
         prefill(TARGET, arena, ids(60), chunk=8)
     assert arena.capacity == steady and arena.n_committed == 0 and arena.next_position == 0

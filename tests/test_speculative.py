@@ -109,6 +109,24 @@ def test_greedy_speculative_equals_autoregressive(native_kernels, name, position
         assert row_by_row.get(id(t_cache), 0) > 10
 
 
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+@pytest.mark.parametrize("name", ["full", "hybrid", "h2o"])
+def test_greedy_speculative_equals_autoregressive_in_bfloat16_with_dense_weights(native_kernels, name, positions):
+    """Dense weights are native float rows: a row's bfloat16 result never depends on the rows beside it, so the
+    default dtype speculates exactly with unquantized weights too."""
+    target = Transformer(TARGET_CONFIG, TARGET_STATE, torch.bfloat16)
+    draft = Transformer(TARGET_CONFIG, _noisy_state(0.01), torch.bfloat16)
+    pol = policy(name)
+    ids = prompt(20, TARGET_CONFIG.vocab_size)
+    expected = ar_tokens(target, pol, positions, ids, 160)
+    stats = SpeculativeStats()
+    got, t_cache, _ = spec_tokens(target, draft, pol, make_policy("hybrid", 10, sinks=2, heavy=3), positions, ids,
+                                  160, gamma=4, stats=stats)
+    assert got == expected
+    assert 10 < stats.accepted < stats.drafted - 10
+    assert t_cache.buffer("keys").dtype == torch.bfloat16 and (name == "full") == (t_cache.evicted_tokens == 0)
+
+
 @pytest.mark.parametrize(("name", "kv_dtype", "draft_kv_dtype"),
                          [("full", "int8", "int4"), ("hybrid", "int4", "int8"), ("hybrid", "bf16", "int4")])
 @pytest.mark.parametrize("positions", ["original", "in-cache"])

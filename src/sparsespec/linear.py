@@ -7,11 +7,12 @@ writes its output, so a decode step has no pass of their own over the rows).
 
 Formats (``make_linear(..., fmt=...)``):
 
-* ``"dense"`` -- :class:`DenseLinear`, float weights in the compute dtype (``F.linear``).
+* ``"dense"`` -- the unquantized weights in the compute dtype as rows of a native float type (a
+  :class:`NativeLinear` of F32 or BF16 rows): the native kernels multiply them by the activations as they are.
 * ``"int8"``  -- :class:`Int8Linear`, symmetric per-output-channel int8, ``torch.ops.aten._weight_int8pack_mm``.
 * ``"int4"``  -- :class:`Int4Linear`, group-wise asymmetric int4, ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
-* ``"native"`` -- :class:`NativeLinear`, the GGUF file's own blocks through the native kernels (``kernels/``);
-  built from a GGUF file only (``loading/weights.py``), never from float weights.
+* ``"native"`` -- :class:`NativeLinear`, the GGUF file's own blocks through the native kernels (``kernels/``)
+  (``loading/weights.py``), or float weights quantized to Q8_0 blocks.
 
 ``"bf16"`` is accepted as another name for ``"dense"`` (:func:`canonical_format`); ``"auto"`` picks a format per
 model role (:func:`auto_format`).
@@ -72,42 +73,6 @@ def _to_dtype_rounding_up(values: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     out = values.to(dtype)
     up = torch.nextafter(out, torch.full_like(out, float("inf")))
     return torch.where(out.float() < values, up, out)
-
-
-class DenseLinear:
-    """Plain float weights (float32 or bfloat16): ``weight [out, in]``, optional ``bias [out]``."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.weight = weight.to(dtype).contiguous()
-        self.bias = None if bias is None else bias.to(dtype).contiguous()
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        size = self.weight.numel() * self.weight.element_size()
-        return size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
-    def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return y if residual is None else residual + y
-
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors that define this layer (see :func:`linear_from_tensors`)."""
-        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
-
-    def meta(self) -> dict:
-        return {"format": "dense"}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> "DenseLinear":
-        return cls(tensors["weight"], tensors.get("bias"), dtype)
 
 
 class _QuantizedLinear:
@@ -366,6 +331,9 @@ class Int4Linear(_QuantizedLinear):
 # per 32 weights; the most accurate type the kernels read).
 NATIVE_FLOAT_TYPE = 8
 
+# The float type of the native kernels that holds ``dense`` weights, by compute dtype (GGML's F32 and BF16).
+DENSE_TYPES = {torch.float32: 0, torch.bfloat16: 30}
+
 
 class NativeLinear:
     """Weights kept in a GGUF file's own formats, multiplied by the native kernels (``kernels/``).
@@ -497,7 +465,7 @@ class NativeEmbedding:
         return rows[:, : t.in_features].to(self.dtype).contiguous().reshape(*ids.shape, t.in_features)
 
 
-Linear = DenseLinear | Int8Linear | Int4Linear | NativeLinear
+Linear = Int8Linear | Int4Linear | NativeLinear
 
 
 def make_linear(
@@ -516,7 +484,9 @@ def make_linear(
     if fmt == "dense":
         if options:
             raise TypeError(f"dense linear takes no options, got {sorted(options)}")
-        return DenseLinear(weight, bias, dtype)
+        if dtype not in DENSE_TYPES:
+            raise ValueError(f"dense weights are float32 or bfloat16, not {dtype}")
+        return NativeLinear.from_float(weight.to(dtype), None if bias is None else bias.to(dtype), DENSE_TYPES[dtype])
     if fmt == "int8":
         return Int8Linear(weight, bias, dtype, **options)
     if fmt == "int4":
@@ -612,7 +582,7 @@ def native_layout_tag(tiles: bool) -> str:
 
 def linear_from_tensors(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> Linear:
     """Rebuild a linear from its ``to_tensors()`` and ``meta()`` (the stored tensors are used as they are)."""
-    classes = {"dense": DenseLinear, "int8": Int8Linear, "int4": Int4Linear, NATIVE: NativeLinear}
+    classes = {"int8": Int8Linear, "int4": Int4Linear, NATIVE: NativeLinear}
     fmt = meta.get("format")
     if fmt not in classes:
         raise ValueError(f"unknown stored weight format {fmt!r}")

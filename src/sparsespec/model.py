@@ -146,7 +146,8 @@ class Transformer:
         if "lm_head" in prebuilt:
             self.lm_head = prebuilt["lm_head"]
         elif (head is None or config.tie_word_embeddings) and weights == "dense":
-            self.lm_head = make_linear(self.embed, None, dtype, weights)  # shares the embedding's storage
+            self.lm_head = make_linear(self.embed, None, dtype, weights)
+            self.embed = NativeEmbedding(self.lm_head, dtype)  # the embedding reads the head's rows: one copy
         else:
             if head is None or config.tie_word_embeddings:
                 head = state["model.embed_tokens.weight"]
@@ -162,7 +163,9 @@ class Transformer:
         vocab = self.config.vocab_size
         if not 0 < n <= vocab:
             raise UserError(f"The draft vocabulary limit must be between 1 and {vocab} (got {n}).")
-        self.lm_head = self.lm_head.first_rows(n) if hasattr(self.lm_head, "first_rows") else self._dense_rows(n)
+        if not isinstance(self.lm_head, NativeLinear):
+            raise UserError("Limiting the draft's vocabulary needs native or dense weights.")
+        self.lm_head = self.lm_head.first_rows(n)
         self.vocab_limit = n
 
     def native_model(self):
@@ -204,12 +207,6 @@ class Transformer:
                     else self.embed.contiguous(), final_norm=self.norm, head=projection(self.lm_head),
                     layers=layers)
 
-    def _dense_rows(self, n: int):
-        weight = getattr(self.lm_head, "weight", None)
-        if weight is None:
-            raise UserError("Limiting the draft's vocabulary needs native or dense weights.")
-        return make_linear(weight[:n], None, self.dtype, "dense")
-
     def linear_items(self) -> list[tuple[str, object]]:
         """Every projection with its key for the ``linears`` argument of :class:`Transformer`, in model order."""
         items = []
@@ -249,10 +246,7 @@ class Transformer:
     @property
     def head_shares_embedding(self) -> bool:
         """Whether the output head reads the embedding's storage (tied embeddings, dense or native weights)."""
-        if getattr(self.embed, "table", None) is self.lm_head:
-            return True
-        weight = getattr(self.lm_head, "weight", None)
-        return isinstance(self.embed, torch.Tensor) and weight is not None and weight.data_ptr() == self.embed.data_ptr()
+        return getattr(self.embed, "table", None) is self.lm_head
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams from memory (every projection plus the head; one embedding row)."""

@@ -142,7 +142,7 @@ int main() {
     }
   }
   for (int type : {F32, F16, BF16}) {  // float weights: random finite values of the type
-    for (int k : {64, 576, 640}) {
+    for (int k : {16, 48, 576, 656}) {
       const int n = 37;
       std::normal_distribution<float> normal(0.0f, 1.0f);
       std::vector<uint8_t> w(weight_bytes(type, k, n));

@@ -66,11 +66,14 @@ from .profile import DeviceProfile
 #   (16 + 4) bytes / 32 weights = 0.625 (``Int4Linear`` at the models' group size 32; in padded to 32, out to 16);
 # - ``native``: the GGUF file's own tensors, given as their streamed bytes by block type (``{"Q4_K": bytes, …}``,
 #   from the file header: ``edge.commands.native_streamed_bytes``).
-# Norm vectors and biases stay dense (bf16). The nominal bytes per weight, for labels and rough totals:
+# Norm vectors and biases stay dense (bf16), but for the dense formats' biases, which the native kernels add in
+# float32 (4 bytes). The nominal bytes per weight, for labels and rough totals:
 BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.625}
 WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
 INT4_GROUP = 32
 _DENSE_VECTOR_BYTES = 2.0
+_DENSE_FORMATS = ("fp32", "bf16", "fp16")
+_NATIVE_BIAS_BYTES = 4.0
 
 # Bytes per stored K or V element of the cache, as the KV arena stores them (cache/quant.py): int8 codes with a
 # float16 scale and zero per 32 channels (36 bytes / 32 elements), int4 codes with the same per 16 (12 / 16).
@@ -139,7 +142,11 @@ def weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:
         return streamed_parameters(model) * float(weights)
     shapes = matrices(model)
     vectors = streamed_parameters(model) - sum(o * i for o, i in shapes)
-    return sum(matrix_bytes(o, i, weights) for o, i in shapes) + vectors * _DENSE_VECTOR_BYTES
+    total = sum(matrix_bytes(o, i, weights) for o, i in shapes) + vectors * _DENSE_VECTOR_BYTES
+    if weights in _DENSE_FORMATS and model.attention_bias:
+        q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+        total += model.num_hidden_layers * (q + 2 * kv) * (_NATIVE_BIAS_BYTES - _DENSE_VECTOR_BYTES)
+    return total
 
 
 def resident_weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:

@@ -9,7 +9,7 @@ dequantized weight. Bytes per weight equal the file's, but for two small additio
 K-quants' spread scales (4 bytes per 256 weights) and a full-size scale section in a row's last, partial chunk
 (in rows whose width is not a multiple of 256). Figures: benchmarks/history/source-notes.md#repack-overhead
 
-Float tensors (F32, F16, BF16) keep each row as it is, zero padded to a multiple of 64 weights.
+Float tensors (F32, F16, BF16) keep each row as it is, zero padded to a multiple of 16 weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ BLOCK_TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-# GGML type id -> (name, bytes per weight) of the float types: rows kept as they are, zero padded to whole 64s.
+# GGML type id -> (name, bytes per weight) of the float types: rows kept as they are, zero padded to whole 16s.
+FLOAT_GROUP = 16
 FLOAT_TYPES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}
 CHUNK, QUARTER = 256, 64
 # Bumped whenever the bytes this module writes change, so that stored repacked weights (the tensor cache) are rebuilt.
@@ -148,7 +149,7 @@ def repack(ggml_type: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, int]:
         name, width = FLOAT_TYPES[ggml_type]
         if raw.size != n * k * width:
             raise ValueError(f"{name} tensor of {raw.size} bytes does not hold {n} rows of {k} weights")
-        k_padded = -(-k // QUARTER) * QUARTER
+        k_padded = -(-k // FLOAT_GROUP) * FLOAT_GROUP
         rows = np.zeros((n, k_padded * width), np.uint8)
         rows[:, : k * width] = raw.reshape(n, -1)
         return rows, k_padded

@@ -325,7 +325,7 @@ def tensor_cache_file(
         from ..linear import INT4_DEFAULT_GROUP_SIZE
 
         name += f"-g{int(options.pop('group_size', INT4_DEFAULT_GROUP_SIZE))}-{int4_layout_tag()}"
-    if fmt == NATIVE:
+    if fmt in ("dense", NATIVE):  # dense weights are native float rows
         name += f"-{native_layout_tag(bool(options.pop('tiles', False)))}"
     if options:  # an option this cache does not know how to name
         return None

@@ -80,9 +80,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& weigh
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k, const at::Tensor& index) {
   check_cpu("gguf_dequantize", {&weight, &index});
   TORCH_CHECK(supported_type((int)type), "gguf_dequantize: unsupported block type ", type);
-  // Rows (tiles) of k inputs have whole quarters (chunks); below one they would have 0 bytes to divide by.
-  TORCH_CHECK(k > 0 && k % kQuarter == 0 && (!is_tiled((int)type) || k % tile_span((int)type) == 0),
-              "gguf_dequantize: k must be a positive multiple of ", kQuarter,
+  // Rows (tiles) of k inputs have whole quarters, groups or chunks; below one they would have 0 bytes to divide by.
+  TORCH_CHECK(k > 0 && k % k_multiple((int)type) == 0 && (!is_tiled((int)type) || k % tile_span((int)type) == 0),
+              "gguf_dequantize: k must be a positive multiple of ", k_multiple((int)type),
               is_tiled((int)type) ? " and of the tiles' span" : "", ", not ", k);
   const at::Tensor idx = index.to(at::kLong).contiguous();
   const int64_t n = is_tiled((int)type) ? weight.numel() / (int64_t)tile_bytes((int)type, (int)k) * kTileColumns

@@ -28,10 +28,12 @@ Scratch& scratch() {
 }  // namespace
 
 std::string check_projection(const Projection& p, const std::vector<std::size_t>& bytes) {
-  if (p.k <= 0 || p.k % kQuarter) return "k must be a positive multiple of " + std::to_string(kQuarter);
   if (p.types.empty() || p.blobs.size() != p.types.size() || p.rows.size() != p.types.size() ||
       bytes.size() != p.types.size())
     return "the segment lists differ in length";
+  int multiple = kFloatGroup;
+  for (int type : p.types) multiple = std::max(multiple, k_multiple(type));
+  if (p.k <= 0 || p.k % multiple) return "k must be a positive multiple of " + std::to_string(multiple);
   long total = 0;
   for (std::size_t s = 0; s < p.types.size(); ++s) {
     const int type = p.types[s];

@@ -70,11 +70,13 @@ constexpr int kTiled = 100;
 enum TiledType : int { Q4_K_T16 = Q4_K + kTiled, Q6_K_T16 = Q6_K + kTiled, Q5_0_T16 = Q5_0 + kTiled };
 constexpr int kTileColumns = 16;
 inline bool is_tiled(int type) { return type == Q4_K_T16 || type == Q6_K_T16 || type == Q5_0_T16; }
-// Float weights (GGML's ids): each row k values as they are, k padded with zeros to a multiple of 64. Only
-// fmatmul.h multiplies them (float activations whatever the projection asks: there is nothing to quantize against).
+// Float weights (GGML's ids): each row k values as they are, k padded with zeros to a multiple of 16 (one group of
+// the canonical lanes). Only fmatmul.h multiplies them (float activations whatever the projection asks: there is
+// nothing to quantize against).
 enum FloatType : int { F32 = 0, F16 = 1, BF16 = 30 };
 constexpr bool is_float_type(int type) { return type == F32 || type == F16 || type == BF16; }
 constexpr int float_type_bytes(int type) { return type == F32 ? 4 : 2; }
+constexpr int kFloatGroup = 16;
 
 // Instruction sets of the kernel (runtime choice; kAuto = the best this CPU runs). kAmx is AVX-512 VNNI plus the
 // AMX tile multiply for the column tiles' multi-row passes (everything else runs the AVX-512 path).
@@ -83,12 +85,14 @@ enum Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kAm
 constexpr int kChunk = 256;
 constexpr int kQuarter = 64;
 constexpr int kActBlock = 32;
+// What a weight's row length k must be a multiple of: whole quarters of a block type, whole groups of a float type.
+inline int k_multiple(int type) { return is_float_type(type) ? kFloatGroup : kQuarter; }
 
 bool supported_type(int type);
 int code_bits(int type);         // 4, 5, 6 or 8
 int scale_bytes(int type);       // bytes of a chunk's scale section
 int quarter_bytes(int type);     // bytes of one quarter's codes
-std::size_t row_bytes(int type, int k);   // bytes of one repacked row of k inputs (k a multiple of 64)
+std::size_t row_bytes(int type, int k);   // bytes of one repacked row of k inputs (k_multiple)
 int tile_span(int type);                   // inputs per chunk of a tiled type (256, or 32 for Q5_0_T16)
 std::size_t tile_bytes(int type, int k);  // bytes of one 16-column tile of a tiled type (k a multiple of its span)
 std::size_t weight_bytes(int type, int k, long rows);  // bytes of a repacked weight of `rows` rows, either layout
