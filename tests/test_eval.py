@@ -330,6 +330,18 @@ def test_sweep_records_retrieval_per_point_from_a_planted_answerer(tmp_path):
         too_long.check(points[0])
 
 
+def test_sweep_names_its_parameters_in_a_context_error_and_the_command_words_them_as_flags():
+    from sparsespec.errors import ConfigError, user_message
+    from sparsespec.eval.commands import SWEEP_PARAMETER_FLAGS
+
+    evaluator = SweepEvaluator(SimpleNamespace(config=tiny_config(), name="tiny"),
+                               SweepOptions(quality=True, speed=False), text_ids=list(range(5000)))
+    with pytest.raises(ConfigError) as error:
+        evaluator.check(build_grid(["full"], [160], ["original"])[0])
+    assert str(error.value).startswith("The quality text (max_tokens) (5000 tokens) exceeds tiny's context")
+    assert user_message(error.value, SWEEP_PARAMETER_FLAGS).startswith("The quality text (--max-tokens) (5000 tokens)")
+
+
 def test_hybrid_gap_along_text_is_the_smoothed_percent_above_full():
     def record(policy, budget, positions, curve):
         return {"policy": policy, "budget": budget, "positions": positions, "draft": None,

@@ -373,7 +373,7 @@ class SweepEvaluator:
     Args:
         target: the loaded target model.
         options: what to measure and how.
-        text_ids: token ids of the quality text (needed for ``quality``), already cut to ``--max-tokens``.
+        text_ids: token ids of the quality text (needed for ``quality``), already cut to ``max_tokens``.
         prompts: the speed prompt set (needed for ``speed``).
         needle_prompts: the retrieval prompts, ``needle.build_prompts`` of ``options.retrieval`` (needed for
             ``retrieval``).
@@ -457,12 +457,12 @@ class SweepEvaluator:
         cache, o = self.cache_options(point), self.options
         check_key_storage(cache.policy, cache.positions, cache.kv_dtype, self.target.config.attention_bias)
         if self.quality and self.text_ids is not None:
-            check_fits_context(self.target, cache, len(self.text_ids), "The quality text (--max-tokens)")
+            check_fits_context(self.target, cache, len(self.text_ids), "The quality text ({max_tokens})")
             chunk = o.chunk if o.chunk is not None else (o.prefill_chunk if cache.policy.is_full else 1)
             check_in_cache_ranks(self.target, cache, min(chunk, len(self.text_ids)))
         if self.speed and self.prompts:
             longest = max(len(ids) for ids in self.prompt_token_ids()) + o.new_tokens
-            self._check_generation(point, cache, longest, "The longest prompt plus context and --new-tokens")
+            self._check_generation(point, cache, longest, "The longest prompt plus context and {max_new_tokens}")
         if o.retrieval is not None and self.needle_prompts:
             longest = max(len(prompt.ids) for prompt in self.needle_prompts) + o.answer_tokens
             self._check_generation(point, cache, longest, "The longest retrieval prompt plus its answer")

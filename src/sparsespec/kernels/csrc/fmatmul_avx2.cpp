@@ -142,11 +142,65 @@ inline void float_tile(const uint8_t* row, int k, int n, int r0, const float* x,
   }
 }
 
+// Float weight rows n0 .. n0 + NC - 1 against activation rows r0 .. r0 + R - 1, for passes of several rows: one half
+// of the 16 lanes at a time (lanes 0 .. 7, then 8 .. 15; each lane still sums its inputs in order), so NC x R sums
+// stay in registers and every load of weights or activations feeds several of them (the row's second read of its
+// weights comes from the cache).
+template <int TYPE, int NC, int R>
+inline void float_block(const uint8_t* w, std::size_t rb, int k, int n0, int r0, const float* x, long ldx,
+                        const float* bias, float* out, long ldo) {
+  constexpr int E = float_type_bytes(TYPE);
+  __m256 halves[2][NC][R];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[NC][R];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+    for (int at = 8 * h; at < k; at += 16) {
+      __m256 wv[NC];
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) wv[c] = float_weights<TYPE>(w + (std::size_t)(n0 + c) * rb + (std::size_t)at * E);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + (long)(r0 + i) * ldx + at);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[c][i] = _mm256_fmadd_ps(wv[c], xv, acc[c][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) halves[h][c][i] = acc[c][i];
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      float y = hsum(halves[0][c][i], halves[1][c][i]);
+      if (bias) y += bias[n0 + c];
+      out[(long)(r0 + i) * ldo + n0 + c] = y;
+    }
+}
+
 template <int TYPE>
 void float_rows_avx2(const uint8_t* w, int k, int n_begin, int n_end, const float* x, int m, long ldx,
                      const float* bias, float* out, long ldo) {
   const std::size_t rb = (std::size_t)k * float_type_bytes(TYPE);
-  for (int n = n_begin; n < n_end; ++n) {
+  int n = n_begin;
+  if (m > 1) {  // three weight rows at a time; a one-row pass streams its weights once (below)
+    for (; n + 3 <= n_end; n += 3) {
+      int r = 0;
+      for (; r + 4 <= m; r += 4) float_block<TYPE, 3, 4>(w, rb, k, n, r, x, ldx, bias, out, ldo);
+      switch (m - r) {
+        case 3: float_block<TYPE, 3, 3>(w, rb, k, n, r, x, ldx, bias, out, ldo); break;
+        case 2: float_block<TYPE, 3, 2>(w, rb, k, n, r, x, ldx, bias, out, ldo); break;
+        case 1: float_block<TYPE, 3, 1>(w, rb, k, n, r, x, ldx, bias, out, ldo); break;
+        default: break;
+      }
+    }
+  }
+  for (; n < n_end; ++n) {
     const uint8_t* row = w + (std::size_t)n * rb;
     int r = 0;
     for (; r + 4 <= m; r += 4) float_tile<TYPE, 4>(row, k, n, r, x, ldx, bias, out, ldo);

@@ -1,7 +1,7 @@
 // A projection: activations times the transpose of a weight kept in GGUF block formats, as segments stacked along
 // the outputs (q, k and v of one layer), quantizing the activations once for every segment (qmatmul.h), or with
-// float activations multiplying them as they are (fmatmul.h; always so for a segment of float weights). Torch-free core of the gguf_linear op and of the
-// native forward pass (model.h).
+// float activations multiplying them as they are (fmatmul.h; always so for a segment of float weights). Torch-free
+// core of the gguf_linear op and of the native forward pass (model.h).
 #pragma once
 
 #include <cstdint>
