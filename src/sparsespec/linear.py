@@ -11,8 +11,8 @@ Formats (``make_linear(..., fmt=...)``):
   :class:`NativeLinear` of F32 or BF16 rows): the native kernels multiply them by the activations as they are.
 * ``"int8"``  -- :class:`Int8Linear`, symmetric per-output-channel int8, ``torch.ops.aten._weight_int8pack_mm``.
 * ``"int4"``  -- :class:`Int4Linear`, group-wise asymmetric int4, ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
-* ``"native"`` -- :class:`NativeLinear`, the GGUF file's own blocks through the native kernels (``kernels/``)
-  (``loading/weights.py``), or float weights quantized to Q8_0 blocks.
+* ``"native"`` -- :class:`NativeLinear`, the GGUF file's own blocks (``loading/weights.py``) through the native
+  kernels (``kernels/``), or float weights quantized to Q8_0 blocks.
 
 ``"bf16"`` is accepted as another name for ``"dense"`` (:func:`canonical_format`); ``"auto"`` picks a format per
 model role (:func:`auto_format`).
@@ -342,9 +342,9 @@ class NativeLinear:
     layer): ``segments`` lists them as ``(kernel type, repacked bytes, rows)`` (the kernel type is the GGML type,
     or its column-tile layout: ``kernels/repack.py``). Activations are quantized to 8 bits per block inside the
     kernel (``kernels/csrc/qmatmul.h``), or, with ``float_activations`` set (row layouts only), multiply the
-    dequantized blocks as they are (``kernels/csrc/fmatmul.h``); float weights (F32, F16, BF16) always multiply
-    the activations as they are; the result is computed in float32 and returned in
-    the dtype of ``x`` (float32 or bfloat16). Each row's result is independent of how many rows share the call.
+    dequantized blocks as they are (``kernels/csrc/fmatmul.h``); float weights (F32, F16, BF16) always multiply the
+    activations as they are. The result is computed in float32 and returned in the dtype of ``x`` (float32 or
+    bfloat16). Each row's result is independent of how many rows share the call.
     """
 
     FORMAT = "native"
