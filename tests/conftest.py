@@ -101,9 +101,9 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
                      keys: dict | None = None):
     """``state`` as a GGUF file of ``config.architecture`` (llama, qwen3, phi3 or gemma3), laid out as llama.cpp's
     converter writes them (``GGUF_LAYER_NAMES``; llama's q/k rows permuted into its rotary layout): every matrix in
-    ``matrix_type`` (a GGML type name ``gguf`` quantizes to: F32, F16, BF16, Q8_0, …), norms in float32. ``rope_dims``: a ``rope.dimension_count``;
-    ``sliding_window``: an ``attention.sliding_window``; ``tensors``: extra float32 tensors by GGUF name;
-    ``keys``: extra ``<arch>.<key>`` metadata (str, int or float)."""
+    ``matrix_type`` (a GGML type name ``gguf`` quantizes to: F32, F16, BF16, Q8_0, …), norms in float32.
+    ``rope_dims``: a ``rope.dimension_count``; ``sliding_window``: an ``attention.sliding_window``; ``tensors``:
+    extra float32 tensors by GGUF name; ``keys``: extra ``<arch>.<key>`` metadata (str, int or float)."""
     import gguf
     from gguf.quants import quantize
 

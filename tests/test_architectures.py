@@ -165,9 +165,9 @@ def test_native_weights_close_to_dense(tmp_path, arch, dtype):
 @pytest.mark.parametrize("matrix_type", ["F32", "F16", "BF16"])
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_float_matrices_run_natively_as_the_file_stores_them(tmp_path, arch, matrix_type):
-    """A file of float matrices loads in the native format by default (its rows as they are: nothing is
-    quantized, activations included), giving the dequantized torch model's float32 logits up to summation
-    order."""
+    """A file of float matrices loads in the native format by default, its rows as the file stores them (nothing
+    quantized, activations included), and gives the logits of the same file dequantized by ``gguf`` (the dense
+    path) up to summation order."""
     config = CONFIGS[arch]
     path = write_gguf_model(tmp_path / f"{arch}-{matrix_type}.gguf", config, STATES[arch], matrix_type=matrix_type)
     native, dense = load(path, torch.float32, "auto"), load(path, torch.float32, "dense")

@@ -177,7 +177,8 @@ def test_a_tree_block_over_both_kinds_of_layer_equals_the_steps_along_each_path(
     and committing a path leaves both arenas as those steps leave them."""
     import copy
 
-    loaded = load(write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, matrix_type="Q8_0"), torch.float32, "native")
+    gguf_file = write_gguf_model(tmp_path / "gemma3-q8.gguf", CONFIG, STATE, matrix_type="Q8_0")
+    loaded = load(gguf_file, torch.float32, "native")
     model = loaded.model
     parents = [-1, 0, 0, 1, 2, 4]
     cache = arena(loaded, "hybrid", 12, len(parents) + 1, 8, positions, sinks=2, heavy=4)

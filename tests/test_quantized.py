@@ -75,15 +75,11 @@ def test_format_names_and_auto_rule():
 
 
 def test_tied_dense_head_shares_the_embedding_in_every_dtype():
-    """One copy of a tied table: the native head's rows are the embedding's (without the kernels, the torch head
-    reads the embedding tensor)."""
+    """One copy of a tied table: the embedding reads the dense head's rows."""
     config = tiny_config("llama")
     for dtype in (torch.float32, torch.bfloat16):
         model = Transformer(config, random_state(config), dtype)
-        if isinstance(model.lm_head, NativeLinear):
-            assert model.embed.table is model.lm_head
-        else:
-            assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+        assert isinstance(model.lm_head, NativeLinear) and model.embed.table is model.lm_head
 
 
 # ------------------------------------------------------------------------------------------------- closeness
@@ -238,8 +234,7 @@ def test_tensor_cache_round_trip_is_exact(tmp_path, arch, dtype, fmt):
     assert second.config == uncached.config and second.weights == fmt
     _same_model(uncached.model, second.model)
     if config.tie_word_embeddings and fmt == "dense":  # still one copy of the tied table
-        head, embed = second.model.lm_head, second.model.embed
-        assert embed.table is head if isinstance(head, NativeLinear) else head.weight.data_ptr() == embed.data_ptr()
+        assert second.model.embed.table is second.model.lm_head
     ids = random_ids(24, config.vocab_size, seed=2)
     assert torch.equal(full_logits(uncached.model, ids), full_logits(second.model, ids))
 
@@ -305,7 +300,8 @@ def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     source = ModelSource("gguf", tmp_path / "m.gguf", "m")
     (tmp_path / "m.gguf").write_bytes(b"x")
     root = tmp_path / "c"
-    assert tensor_cache_file(root, source, torch.bfloat16, "dense", {}).name == "bfloat16-dense-layout1-rows.safetensors"
+    dense = tensor_cache_file(root, source, torch.bfloat16, "dense", {})
+    assert dense.name == "bfloat16-dense-layout1-rows.safetensors"  # dense weights are native float rows
     options = {"kernel_dtype": torch.bfloat16, "group_size": 32}
     name = tensor_cache_file(root, source, torch.float32, "int4", options).name
     assert name.startswith("float32-int4-kbfloat16-g32-")
