@@ -1,15 +1,13 @@
-"""A forward pass's fixed cost: a pass of M rows against its projections alone, native against layer by layer.
+"""A forward pass's fixed cost: a pass of M rows against its projections alone, and a draft's against its target's.
 
-A forward pass's fixed cost: each model's pass of ``--rows`` rows against its projections alone, the native pass
-(one call for every layer) against the layer-by-layer pass (one native call per op), and a draft's cost against its
-target's.
+A forward pass's fixed cost: each model's pass of ``--rows`` rows (one native call for every layer) against its
+projections alone, and a draft's cost against its target's.
 
 Per model (default configuration: native weights, bfloat16, ``--activations auto``, full cache; ``name:N`` cuts the
 head to the first N ids, as ``--draft-vocab N`` does): a 64-token context is read, then ``--steps`` passes of
-``--rows`` rows over it are timed (each rolled back, so every pass sees the same cache), on the native pass and on
-the layer-by-layer one; then the projections alone, every layer's q/k/v, output, gate/up and down and the head called
+``--rows`` rows over it are timed (each rolled back, so every pass sees the same cache); then the projections alone, every layer's q/k/v, output, gate/up and down and the head called
 once on ``--rows`` random rows in the native kernels, less the fixed cost of a call (a 16-column cut of a projection
-called alone). ``--rounds`` rounds, the models and paths alternated within each; medians with their spread.
+called alone). ``--rounds`` rounds, the models alternated within each; medians with their spread.
 
     python benchmarks/bench_pass.py --models smollm2-135m,qwen2.5-coder-0.5b:32768,qwen2.5-coder-1.5b,gemma3-270m
     python benchmarks/bench_pass.py --models qwen2.5-coder-1.5b --rows 1,5,16
@@ -26,25 +24,19 @@ import torch
 from common import emit, load_settled, machine, median, results_dir
 
 
-def pass_seconds(loaded, arena, rows: int, steps: int, native: bool) -> float:
+def pass_seconds(loaded, arena, rows: int, steps: int) -> float:
     """Median seconds of one pass of ``rows`` random rows over ``arena`` (rolled back after each)."""
     from sparsespec.model import Block
 
     model = loaded.model
-    if not native:
-        model.native_model = lambda: None
     g = torch.Generator().manual_seed(0)
     times = []
-    try:
-        for _ in range(steps):
-            tokens = torch.randint(0, model.vocab_limit, (rows,), generator=g)
-            started = time.perf_counter()
-            model.forward_blocks([Block(tokens, arena)])
-            times.append(time.perf_counter() - started)
-            arena.rollback()
-    finally:
-        if not native:
-            del model.native_model
+    for _ in range(steps):
+        tokens = torch.randint(0, model.vocab_limit, (rows,), generator=g)
+        started = time.perf_counter()
+        model.forward_blocks([Block(tokens, arena)])
+        times.append(time.perf_counter() - started)
+        arena.rollback()
     return median(times)
 
 
@@ -93,23 +85,21 @@ def main() -> None:
         models[entry] = (loaded, arena)
     rows_list = [int(r) for r in args.rows.split(",")]
     samples: dict[tuple[str, int], dict[str, list[float]]] = {}
-    for round_index in range(args.rounds):
+    for _ in range(args.rounds):
         for entry, (loaded, arena) in models.items():
             for rows in rows_list:
-                s = samples.setdefault((entry, rows), {"native": [], "layers": [], "projections": []})
-                order = ("native", "layers") if round_index % 2 == 0 else ("layers", "native")
-                for path in order:
-                    s[path].append(pass_seconds(loaded, arena, rows, args.steps, path == "native"))
+                s = samples.setdefault((entry, rows), {"native": [], "projections": []})
+                s["native"].append(pass_seconds(loaded, arena, rows, args.steps))
                 s["projections"].append(projections_seconds(loaded.model, rows))
     facts = machine()
     for (entry, rows), s in samples.items():
-        native, layers, projections = (median(s[k]) for k in ("native", "layers", "projections"))
+        native, projections = (median(s[k]) for k in ("native", "projections"))
         ratios = [n / p for n, p in zip(s["native"], s["projections"])]
         emit({"bench": "pass", "model": entry, "rows": rows, "native_ms": round(native * 1e3, 3),
-              "layer_by_layer_ms": round(layers * 1e3, 3), "projections_ms": round(projections * 1e3, 3),
+              "projections_ms": round(projections * 1e3, 3),
               "native_over_projections": round(native / projections, 3),
               "native_over_projections_range": [round(min(ratios), 3), round(max(ratios), 3)],
-              "layer_by_layer_over_native": round(layers / native, 3), "rounds": args.rounds,
+              "rounds": args.rounds,
               "steps": args.steps, "threads": args.threads, **facts}, args.out)
     targets = [e for e in models if e.startswith("qwen2.5-coder-1.5b")]
     drafts = [e for e in models if e.startswith("qwen2.5-coder-0.5b")]

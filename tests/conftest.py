@@ -3,6 +3,7 @@ weights."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -15,7 +16,8 @@ import torch
 
 from sparsespec.config import ModelConfig
 from sparsespec.loading.fixtures import MODEL_FIXTURES
-from sparsespec.model import Transformer
+from sparsespec import kernels
+from sparsespec.model import Block, Transformer
 
 # One intra-op thread: the tests run thousands of tiny ops, for which a second thread only adds wake-up latency
 # (badly so on a shared, loaded machine).
@@ -159,15 +161,62 @@ def write_gguf_model(path, config: ModelConfig, state: dict[str, torch.Tensor], 
     return path
 
 
+@torch.inference_mode()
+def forward_layer_by_layer(model: Transformer, blocks: list[Block]) -> list[torch.Tensor]:
+    """:meth:`Transformer.forward_blocks` one native op at a time: the embedding, then per layer the norm, q/k/v, the
+    q/k norms, the arena's attention op (``KVArena.attend``), the output projection with its skip, the norm, gate/up,
+    the gated activation and down with its skip; the final norm and the head. The native pass runs the same ops in the
+    same order with the same roundings, so the two agree bit for bit (``test_native_pass.py``, whose reference this
+    is: each op is tested against torch and transformers); a test that watches each layer's q, k and v runs it."""
+    cfg = model.config
+    n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    sizes = [block.tokens.shape[0] for block in blocks]
+    for block, n_rows in zip(blocks, sizes):
+        block.cache.begin(n_rows, per_block=block.per_block, parents=block.parents)
+    scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x.contiguous(), weight, cfg.rms_norm_eps)
+
+    def skip(x: torch.Tensor, linear, inputs: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        return linear(inputs, residual=x) if post_norm is None else x + norm(linear(inputs), post_norm)
+
+    x = model.embed[torch.cat([block.tokens for block in blocks])]
+    if model.embed_scale is not None:
+        x = x * model.embed_scale
+    for index, layer in enumerate(model.layers):
+        attended = []
+        for block, rows in zip(blocks, layer.qkv(norm(x, layer.attn_norm)).split(sizes)):
+            n_rows = rows.shape[0]
+            # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
+            heads = rows.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1)
+            q, k, v = heads[:n_heads], heads[n_heads : n_heads + n_kv], heads[n_heads + n_kv :]
+            if layer.q_norm is not None:
+                q = norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
+                k = norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
+            attended.append(block.cache.attend(index, q, k, v))
+        x = skip(x, layer.o_proj, torch.cat(attended), layer.attn_post_norm)
+        x = skip(x, layer.down, kernels.gated(layer.gate_up(norm(x, layer.mlp_norm)), gelu=cfg.gemma),
+                 layer.mlp_post_norm)
+    for block in blocks:
+        block.cache.end()
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    x = torch.cat([x[end - rows : end] for end, rows in zip(ends, scored)])
+    logits = model.lm_head(norm(x, model.norm)).float()
+    if model.vocab_limit < cfg.vocab_size:
+        logits = torch.nn.functional.pad(logits, (0, cfg.vocab_size - model.vocab_limit), value=-math.inf)
+    return list(logits.split(scored))
+
+
 @contextmanager
 def layer_by_layer(model: Transformer):
-    """Within the block, ``model`` runs its passes layer by layer (one native call per op, ``KVArena.attend`` per
-    layer), bit for bit the native pass (``tests/test_native_pass.py``): so a test can watch each layer's q, k and v."""
-    model.native_model = lambda: None
+    """Within the block, ``model`` runs its passes through :func:`forward_layer_by_layer`, bit for bit the native
+    pass: so a test can watch each layer's q, k and v (``KVArena.attend``)."""
+    model.forward_blocks = lambda blocks: forward_layer_by_layer(model, blocks)
     try:
         yield model
     finally:
-        del model.native_model
+        del model.forward_blocks
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:

@@ -207,12 +207,12 @@ def test_speculative_equals_autoregressive_over_an_evicting_cache(arch, name, po
 
 
 @pytest.mark.usefixtures("native_kernels")
-def test_weights_the_kernels_cannot_read_fall_back_to_torch_with_a_note(tmp_path, capsys):
-    """A file of MXFP4 matrices (a block type the kernels do not read): --weights auto runs the torch format and
-    says so in one line; --weights native is refused in one sentence."""
+def test_weights_the_kernels_cannot_read_are_requantized_with_a_note(tmp_path, capsys):
+    """A file of MXFP4 matrices (a block type the kernels do not read): --weights auto runs them re-quantized (the
+    quantized format of the role) and says so in one line; --weights native is refused in one sentence."""
     path = write_gguf_model(tmp_path / "mxfp4.gguf", CONFIGS["phi3"], STATES["phi3"], matrix_type="MXFP4")
     loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, tensor_cache=False)
-    assert loaded.weights != "native"
+    assert loaded.weights == "int8" and all(linear.types == [8] for _, linear in loaded.model.linear_items())
     note = capsys.readouterr().err.strip().splitlines()
     assert len(note) == 1 and note[0].startswith("sparsespec: note: mxfp4.gguf has weights in MXFP4")
     assert loaded.weights in note[0]

@@ -203,9 +203,14 @@ def test_gguf_with_a_tensor_the_loaders_cannot_take(capsys, tmp_path, damage, sa
                       str(path), *says)
 
 
-def test_float_activations_with_torch_weights_are_refused(capsys, smollm2_path):
-    assert_user_error(run_cli(capsys, "generate", "--prompt", PROMPT, "--weights", "int8", "--activations", "float"),
-                      "--activations float applies to native weights", "int8")
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_the_activations_flag_applies_to_weights_quantized_from_floats(capsys, smollm2_path, activations):
+    """``--weights int8`` (the file's weights as Q8_0 blocks) multiplies the activations ``--activations`` says."""
+    code, out, err = run_cli(capsys, "generate", "--prompt", PROMPT, "-n", "2", "--json", "--weights", "int8",
+                             "--activations", activations, "--ignore-eos")
+    assert code == 0, err
+    result = parse_json_output(out)
+    assert result["weights"] == "int8" and result["activations"] == activations
 
 
 def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path, smollm2_path):
@@ -440,8 +445,8 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
     assert result["tokens_per_s"] > 0
     assert result["kv_cache_bytes"] > 0
     assert result["model"] == "smollm2-135m"
-    # SmolLM2's native weights multiply float activations by default (135M parameters); torch formats have none.
-    assert result["activations"] == ("float" if result["weights"] == "native" else None)
+    # SmolLM2's weights multiply float activations by default (135M parameters).
+    assert result["activations"] == "float"
     assert result["policy"] == "full" and result["budget"] is None and result["evicted_tokens"] == 0
     # The process's peak resident memory: at least the weights it holds (the file's blocks), at most the machine.
     assert smollm2_path.stat().st_size < result["peak_rss_bytes"] < 24 * 2**30

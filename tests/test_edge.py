@@ -28,8 +28,14 @@ from sparsespec.edge import (
     save_profile,
     speculative_speedup,
 )
-from sparsespec.edge.commands import add_simulate_arguments, native_streamed_bytes, run_simulate, simulate
-from sparsespec.edge.roofline import kv_bytes_per_token, place_kv, streamed_parameters, weight_bytes
+from sparsespec.edge.commands import (
+    SimulateOptions,
+    add_simulate_arguments,
+    native_streamed_bytes,
+    run_simulate,
+    simulate,
+)
+from sparsespec.edge.roofline import bytes_by_type, kv_bytes_per_token, place_kv, streamed_parameters, weight_bytes
 from sparsespec.errors import UserError
 from sparsespec.flags import DEFAULT_DRAFT_BUDGET
 
@@ -248,10 +254,10 @@ def test_weight_formats_and_efficiency():
     dev = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30})
     t = {w: forward_pass(m, dev, tokens=1, kv_entries=0, weights=w).time_s for w in ("bf16", "int8", "int4")}
     assert t["bf16"] == pytest.approx(1320 * 2 / 1000)
-    # The toy's in_features (8, 16) are padded as the engine pads them: int8 to 16, int4 to 32 (out to 16); the
-    # 40 norm weights stay bf16. int8: Σ out·(in₁₆ + 2) = 2592; int4: Σ out₁₆·in₃₂·(1/2 + 4/32) = 3520.
-    assert t["int8"] == pytest.approx((2592 + 80) / 1000)
-    assert t["int4"] == pytest.approx((3520 + 80) / 1000)
+    # The toy's in_features (8, 16) are padded to one block of 32: int8 (Q8_0) 34 bytes a row, int4 (Q4_1) 20, over
+    # Σ out = 144 rows; the 40 norm weights stay bf16.
+    assert t["int8"] == pytest.approx((144 * 34 + 80) / 1000)
+    assert t["int4"] == pytest.approx((144 * 20 + 80) / 1000)
     half = toy_device(sram_bandwidth=1e30, overhead_s=0.0, peak_flops={"bf16": 1e30}, dram_efficiency=0.5)
     assert forward_pass(m, half, tokens=1, kv_entries=0).time_s == pytest.approx(2 * t["bf16"])
     with pytest.raises(UserError):
@@ -259,14 +265,17 @@ def test_weight_formats_and_efficiency():
 
 
 def test_weight_bytes_are_the_engine_formats():
-    """Without padding: int4 is 0.625 bytes per weight (4 bits + bf16 scale and zero per 32), int8 one byte per
-    weight plus a bf16 scale per output channel; norms stay bf16."""
+    """Without padding: int4 (Q4_1) is 0.625 bytes per weight (4 bits + fp16 scale and minimum per 32), int8 (Q8_0)
+    1.0625 (8 bits + an fp16 scale per 32); norms stay bf16. The quantized formats are priced as the native format's
+    blocks of their types."""
     m = toy_model(hidden_size=64, intermediate_size=128, num_hidden_layers=1, head_dim=32, vocab_size=32)
     matrix_weights = 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128 + 32 * 64  # qkv, o, gate_up, down, head
     assert matrix_weights == 38912 and streamed_parameters(m) == matrix_weights + 192
     assert weight_bytes(m, "bf16") == 2 * (38912 + 192)
     assert weight_bytes(m, "int4") == 38912 * 0.625 + 2 * 192
-    assert weight_bytes(m, "int8") == 38912 + 2 * (128 + 64 + 256 + 64 + 32) + 2 * 192
+    assert weight_bytes(m, "int8") == 38912 * 34 / 32 + 2 * 192
+    assert bytes_by_type(m, "int8") == {"Q8_0": 38912 * 34 / 32, "BF16": 2 * 192}
+    assert bytes_by_type(m, "int4") == {"Q4_1": 38912 * 0.625, "BF16": 2 * 192}
     assert weight_bytes(m, 1.5) == 1.5 * (38912 + 192)  # a format known by its bytes per streamed parameter
     assert weight_bytes(m, {"Q4_K": 10.0, "F32": 2.0}) == 12.0  # native: the file's streamed bytes by block type
 
@@ -617,3 +626,18 @@ def test_native_weights_are_the_gguf_files_bytes(smollm2_path, capsys):
     with pytest.raises(UserError, match="GGUF"):
         run_simulate(_args("--weights", "native"))  # a ModelConfig, not a file
 
+
+
+def test_quantized_formats_stream_at_their_block_types_rate():
+    """The engine runs int8 / int4 as native Q8_0 / Q4_1 blocks, so the simulator prices them at those types' rates:
+    a slower Q8_0 rate slows int8 and leaves int4 as it was."""
+    m = toy_model()
+
+    def speed(weights: str, q8_rate: float) -> float:
+        dev = toy_device(sram_bandwidth=1e30, peak_flops={"bf16": 1e30}, overhead_s=0.0,
+                         native_stream={"Q8_0": {"bytes_per_s": q8_rate}})
+        report = simulate(m, dev, SimulateOptions(policy="full", weights=weights))
+        return report["modes"]["full"]["tokens_per_second"]
+
+    assert speed("int8", 10.0) < speed("int8", 1000.0) / 2
+    assert speed("int4", 10.0) == speed("int4", 1000.0)

@@ -1,5 +1,5 @@
-"""The native forward pass (one call runs every layer: ``kernels/csrc/model.h``) against the layer-by-layer pass of
-``Transformer.forward_blocks`` that calls the native ops one at a time: the same logits and the same arenas, bit for
+"""The native forward pass (one call runs every layer: ``kernels/csrc/model.h``) against the layer-by-layer pass
+(``conftest.forward_layer_by_layer``) that calls the native ops one at a time: the same logits and the same arenas, bit for
 bit, for every architecture, both dtypes, every policy, both position modes, quantized KV storage, prefill chunks,
 verification blocks with partial commits and rollbacks, and several sequences in one pass.
 
@@ -18,7 +18,7 @@ from sparsespec.cache.layered import LayeredArena
 from sparsespec.linear import NativeEmbedding, NativeLinear
 from sparsespec.model import Block, Transformer
 
-from conftest import random_state, tiny_config
+from conftest import forward_layer_by_layer, random_state, tiny_config
 
 # Skipped without the kernels, failed where they must build (conftest.py: native_kernels).
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -64,7 +64,7 @@ def script(model: Transformer, arenas: list, native: bool) -> tuple[list[torch.T
     single rows, a verification block committed in part, another rolled back; every pass's logits and the arenas'
     final state. ``native``: the native pass, else the layer-by-layer one."""
     if not native:
-        model.native_model = lambda: None  # the instance's layer-by-layer path
+        model.forward_blocks = lambda blocks: forward_layer_by_layer(model, blocks)
     g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
 

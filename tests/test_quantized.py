@@ -1,6 +1,6 @@
 """Quantized models: logits stay close to float32, speculative decoding stays exact, the tensor cache is exact.
 
-The layer-level proof (each int8 / int4 linear equals a dequantize-then-matmul reference within rounding) is in
+The layer-level proof (each int8 / int4 linear holds GGUF's Q8_0 / Q4_1 blocks and multiplies as they dequantize) is in
 ``test_linear.py``; this file checks whole models.
 """
 
@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from sparsespec import kernels
 from sparsespec.cache import KVArena, make_policy
 from sparsespec.generate import generate_tokens
-from sparsespec.linear import MODEL_INT4_GROUP_SIZE, Int4Linear, NativeLinear, auto_format, resolve_format
+from sparsespec.linear import QUANTIZED_TYPES, NativeLinear, auto_format, resolve_format
 from sparsespec.loading.load import load_model
 from sparsespec.loading.source import ModelSource
 from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
@@ -70,8 +70,7 @@ def test_format_names_and_auto_rule():
     config = KL_CONFIGS["qwen2"]
     model = Transformer(config, random_state(config), torch.float32, "auto", role="draft")
     assert model.weights_format == "int4"
-    assert isinstance(model.layers[0].qkv, Int4Linear) and model.layers[0].qkv.group_size == MODEL_INT4_GROUP_SIZE
-    assert model.layers[0].qkv.kernel_dtype == torch.bfloat16  # the vectorised kernel, even for float32 models
+    assert all(linear.types == [QUANTIZED_TYPES["int4"]] for _, linear in model.linear_items())
 
 
 def test_tied_dense_head_shares_the_embedding_in_every_dtype():
@@ -165,11 +164,12 @@ def _arena(model, pol, max_inflight):
 @pytest.mark.parametrize(
     "target_fmt,draft_fmt", [("int8", "int4"), ("int4", "int4"), ("dense", "int4"), ("int4", "dense"), ("int8", "int8")]
 )
-def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_fmt, draft_fmt, row_by_row):
-    """float32 compute, quantized target and/or draft, budgeted caches: speculative == autoregressive, token for
-    token."""
-    target = Transformer(SPEC_CONFIG, SPEC_STATE, torch.float32, target_fmt)
-    draft = Transformer(SPEC_CONFIG, DRAFT_STATE, torch.float32, draft_fmt)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_fmt, draft_fmt, dtype, row_by_row):
+    """Quantized target and/or draft (native blocks: a row's result never depends on the rows beside it), budgeted
+    caches, float32 and bfloat16 compute: speculative == autoregressive, token for token."""
+    target = Transformer(SPEC_CONFIG, SPEC_STATE, dtype, target_fmt)
+    draft = Transformer(SPEC_CONFIG, DRAFT_STATE, dtype, draft_fmt)
     target_policy = make_policy("hybrid", 12, sinks=2, heavy=4)
     draft_policy = make_policy("streaming", 10, sinks=2)
     ids = random_ids(20, SPEC_CONFIG.vocab_size, seed=1)
@@ -302,9 +302,7 @@ def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     root = tmp_path / "c"
     dense = tensor_cache_file(root, source, torch.bfloat16, "dense", {})
     assert dense.name == "bfloat16-dense-layout1-rows.safetensors"  # dense weights are native float rows
-    options = {"kernel_dtype": torch.bfloat16, "group_size": 32}
-    name = tensor_cache_file(root, source, torch.float32, "int4", options).name
-    assert name.startswith("float32-int4-kbfloat16-g32-")
+    assert tensor_cache_file(root, source, torch.float32, "int4", {}).name == "float32-int4-layout1-rows.safetensors"
     assert tensor_cache_file(root, source, torch.float32, "int8", {"unknown_option": 1}) is None
     monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")
     assert tensor_cache_root(True) is None

@@ -20,7 +20,7 @@ from . import kernels
 from .cache.arena import KVArena
 from .config import ModelConfig
 from .errors import UserError
-from .linear import NativeEmbedding, NativeLinear, default_linear_options, make_linear, resolve_format
+from .linear import NativeEmbedding, NativeLinear, make_linear, resolve_format
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,9 @@ class Transformer:
         """Build from a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight`` …).
 
         ``weights`` selects the format of the large projections (see ``linear.py``): ``dense`` (alias ``bf16``),
-        ``int8``, ``int4``, or ``auto`` (chosen by ``role``, ``"target"`` or ``"draft"``; see
+        ``int8``, ``int4``, ``native`` or ``auto`` (chosen by ``role``, ``"target"`` or ``"draft"``; see
         :func:`~sparsespec.linear.auto_format`). Norms and the embedding stay in ``dtype``. ``linear_options`` go
-        to :func:`~sparsespec.linear.make_linear` (default: :func:`~sparsespec.linear.default_linear_options`).
+        to :func:`~sparsespec.linear.make_linear` (``ggml_type`` for ``native``).
 
         ``linears`` holds projections built beforehand (the on-disk tensor cache, or the GGUF's own blocks for
         ``native``), keyed ``layers.{i}.qkv``, ``layers.{i}.o_proj``, ``layers.{i}.gate_up``, ``layers.{i}.down``,
@@ -107,7 +107,7 @@ class Transformer:
         self._native = None  # (what it was made of, the native pass's weights or None): native_model
         weights = resolve_format(weights, role)
         self.weights_format = weights
-        options = dict(default_linear_options(weights, dtype) if linear_options is None else linear_options)
+        options = dict(linear_options or {})
         prebuilt = dict(linears or {})
 
         def tensor(name: str) -> torch.Tensor:
@@ -170,7 +170,7 @@ class Transformer:
 
     def native_model(self):
         """The weights as the native forward pass takes them (``kernels.native_model``), or None where it cannot run
-        them (a projection or the embedding in a torch format, or no native kernels). Made on first use and again
+        them (no native kernels). Made on first use and again
         whenever a projection or its activations changed (a draft's cut head, float activations)."""
         if not self.native_ops:
             return None

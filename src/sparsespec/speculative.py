@@ -12,10 +12,9 @@ Notation as in the paper: ``p`` is the target's distribution, ``q`` the draft's.
 Because the target's arena replays evictions row by row (see ``cache/arena.py``), row i of the verification pass
 sees exactly the cache that autoregressive step i would see, so the output follows the distribution that
 autoregressive decoding with the same cache policy defines (and greedy output is identical token for token). That
-is exact where a row's logits do not depend on how many rows the pass holds: native weights with the native
-attention op (the default configuration, bfloat16 included) and float32 compute with dense weights (the tests prove
-both). In bfloat16 the torch weight formats' multi-row passes round differently from 1-row passes, so near-ties can
-flip (measured: benchmarks/history/source-notes.md#speculative-torch-formats).
+is exact where a row's logits do not depend on how many rows the pass holds: every weight format runs the native
+kernels, which compute each row on its own, with the native attention op (the tests prove it in float32 and
+bfloat16).
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ from .calibration.settings import FULL, MIB, QUICK
 from .profile import DeviceProfile, list_profiles, load_profile, save_profile
 from .roofline import (
     KV_BYTES_PER_ELEMENT,
+    QUANTIZED_BLOCKS,
     Weights,
     best_budget,
+    bytes_by_type,
     best_gamma_on_device,
     kv_bytes_per_token,
     predict_autoregressive,
@@ -75,9 +77,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         f"{DEFAULT_DRAFT_BUDGET} for self-speculation)",
     )
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
-                        help="target weight format, by the engine's real bytes (int8: per-channel scales; int4: "
-                        "groups of 32 with bf16 scale and zero, 0.625 bytes/weight), or native: the GGUF file's own "
-                        "tensor types (default: %(default)s)")
+                        help="target weight format, by the engine's real bytes (int8: Q8_0 blocks, 1.0625 bytes a "
+                        "weight; int4: Q4_1 blocks, 0.625), or native: the GGUF file's own tensor types (default: "
+                        "%(default)s)")
     parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
                         help="draft weight format (needs --draft; default: as --weights)")
     parser.add_argument(
@@ -161,8 +163,11 @@ def native_streamed_bytes(ref: Any) -> dict[str, float]:
     return by_type
 
 
-def _format(name: str, native: Mapping[str, float] | None) -> Weights:
-    """A weight format for the roofline: the name, or for ``native`` the file's streamed bytes by block type."""
+def _format(name: str, model: ModelConfig, native: Mapping[str, float] | None) -> Weights:
+    """A weight format for the roofline: the streamed bytes by block type for ``native`` (the file's) and the
+    quantized formats (their blocks'), else the name."""
+    if name in QUANTIZED_BLOCKS:
+        return bytes_by_type(model, name)
     if name != "native":
         return name
     if native is None:
@@ -189,7 +194,7 @@ def simulate(
     """
     o = options
     policy, budget, draft_budget = o.policy, o.budget, o.draft_budget
-    weights = _format(o.weights, o.native_bytes)
+    weights = _format(o.weights, target, o.native_bytes)
     kv_dtype, kv_bytes, gamma, acceptance, context = o.kv_dtype, o.kv_bytes, o.gamma, o.acceptance, o.context
     if draft is not None and draft.vocab_size != target.vocab_size:
         raise UserError(
@@ -207,7 +212,8 @@ def simulate(
                             f"beside the {gamma + 1} slots in flight.")
     self_draft = draft is None
     draft_format = o.draft_weights or o.weights
-    draft_weights = _format(draft_format, o.native_bytes if self_draft else o.draft_native_bytes)
+    draft_weights = _format(draft_format, target if self_draft else draft,
+                            o.native_bytes if self_draft else o.draft_native_bytes)
     if self_draft and draft_budget is None:
         draft_budget = DEFAULT_DRAFT_BUDGET
     sparse_modes = policy != "full"

@@ -61,19 +61,20 @@ from .profile import DeviceProfile
 
 # Weight formats the engine runs (``linear.py``), by their real bytes, scales included:
 # - ``bf16`` / ``fp16`` / ``fp32``: dense, 2 / 2 / 4 bytes per weight;
-# - ``int8``: one byte per weight plus a bf16 scale per output channel (``Int8Linear``; in_features padded to 16);
-# - ``int4``: groups of 32 weights along in_features, 4 bits each plus a bf16 scale and a bf16 zero point per group:
-#   (16 + 4) bytes / 32 weights = 0.625 (``Int4Linear`` at the models' group size 32; in padded to 32, out to 16);
+# - ``int8`` / ``int4``: the weights quantized to GGML's Q8_0 / Q4_1 blocks of 32 weights along in_features (34 / 20
+#   bytes a block, scales included; in_features padded to 32), priced as the native format's blocks of those types
+#   (:func:`bytes_by_type`);
 # - ``native``: the GGUF file's own tensors, given as their streamed bytes by block type (``{"Q4_K": bytes, …}``,
 #   from the file header: ``edge.commands.native_streamed_bytes``).
-# Norm vectors and biases stay dense (bf16), but for the dense formats' biases, which the native kernels add in
-# float32 (4 bytes). The nominal bytes per weight, for labels and rough totals:
-BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.625}
+# Norm vectors stay in the compute dtype (bf16); biases are float32 (4 bytes), as the native kernels add them.
+# The nominal bytes per weight, for labels and rough totals:
+BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 20 / 32}
 WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
-INT4_GROUP = 32
+# The GGML block type of each quantized format and its bytes per block of QUANTIZED_BLOCK weights.
+QUANTIZED_BLOCKS: dict[str, tuple[str, int]] = {"int8": ("Q8_0", 34), "int4": ("Q4_1", 20)}
+QUANTIZED_BLOCK = 32
 _DENSE_VECTOR_BYTES = 2.0
-_DENSE_FORMATS = ("fp32", "bf16", "fp16")
-_NATIVE_BIAS_BYTES = 4.0
+_BIAS_BYTES = 4.0
 
 # Bytes per stored K or V element of the cache, as the KV arena stores them (cache/quant.py): int8 codes with a
 # float16 scale and zero per 32 channels (36 bytes / 32 elements), int4 codes with the same per 16 (12 / 16).
@@ -117,11 +118,8 @@ def _round_up(n: int, m: int) -> int:
 
 def matrix_bytes(out_features: int, in_features: int, weights: str) -> float:
     """Bytes of one ``[out, in]`` matrix in the engine's format ``weights`` (see :data:`BYTES_PER_WEIGHT`)."""
-    if weights == "int8":
-        return out_features * (_round_up(in_features, 16) + 2)
-    if weights == "int4":
-        n, k = _round_up(out_features, 16), _round_up(in_features, INT4_GROUP)
-        return n * k / 2 + n * (k // INT4_GROUP) * 4
+    if weights in QUANTIZED_BLOCKS:
+        return out_features * _round_up(in_features, QUANTIZED_BLOCK) // QUANTIZED_BLOCK * QUANTIZED_BLOCKS[weights][1]
     return out_features * in_features * _check_choice(weights, BYTES_PER_WEIGHT, "weight format")
 
 
@@ -143,10 +141,18 @@ def weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:
     shapes = matrices(model)
     vectors = streamed_parameters(model) - sum(o * i for o, i in shapes)
     total = sum(matrix_bytes(o, i, weights) for o, i in shapes) + vectors * _DENSE_VECTOR_BYTES
-    if weights in _DENSE_FORMATS and model.attention_bias:
+    if model.attention_bias:
         q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
-        total += model.num_hidden_layers * (q + 2 * kv) * (_NATIVE_BIAS_BYTES - _DENSE_VECTOR_BYTES)
+        total += model.num_hidden_layers * (q + 2 * kv) * (_BIAS_BYTES - _DENSE_VECTOR_BYTES)
     return total
+
+
+def bytes_by_type(model: ModelConfig, weights: str) -> dict[str, float]:
+    """A quantized format's streamed bytes as the native format gives them, by GGML type: its matrices' blocks
+    (``Q8_0`` / ``Q4_1``) and the rest (norms, biases) as ``BF16``, so that a profile's per-type rates price them."""
+    kind = QUANTIZED_BLOCKS[weights][0]
+    blocks = float(sum(matrix_bytes(o, i, weights) for o, i in matrices(model)))
+    return {kind: blocks, "BF16": weight_bytes(model, weights) - blocks}
 
 
 def resident_weight_bytes(model: ModelConfig, weights: Weights = "bf16") -> float:
@@ -293,8 +299,8 @@ def forward_pass(
     memory_s = streaming_weights_s + kv_s + sram["activations"] / device.sram_bandwidth
     flops = forward_flops(model, tokens, read)
     # Native weights: the profile's per-type rates, for the first row and for each extra one, are the kernels' own
-    # roofline, their arithmetic included; the GEMM peak is torch's (the dense and torch formats' products), which
-    # the native kernels never run (on a host without a bf16 GEMM it is 1 GFLOP/s, two orders below them).
+    # roofline, their arithmetic included; the GEMM peak is torch's, which the native kernels never run (on a host
+    # without a bf16 GEMM it is 1 GFLOP/s, two orders below them): dense weights are still priced by it.
     compute_s = 0.0 if isinstance(weights, Mapping) else flops / device.peak(compute_dtype)
     layers = model.num_hidden_layers
     extra = tokens - 1

@@ -9,9 +9,8 @@ code). Every path of the matmul computes the same canonical sums, bit for bit, f
 (``tests/test_arena_reference.py``) to float rounding, not with one another bit for bit (``csrc/attention.h``).
 
 The KV cache attends through these kernels alone (their portable scalar code is the fallback where no vector path
-runs). Without a compiler :func:`available` is False and one warning line says why: the torch weight formats still
-load (Hugging Face folders, ``--weights dense|int8|int4``), but nothing decodes (the cache refuses in one sentence,
-``cache/arena.py``).
+runs). Without a compiler :func:`available` is False and one warning line says why: nothing decodes (the cache
+refuses in one sentence, ``cache/arena.py``).
 
 ``SPARSESPEC_KERNELS`` set to an instruction set's name (``scalar``, ``avx2``, ``avx512-vnni``, ``avx512-vnni+amx``,
 ``neon-dotprod``) runs the native kernels on that one instead of the best (A/B runs: the matmul's results are the

@@ -14,7 +14,7 @@ from ..activations import check_activations, float_activations_chosen
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..kernels.repack import TILED_TYPES
-from ..linear import NATIVE, default_linear_options, resolve_format
+from ..linear import NATIVE, resolve_format
 from ..model import Transformer
 from .source import ModelSource, resolve_model
 from .tokenizer import Tokenizer, load_tokenizer, stored_tokenizer_digest
@@ -52,10 +52,8 @@ class LoadedModel:
     from_cache: bool = False
 
     @property
-    def activations(self) -> str | None:
-        """What native weights multiply, ``float`` or ``int8`` (``--activations``); None for the torch formats."""
-        if self.weights != NATIVE:
-            return None
+    def activations(self) -> str:
+        """What the weights multiply, ``float`` or ``int8`` (``--activations``; ``dense`` weights always ``float``)."""
         return "float" if self.model.lm_head.float_activations else "int8"
 
 
@@ -75,9 +73,8 @@ def load_model(
     Args:
         ref: the model.
         dtype: compute dtype (``torch.bfloat16`` or ``torch.float32``).
-        weights: ``native`` (a GGUF file's own blocks through the native kernels), ``dense`` (alias ``bf16``:
-            weights in ``dtype``), ``int8``, ``int4`` or ``auto``: ``native`` for a GGUF file whose every weight the
-            kernels read (when they are built), else the torch format for ``role``.
+        weights: ``native`` (a GGUF file's own blocks), ``dense`` (alias ``bf16``: weights in ``dtype``), ``int8``
+            (Q8_0 blocks), ``int4`` (Q4_1 blocks) or ``auto`` (:func:`choose_format`).
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
         tensor_cache: the on-disk store of prepared models (``loading/tensor_cache.py``): ``True`` = default
@@ -86,11 +83,11 @@ def load_model(
             is cached too (next to the tensors).
         share_tokenizer: another model's tokenizer, taken as this model's when their stored backends are the
             same (a draft's, whose chat template and special tokens are never used).
-        activations: what native weights multiply: ``int8`` (activations quantized per block, the kernels'
+        activations: what quantized weights multiply: ``int8`` (activations quantized per block, the kernels'
             fastest path), ``float`` (as they are: the arithmetic of a float model with the file's weights), or
             ``auto`` (float for models of at most
-            :data:`~sparsespec.activations.FLOAT_ACTIVATIONS_MAX_PARAMETERS` parameters). ``float`` with weights that are
-            not native is a :class:`UserError`.
+            :data:`~sparsespec.activations.FLOAT_ACTIVATIONS_MAX_PARAMETERS` parameters). ``dense`` weights always
+            multiply float activations.
     """
     from .. import kernels
 
@@ -101,12 +98,12 @@ def load_model(
     tiles = kernels.tiles_preferred() and activations != "float"
 
     def cached(fmt: str):
-        options = default_linear_options(fmt, dtype) | ({"tiles": tiles} if fmt == NATIVE else {})
+        options = {"tiles": tiles} if fmt == NATIVE else {}
         file = None if root is None else tensor_cache_file(root, source, dtype, fmt, options)
         return file, (None if file is None else load_model_tensors(file, dtype, fmt))
 
     fmt, note, file, hit = NATIVE, None, None, None
-    tried_native = weights in ("auto", NATIVE) and source.kind == "gguf" and kernels.available()
+    tried_native = weights in ("auto", NATIVE) and source.kind == "gguf"
     if tried_native:
         # A stored native build of this file means the kernels read all its weights: that is what choose_format
         # would find by reading the file's header (a third of a second for a 150k-token vocabulary).
@@ -115,10 +112,6 @@ def load_model(
         fmt, note = choose_format(source, weights, role, dtype)
         if not (tried_native and fmt == NATIVE):  # a native store found unusable above is not read again
             file, hit = cached(fmt)
-    if activations == "float" and fmt != NATIVE:
-        raise ConfigError("{activations} float applies to native weights (a GGUF file's own blocks through the "
-                          "native kernels); {file} runs the torch format {fmt} here.", file=Path(source.path).name,
-                          fmt=fmt)
     if hit is not None:
         config, model = hit
     else:
@@ -144,7 +137,7 @@ def load_model(
                 release_freed_memory()
     if file is not None:
         drop_prefetches(file.parent)  # a background mapping of this model the load did not take
-    if fmt == NATIVE and float_activations_chosen(activations, model.projection_parameters()):
+    if float_activations_chosen(activations, model.projection_parameters()):
         if any(kind in TILED_TYPES.values() for _, linear in model.linear_items() for kind in linear.types):
             # the same file in the row layout, which float activations read
             return load_model(ref, dtype, weights, tokenizer, role=role, tensor_cache=tensor_cache,
@@ -182,32 +175,26 @@ def release_freed_memory() -> None:
 
 def choose_format(source: ModelSource, weights: str, role: str,
                   dtype: torch.dtype = torch.bfloat16) -> tuple[str, str | None]:
-    """The concrete weight format for a requested one (``native`` only for GGUF files the kernels can read), and a
-    note for the user when ``auto`` could not take the native kernels for a file they do not read (else None).
+    """The concrete weight format for a requested one, and a note for the user when ``auto`` re-quantizes a GGUF file
+    whose block types the native kernels do not read (else None).
 
-    ``auto`` picks ``native`` when the kernels are built and read every weight of the file, else the torch format
-    of ``role``; Hugging Face folders keep the torch formats under ``auto`` and are quantized to Q8_0 blocks for an
-    explicit ``native``. An explicit ``native`` for a GGUF file with block types the kernels do not read is a
-    :class:`UserError`; when the kernels could not be built the torch format of ``role`` runs (the build has
-    already warned).
+    ``auto`` picks ``native`` for a GGUF file whose every weight the kernels read; for a Hugging Face folder, or a
+    file of other block types, ``dense`` in float32 (which is for exactness) and in bfloat16 the quantized format
+    of ``role`` (:func:`~sparsespec.linear.auto_format`). An explicit ``native`` quantizes a Hugging Face folder to
+    Q8_0 blocks and is a :class:`UserError` for a GGUF file of block types the kernels do not read.
     """
-    from .. import kernels
-
     if weights not in ("auto", NATIVE):
         return resolve_format(weights, role), None
-    # float32 is for exactness: without native weights its automatic choice is the unquantized model
-    torch_auto = "dense" if dtype == torch.float32 else resolve_format("auto", role)
-    if not kernels.available():
-        return torch_auto, None
+    quantized = "dense" if dtype == torch.float32 else resolve_format("auto", role)
     if source.kind != "gguf":  # a Hugging Face folder: native only when asked (its weights quantized to Q8_0)
-        return (NATIVE if weights == NATIVE else torch_auto), None
+        return (NATIVE if weights == NATIVE else quantized), None
     unreadable = ", ".join(sorted(gguf_native_types(source.path)))
     if unreadable:
         if weights == NATIVE:
             raise ConfigError("{path} has weights in {unreadable}, which the native kernels do not read; use "
                               "{weights} int8, int4 or dense.", path=source.path, unreadable=unreadable)
-        return torch_auto, (f"{Path(source.path).name} has weights in {unreadable}, which the native kernels do not "
-                            f"read; running the torch format {torch_auto}.")
+        return quantized, (f"{Path(source.path).name} has weights in {unreadable}, which the native kernels do not "
+                           f"read; running them re-quantized as {quantized}.")
     return NATIVE, None
 
 

@@ -2,10 +2,10 @@
 
 Opening a GGUF file is slow in pure Python (parsing the metadata of the 1.5B Qwen2.5 file alone takes a third of a
 second), repacking its blocks for the native kernels takes seconds, and quantizing to int8 / int4 more. So after
-a model is built its tensors are stored, exactly as the model holds them (repacked GGUF blocks, dense weights in
-the compute dtype, or packed int4 / int8 codes with their scales), in one safetensors file, its tokenizer beside it::
+a model is built its tensors are stored, exactly as the model holds them (repacked GGUF blocks, quantized or
+float rows), in one safetensors file, its tokenizer beside it::
 
-    <cache root>/<source key>/<dtype>-<format>[-<options>].safetensors
+    <cache root>/<source key>/<dtype>-<format>-<layout>.safetensors
     <cache root>/<source key>/tokenizer/
 
 with the model config and each layer's facts in the file's metadata. A later load of the same source, dtype and
@@ -20,9 +20,9 @@ format reads that file and builds nothing, so it holds exactly the same values a
   hash of resolved path, size and mtime (``stat-<hex>``), so replacing or touching the file makes a new key
   without hashing gigabytes on every start. Each key folder records its source in ``source.json``; whenever an
   entry is written, the folders of the same path's old keys and of paths that no longer exist are deleted.
-* Options in the file name: the quantized kernel dtype (``k<dtype>``), for int4 the group size and
-  :func:`~sparsespec.linear.int4_layout_tag`, for native weights :func:`~sparsespec.linear.native_layout_tag`
-  (the packed layouts depend on the CPU), so a cache moved to another machine is rebuilt rather than misread.
+* The layout in the file name, :func:`~sparsespec.linear.native_layout_tag` (the repacking's version, and whether
+  blocks load as column tiles, which depends on the CPU), so a cache moved to another machine is rebuilt rather
+  than misread.
 * Files are written to a temporary name and renamed into place, so a reader never sees a partial file; a file
   that cannot be read (truncated, or written by another cache version) is ignored and rebuilt. Failing to write
   (e.g. a full disk) only skips caching.

@@ -17,7 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError, UserError
-from ..linear import NATIVE, NativeEmbedding, int4_layout_tag, linear_from_tensors, native_layout_tag
+from ..linear import NativeEmbedding, linear_from_tensors, native_layout_tag
 from ..model import layer_norms
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
 from .tensor_cache import TENSOR_ALIGNMENT, source_cache_key, take_tensor_file
@@ -314,19 +314,8 @@ def tensor_cache_file(
     Native weights take the option ``tiles`` (their layout, :func:`load_gguf_native`)."""
     if dtype not in _DTYPE_NAMES:
         return None
-    name = f"{_DTYPE_NAMES[dtype]}-{fmt}"
     options = dict(options)
-    if fmt not in ("dense", NATIVE):  # the torch formats' kernel dtype (the native kernels have their own)
-        kernel = options.pop("kernel_dtype", dtype)
-        if kernel not in _DTYPE_NAMES:
-            return None
-        name += f"-k{_DTYPE_NAMES[kernel]}"
-    if fmt == "int4":
-        from ..linear import INT4_DEFAULT_GROUP_SIZE
-
-        name += f"-g{int(options.pop('group_size', INT4_DEFAULT_GROUP_SIZE))}-{int4_layout_tag()}"
-    if fmt in ("dense", NATIVE):  # dense weights are native float rows
-        name += f"-{native_layout_tag(bool(options.pop('tiles', False)))}"
+    name = f"{_DTYPE_NAMES[dtype]}-{fmt}-{native_layout_tag(bool(options.pop('tiles', False)))}"
     if options:  # an option this cache does not know how to name
         return None
     return root / source_cache_key(source) / f"{name}.safetensors"

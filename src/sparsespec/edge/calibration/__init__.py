@@ -14,9 +14,9 @@ blocks, bfloat16 compute), at ``--threads`` threads:
   the file's bytes (a real model's weights come from DRAM: within a decode step its attention, cache and activations
   share the caches, so even a 96 MB model streams at this rate), and the same weights with R rows the rate at which
   each extra row of a verification pass goes through them;
-- **torch weight streaming** — one-row bf16 ``F.linear`` over the same shapes, for the torch weight formats
-  (``--weights dense|int8|int4``): over the DRAM read rate it is ``dram_efficiency``, and R rows give
-  ``extra_row_flops``;
+- **dense weight streaming** — one-row bf16 ``F.linear`` over the same shapes, for dense weights (``--weights
+  bf16``; ``int8`` / ``int4`` are priced as native Q8_0 / Q4_1 blocks): over the DRAM read rate it is
+  ``dram_efficiency``, and R rows give ``extra_row_flops``;
 - **KV residency** — whether a KV-sized buffer stays in the L3 while a stream of weights passes through it sets
   ``sram_kv_fraction``;
 - **the attention op** — one layer of the KV arena's attention at two cache sizes, for one row and R rows, over the
@@ -40,8 +40,8 @@ the CPU to another process says nothing about the hardware. The engine's own cos
 verification passes, attention, sampling) are medians: the simulator predicts the sustained speed of a whole run,
 and on a shared machine the typical step is slower than the best one. Run it on an idle machine all the same.
 
-Not measured, so not modelled: the torch weight formats' own per-layer overheads (their passes are priced with the
-native engine's), float activations (``--activations float``, the small models' default: priced as 8-bit ones),
+Not measured, so not modelled: dense weights' own rates (their native float rows are priced as torch's ``F.linear``
+streams them), float activations (``--activations float``, the small models' default: priced as 8-bit ones),
 retention's and recall's costs, and several requests sharing passes (``serve --parallel``).
 
 The profile goes to ``$SPARSESPEC_HOME/devices/host.json`` (default ``~/.cache/sparsespec/devices/host.json``),

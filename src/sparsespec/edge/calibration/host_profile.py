@@ -141,8 +141,7 @@ def build_profile(cal: Calibration, settings: CalibrationSettings = FULL, name: 
         note=f"Measured by sparsespec calibrate on {cal.date} in {cal.seconds:.0f} s at {cal.threads} threads "
              f"(load average {cal.loadavg_before:.2f} before, {cal.loadavg_after:.2f} after). The overheads, "
              "native streaming, extra-row, sampling and attention figures describe sparsespec's own engine (native "
-             "kernels, bfloat16 compute), not the chip alone; the torch weight formats are priced with the same "
-             "overheads, which they do not have. Read bandwidth by buffer size (bytes: GB/s): "
+             "kernels, bfloat16 compute), not the chip alone. Read bandwidth by buffer size (bytes: GB/s): "
              + ", ".join(f"{int(p['bytes'])}: {p['bytes_per_s'] / 1e9:.1f}" for p in cal.bandwidth_curve) + ".",
     )
 
