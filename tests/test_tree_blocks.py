@@ -159,7 +159,6 @@ def test_tree_rows_through_the_native_pass_equal_the_steps_along_them(smollm2_de
     for start in range(0, len(ids), 8):
         model.forward(torch.tensor(ids[start : start + 8]), arena, per_block=True, last_only=True)
         arena.commit(len(ids[start : start + 8]))
-    assert model.native_model() is not None  # the pass runs in one native call
     before = copy.deepcopy(arena)
     parents = [-1, 0, 0, 1, 1, 2, -1]
     tokens = [11, 22, 33, 44, 55, 66, 77]

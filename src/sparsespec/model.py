@@ -2,8 +2,9 @@
 (q/k/v and gate/up stored fused) and Gemma 3 (scaled embeddings, norms after attention and MLP, GELU(tanh) gate,
 sliding-window layers), grouped-query attention.
 
-The model knows nothing about caching policy: each layer hands its queries, keys and values to the KV arena,
-which stores them and computes attention (see ``cache/arena.py``).
+A pass is one call into the native model (``kernels/csrc/model.h``) that runs every layer over the blocks' KV
+arenas; the model knows nothing about caching policy: the arena stores each layer's keys and values and computes
+attention (see ``cache/arena.py``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from . import kernels
 from .cache.arena import KVArena
@@ -103,7 +101,6 @@ class Transformer:
         self.config = config
         self.dtype = dtype
         self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
-        self.native_ops = kernels.available()  # the native ops, and on native weights the native pass
         self._native = None  # (what it was made of, the native pass's weights or None): native_model
         weights = resolve_format(weights, role)
         self.weights_format = weights
@@ -163,28 +160,19 @@ class Transformer:
         vocab = self.config.vocab_size
         if not 0 < n <= vocab:
             raise UserError(f"The draft vocabulary limit must be between 1 and {vocab} (got {n}).")
-        if not isinstance(self.lm_head, NativeLinear):
-            raise UserError("Limiting the draft's vocabulary needs native or dense weights.")
         self.lm_head = self.lm_head.first_rows(n)
         self.vocab_limit = n
 
     def native_model(self):
-        """The weights as the native forward pass takes them (``kernels.native_model``), or None where it cannot run
-        them (no native kernels). Made on first use and again
+        """The weights as the native forward pass takes them (``kernels.native_model``): made on first use and again
         whenever a projection or its activations changed (a draft's cut head, float activations)."""
-        if not self.native_ops:
-            return None
         linears = [linear for _, linear in self.linear_items()]
         norms = [getattr(layer, field) for layer in self.layers for field, _, _ in layer_norms(self.config)]
         key = [self.dtype, id(self.embed), id(self.norm), *map(id, norms),
                *((id(linear), getattr(linear, "float_activations", None)) for linear in linears)]
         if self._native is not None and self._native[0] == key:
             return self._native[1]
-        native = None
-        embed_ok = isinstance(self.embed, NativeEmbedding) or (isinstance(self.embed, torch.Tensor) and
-                                                               self.embed.dtype == self.dtype)
-        if embed_ok and all(isinstance(linear, NativeLinear) for linear in linears):
-            native = kernels.native_model(self._native_spec())
+        native = kernels.native_model(self._native_spec())
         self._native = (key, native)
         return native
 
@@ -255,26 +243,6 @@ class Transformer:
             total += sum(lin.nbytes for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         return total
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.native_ops:
-            return kernels.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)  # a head's rows may be strided
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
-
-    def _skip(self, x: torch.Tensor, linear, inputs: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
-        """``x + linear(inputs)`` for ``x [T, hidden]``, the branch's output normed by ``post_norm`` first where the
-        model has one (Gemma); else the add is the linear's own (``residual=``, fused by the native kernels)."""
-        if post_norm is None:
-            return linear(inputs, residual=x)
-        return x + self._rms_norm(linear(inputs), post_norm)
-
-    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``act(gate) * up`` for ``gate_up [T, 2 intermediate]`` (the two halves side by side): SiLU, or GELU with
-        the tanh approximation (Gemma)."""
-        if self.native_ops:
-            return kernels.gated(gate_up, gelu=self.config.gemma)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return (F.gelu(gate, approximate="tanh") if self.config.gemma else F.silu(gate)) * up
-
     def forward(
         self, tokens: torch.Tensor, cache: KVArena, *, per_block: bool = False, last_only: bool = False,
         parents: list[int] | None = None,
@@ -299,52 +267,17 @@ class Transformer:
         """Run several sequences' blocks in one pass: every projection reads its weights once for the rows of all
         blocks; each block attends over its own arena only.
 
-        A row's logits do not depend on the other rows of the pass where the projections compute rows
-        independently (native weights, the default; ``linear.NativeLinear``) — so a request decodes the same text
-        alone and beside others. Each arena must appear at most once.
+        A row's logits do not depend on the other rows of the pass (the native kernels compute each row on its own),
+        so a request decodes the same text alone and beside others. Each arena must appear at most once.
 
         Returns one ``[T_i, vocab]`` float32 tensor per block (``[1, vocab]`` with its ``last_only``).
         """
-        cfg = self.config
-        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        sizes = [block.tokens.shape[0] for block in blocks]
-        for block, n_rows in zip(blocks, sizes):
-            block.cache.begin(n_rows, per_block=block.per_block, parents=block.parents)
-        scored = [1 if block.last_only else n for block, n in zip(blocks, sizes)]  # rows given logits
-        native = self.native_model()
-        arenas = [block.cache.native_pass() for block in blocks] if native is not None else [None]
-        if all(arena is not None for arena in arenas):  # one native call runs every layer (kernels/csrc/model.h)
-            logits = native.forward([(block.tokens, block.last_only, *arena) for block, arena in zip(blocks, arenas)],
-                                    kernels.ISA_AUTO)
-            for block in blocks:
-                block.cache.end()
-            return [logits] if len(blocks) == 1 else list(logits.split(scored))
-        tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([block.tokens for block in blocks])
-        x = self.embed[tokens]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms_norm(x, layer.attn_norm))
-            attended = []
-            for block, rows in zip(blocks, qkv.split(sizes) if len(blocks) > 1 else (qkv,)):
-                n_rows = rows.shape[0]
-                # [T, (n_heads + 2 n_kv) head_dim] -> q [n_heads, T, head_dim], k and v [n_kv, T, head_dim] (views)
-                heads = rows.view(n_rows, n_heads + 2 * n_kv, hd).transpose(0, 1)
-                q, k, v = heads[:n_heads], heads[n_heads : n_heads + n_kv], heads[n_heads + n_kv :]
-                if layer.q_norm is not None:
-                    q = self._rms_norm(q.reshape(-1, hd), layer.q_norm).view(n_heads, n_rows, hd)
-                    k = self._rms_norm(k.reshape(-1, hd), layer.k_norm).view(n_kv, n_rows, hd)
-                attended.append(block.cache.attend(index, q, k, v))
-            x = self._skip(x, layer.o_proj, attended[0] if len(blocks) == 1 else torch.cat(attended),
-                           layer.attn_post_norm)
-            x = self._skip(x, layer.down, self._gated(layer.gate_up(self._rms_norm(x, layer.mlp_norm))),
-                           layer.mlp_post_norm)
+        for block in blocks:
+            block.cache.begin(block.tokens.shape[0], per_block=block.per_block, parents=block.parents)
+        scored = [1 if block.last_only else block.tokens.shape[0] for block in blocks]  # rows given logits
+        arenas = [block.cache.native_pass() for block in blocks]
+        logits = self.native_model().forward(
+            [(block.tokens, block.last_only, *arena) for block, arena in zip(blocks, arenas)], kernels.ISA_AUTO)
         for block in blocks:
             block.cache.end()
-        if scored != sizes:
-            ends = torch.tensor(sizes).cumsum(0).tolist()
-            x = torch.cat([x[end - rows : end] for end, rows in zip(ends, scored)])
-        logits = self.lm_head(self._rms_norm(x, self.norm)).float()
-        if self.vocab_limit < cfg.vocab_size:
-            logits = F.pad(logits, (0, cfg.vocab_size - self.vocab_limit), value=-math.inf)
         return [logits] if len(blocks) == 1 else list(logits.split(scored))

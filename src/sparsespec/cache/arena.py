@@ -70,8 +70,9 @@ row's own, so a row reads the same entries in a prefill chunk, a decode step or 
 leaves the window of the next row intact (dropping more rows is refused). The ring moves with positions, not slots,
 so compaction leaves it alone; its bytes are part of :attr:`nbytes`.
 
-The attention is the native op :func:`sparsespec.kernels.arena_attention` (one call per layer and block; it also
-stores the block's rows, quantizing them, and rotates queries and keys), for every KV dtype and policy; its portable
+The attention is a native op, the same code inside the native pass and alone as
+:func:`sparsespec.kernels.arena_attention` (one call per layer and block; it also stores the block's rows,
+quantizing them, and rotates queries and keys), for every KV dtype and policy; its portable
 scalar path is the fallback on CPUs without the vector paths. Where the native kernels are not available (no
 compiler, a failed build) no arena can be built: the constructor says so in one sentence (:func:`require_kernels`).
 The op follows the rules above, and its one reference is the naive decoder of ``tests/test_arena_reference.py``,
@@ -431,7 +432,8 @@ class KVArena:
 
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of the open block's rows in one layer, updating that layer's scores and evictions.
+        """Attention of the open block's rows in one layer, updating that layer's scores and evictions: the native
+        pass's attention step as one call, for the per-op reference pass of the tests and for timing the op alone.
 
         Args:
             layer: layer index.
