@@ -205,10 +205,10 @@ def server_probes(server: Server) -> list[dict]:
 def stored_tokenizer(model: str):
     """The model's tokenizer as ``sparsespec fetch`` stored it."""
     from sparsespec.loading.source import resolve_model
-    from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
+    from sparsespec.loading.weight_store import source_store_key, weight_store_root
     from sparsespec.loading.tokenizer import Tokenizer
 
-    return Tokenizer.from_folder(tensor_cache_root() / source_cache_key(resolve_model(model)) / "tokenizer")
+    return Tokenizer.from_folder(weight_store_root() / source_store_key(resolve_model(model)) / "tokenizer")
 
 
 # ------------------------------------------------------------------------------------------- loader and CLI

@@ -28,7 +28,7 @@ one JSON line (stdout and ``--out``); the last line per model is a ``summary``.
     python benchmarks/bench_llamacpp.py                   # the full run (minutes per model)
     python benchmarks/bench_llamacpp.py --quick           # smoke test: SmolLM2-135M, few tokens
 
-The first run of a model builds sparsespec's tensor cache (see ``sparsespec/loading/tensor_cache.py``) for each format;
+The first run of a model builds sparsespec's weight store (see ``sparsespec/loading/weight_store.py``) for each format;
 later runs load in seconds. llama.cpp runs without a GPU, with ``n_threads = n_threads_batch = --threads``.
 """
 
@@ -344,7 +344,7 @@ def bench_model(name: str, args, out: Path | None, have_llama: bool) -> None:
                    "decode_runs": [rnd(s.tokens_per_s, 2) for s, _ in runs],
                    "weight_bytes": loaded.model.weight_nbytes,
                    "weight_bytes_per_token": loaded.model.bytes_read_per_token(),
-                   "from_tensor_cache": loaded.from_cache}
+                   "from_weight_store": loaded.from_cache}
             if pid in llama_tokens:
                 rec["same_tokens_as_llama_cpp"] = common_prefix(runs[0][1], llama_tokens[pid])
             decode.append(rec["decode_tok_s"])

@@ -7,10 +7,10 @@ time (process start to exit) and its peak resident memory (the child's ``ru_maxr
   for the 1.5B + 0.5B pair ``llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-simple -n 1 -c 256
   -t 2`` (without ``--spec-type`` this build fails to start speculating).
 * ``sparsespec``: ``sparsespec generate -m NAME --prompt PROMPT -n 1 --threads 2`` (``--draft`` for the pair), the
-  tensor cache warm: each job runs once before the rounds (``warm_up`` lines; where the cache was empty, e.g. the
+  weight store warm: each job runs once before the rounds (``warm_up`` lines; where the cache was empty, e.g. the
   baseline's, that run includes the one-off build).
 * ``--baseline-src DIR``: also run another checkout's ``src`` (e.g. a ``git worktree`` of an older commit) with its
-  own tensor cache (``--baseline-cache``), as the before of a before/after (``python -m sparsespec.cli``: before
+  own weight store (``--baseline-cache``), as the before of a before/after (``python -m sparsespec.cli``: before
   ``cli.entry`` existed that was what the console script ran).
 * ``--cap``: then run the pair once under a hard memory cap of the two files' sizes + 25% (a memory cgroup
   created under this process's own: v2 ``memory.max`` or v1 ``memory.limit_in_bytes``), sparsespec and the
@@ -73,7 +73,7 @@ def jobs(args) -> dict[tuple[str, str], tuple[list[str], dict | None]]:
     out[(pair, "sparsespec")] = (["sparsespec", "generate", "-m", target, "--draft", draft, "--prompt", PROMPT,
                                   "-n", "1", *threads], None)
     if args.baseline_src:
-        env = dict(os.environ, PYTHONPATH=args.baseline_src, SPARSESPEC_TENSOR_CACHE=args.baseline_cache)
+        env = dict(os.environ, PYTHONPATH=args.baseline_src, SPARSESPEC_WEIGHT_STORE=args.baseline_cache)
         for (model, engine), (cmd, _) in list(out.items()):
             if engine == "sparsespec":  # its own checkout's command line, whatever its console script was
                 out[(model, "baseline")] = ([sys.executable, "-m", "sparsespec.cli", *cmd[1:]], env)
@@ -138,7 +138,7 @@ def main() -> int:
                         help="folder with llama.cpp's llama-simple and llama-speculative-simple")
     parser.add_argument("--baseline-src", default=None, help="another checkout's src folder, run as 'baseline'")
     parser.add_argument("--baseline-cache", default="/tmp/sparsespec-baseline-tensors",
-                        help="the baseline's tensor cache (default: %(default)s)")
+                        help="the baseline's weight store (default: %(default)s)")
     parser.add_argument("--cap", action="store_true", help="also run the pair under a memory cap")
     parser.add_argument("--out", type=Path, default=results_dir(__file__) / "startup.jsonl")
     args = parser.parse_args()

@@ -97,7 +97,7 @@ def load_settled(*args, **kwargs):
     (``loading/huge_pages.py``), so that what a benchmark times reads the memory decoding settles on rather than
     sharing the machine with the move."""
     from sparsespec.loading.load import load_model
-    from sparsespec.loading.tensor_cache import wait_for_huge_page_moves
+    from sparsespec.loading.weight_store import wait_for_huge_page_moves
 
     loaded = load_model(*args, **kwargs)
     wait_for_huge_page_moves()

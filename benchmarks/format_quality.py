@@ -40,13 +40,13 @@ def main() -> None:
     args = parser.parse_args()
     text = read_text(args.text)[args.skip:]
     for ref in args.models:
-        reference = load_model(ref, torch.float32, "dense", tensor_cache=False)
+        reference = load_model(ref, torch.float32, "dense", weight_store=False)
         ids = torch.tensor(reference.tokenizer.encode(text)[: args.tokens])
         base = logits(reference, ids)
         del reference
         for fmt in args.formats:
             started = time.perf_counter()
-            loaded = load_model(ref, torch.bfloat16, fmt, tokenizer=False, tensor_cache=False)
+            loaded = load_model(ref, torch.bfloat16, fmt, tokenizer=False, weight_store=False)
             load_s = time.perf_counter() - started
             other = logits(loaded, ids)
             kl = (base.exp() * (base - other)).sum(-1)

@@ -62,7 +62,7 @@ def full_arena(config, n: int, dtype=torch.float32) -> KVArena:
 
 
 def load(path, dtype=torch.float32, weights="dense"):
-    return load_model(str(path), dtype, weights, tokenizer=False, tensor_cache=False)
+    return load_model(str(path), dtype, weights, tokenizer=False, weight_store=False)
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -211,14 +211,14 @@ def test_weights_the_kernels_cannot_read_are_requantized_with_a_note(tmp_path, c
     """A file of MXFP4 matrices (a block type the kernels do not read): --weights auto runs them re-quantized (the
     quantized format of the role) and says so in one line; --weights native is refused in one sentence."""
     path = write_gguf_model(tmp_path / "mxfp4.gguf", CONFIGS["phi3"], STATES["phi3"], matrix_type="MXFP4")
-    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, tensor_cache=False)
+    loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False, weight_store=False)
     assert loaded.weights == "int8" and all(linear.types == [8] for _, linear in loaded.model.linear_items())
     note = capsys.readouterr().err.strip().splitlines()
     assert len(note) == 1 and note[0].startswith("sparsespec: note: mxfp4.gguf has weights in MXFP4")
     assert loaded.weights in note[0]
     with pytest.raises(UserError, match="MXFP4, which the native kernels do not read; use weights int8, int4 or "
                                         "dense"):
-        load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
+        load_model(str(path), torch.bfloat16, "native", tokenizer=False, weight_store=False)
 
 
 @pytest.mark.parametrize("window", [None, 4096])

@@ -456,9 +456,9 @@ def test_generate_json_loads_the_real_model(capsys, smollm2_path):
 def test_fetch_prepares_each_model_once(capsys, smollm2_path, tmp_path, monkeypatch):
     """``fetch`` leaves a fetched model ready for ``generate``'s defaults: its weights stored for this CPU and its
     tokenizer beside them, so that the next load builds nothing; a second fetch finds them and builds nothing."""
-    from sparsespec.loading import tensor_cache
+    from sparsespec.loading import weight_store
 
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", str(tmp_path / "tensors"))
     code, out, err = run_cli(capsys, "fetch", "smollm2-135m", "--quiet")
     assert code == 0, err
     lines = out.splitlines()
@@ -468,7 +468,7 @@ def test_fetch_prepares_each_model_once(capsys, smollm2_path, tmp_path, monkeypa
     assert load_model("smollm2-135m", torch.bfloat16, "auto").from_cache
     code, out, err = run_cli(capsys, "fetch", "smollm2-135m", "--quiet")
     assert code == 0 and out.splitlines()[-1].startswith("smollm2-135m: already prepared in "), err
-    assert not tensor_cache._mapping_threads  # the dropped model's move ended with it
+    assert not weight_store._mapping_threads  # the dropped model's move ended with it
 
 
 def test_generate_holds_the_weights_move_until_its_first_token(capsys, smollm2_path, monkeypatch, tmp_path):

@@ -64,7 +64,7 @@ def tokens(n: int = 24, seed: int = 1) -> torch.Tensor:
 
 
 def load(path, dtype=torch.float32, weights="dense"):
-    return load_model(str(path), dtype, weights, tokenizer=False, tensor_cache=False)
+    return load_model(str(path), dtype, weights, tokenizer=False, weight_store=False)
 
 
 def arena(loaded, policy="full", budget=None, rows=1, block=8, positions="original", max_tokens=256, **options):
@@ -256,7 +256,7 @@ GEMMA = MODEL_FIXTURES["gemma3-270m"]
 def test_real_gemma3_270m_greedy_text_equals_transformers():
     """The real file in float32 dense weights: our greedy continuation of two prompts (one past the 512-token
     window) equals transformers' reading of the same file, token for token."""
-    loaded = load_model("gemma3-270m", torch.float32, "dense", tensor_cache=False)
+    loaded = load_model("gemma3-270m", torch.float32, "dense", weight_store=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(GEMMA.path.parent), gguf_file=GEMMA.path.name, dtype=torch.float32).eval()
     story = " ".join(f"Day {i}: the ferry left the harbour at {i % 12 + 1} o'clock." for i in range(60))

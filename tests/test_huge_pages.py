@@ -56,7 +56,7 @@ class MappedFile:
 @pytest.fixture
 def mapped_file(tmp_path):
     """``mapped_file(size)``: a file of ``size`` random bytes, a private mapping of it and a descriptor of it (closed
-    when the test ends), as ``tensor_cache.read_tensor_file`` holds them."""
+    when the test ends), as ``weight_store.read_tensor_file`` holds them."""
     descriptors = []
 
     def make(size: int) -> MappedFile:

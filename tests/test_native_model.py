@@ -301,14 +301,14 @@ def test_float_activations_read_a_tiled_file_in_the_row_layout(monkeypatch, tmp_
         return {kind for _, linear in loaded.model.linear_items() for kind in linear.types}
 
     tiled = {112, 114, 106}  # kernels/repack.py TILED_TYPES
-    by_default = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, tensor_cache=tmp_path)
+    by_default = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, weight_store=tmp_path)
     assert kinds(by_default) & tiled and not by_default.model.lm_head.float_activations  # 268M parameters: int8
     monkeypatch.setattr(sparsespec.activations, "FLOAT_ACTIVATIONS_MAX_PARAMETERS", 10**9)
-    chosen = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, tensor_cache=tmp_path)
+    chosen = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, weight_store=tmp_path)
     assert not kinds(chosen) & tiled and all(linear.float_activations for _, linear in chosen.model.linear_items())
     assert sorted(p.name.split("-")[-1] for p in tmp_path.rglob("*.safetensors")) == ["rows.safetensors",
                                                                                     "tiles.safetensors"]
-    explicit = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, tensor_cache=tmp_path,
+    explicit = load_model("gemma3-270m", torch.bfloat16, "native", tokenizer=False, weight_store=tmp_path,
                           activations="float")
     assert explicit.from_cache and not kinds(explicit) & tiled and explicit.model.lm_head.float_activations
     ids = torch.arange(3, 40)

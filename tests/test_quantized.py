@@ -1,4 +1,4 @@
-"""Quantized models: logits stay close to float32, speculative decoding stays exact, the tensor cache is exact.
+"""Quantized models: logits stay close to float32, speculative decoding stays exact, the weight store is exact.
 
 The layer-level proof (each int8 / int4 linear holds GGUF's Q8_0 / Q4_1 blocks and multiplies as they dequantize) is in
 ``test_linear.py``; this file checks whole models.
@@ -20,8 +20,8 @@ from sparsespec.generate import generate_tokens
 from sparsespec.linear import QUANTIZED_TYPES, NativeLinear, auto_format, resolve_format
 from sparsespec.loading.load import load_model
 from sparsespec.loading.source import ModelSource
-from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
-from sparsespec.loading.weights import tensor_cache_file
+from sparsespec.loading.weight_store import source_store_key, weight_store_root
+from sparsespec.loading.weights import weight_store_file
 from sparsespec.model import Transformer
 from sparsespec.sampling import SamplingParams
 from sparsespec.speculative import SpeculativeStats, draft_inflight_rows, speculative_tokens, target_inflight_rows
@@ -191,7 +191,7 @@ def test_greedy_speculative_equals_autoregressive_with_quantized_weights(target_
     assert 10 < stats.accepted < stats.drafted - 10
 
 
-# ----------------------------------------------------------------------------------------------- tensor cache
+# ----------------------------------------------------------------------------------------------- weight store
 
 
 def _write_hf_folder(folder, config, state) -> None:
@@ -222,14 +222,14 @@ def _same_model(a: Transformer, b: Transformer) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
-def test_tensor_cache_round_trip_is_exact(tmp_path, arch, dtype, fmt):
+def test_weight_store_round_trip_is_exact(tmp_path, arch, dtype, fmt):
     config = tiny_config(arch)
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    uncached = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=False)
-    first = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=cache)
-    second = load_model(str(folder), dtype, fmt, tokenizer=False, tensor_cache=cache)
+    uncached = load_model(str(folder), dtype, fmt, tokenizer=False, weight_store=False)
+    first = load_model(str(folder), dtype, fmt, tokenizer=False, weight_store=cache)
+    second = load_model(str(folder), dtype, fmt, tokenizer=False, weight_store=cache)
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     assert second.config == uncached.config and second.weights == fmt
     _same_model(uncached.model, second.model)
@@ -239,31 +239,31 @@ def test_tensor_cache_round_trip_is_exact(tmp_path, arch, dtype, fmt):
     assert torch.equal(full_logits(uncached.model, ids), full_logits(second.model, ids))
 
 
-def test_tensor_cache_is_invalidated_by_a_changed_source(tmp_path):
+def test_weight_store_is_invalidated_by_a_changed_source(tmp_path):
     config = tiny_config("qwen2")
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    first = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=cache)
+    first = load_model(str(folder), torch.float32, "int4", tokenizer=False, weight_store=cache)
     old_key_dirs = sorted(p.name for p in cache.iterdir())
     _write_hf_folder(folder, config, random_state(config, seed=5))  # new weights, same path
     st = (folder / "model.safetensors").stat()
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    second = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=cache)
+    second = load_model(str(folder), torch.float32, "int4", tokenizer=False, weight_store=cache)
     assert not second.from_cache
     assert not torch.equal(first.model.embed, second.model.embed)
-    fresh = load_model(str(folder), torch.float32, "int4", tokenizer=False, tensor_cache=False)
+    fresh = load_model(str(folder), torch.float32, "int4", tokenizer=False, weight_store=False)
     _same_model(fresh.model, second.model)
     new_key_dirs = sorted(p.name for p in cache.iterdir())
     assert len(new_key_dirs) == 1 and new_key_dirs != old_key_dirs  # the stale entry was removed
     # Entries of sources that no longer exist go when the next entry is written.
     other = tmp_path / "other"
     _write_hf_folder(other, config, random_state(config, seed=6))
-    load_model(str(other), torch.float32, "dense", tokenizer=False, tensor_cache=cache)
+    load_model(str(other), torch.float32, "dense", tokenizer=False, weight_store=cache)
     assert len(list(cache.iterdir())) == 2
     shutil.rmtree(folder)
     _write_hf_folder(tmp_path / "third", config, random_state(config, seed=7))
-    load_model(str(tmp_path / "third"), torch.float32, "dense", tokenizer=False, tensor_cache=cache)
+    load_model(str(tmp_path / "third"), torch.float32, "dense", tokenizer=False, weight_store=cache)
     recorded = {json.loads((d / "source.json").read_text())["path"] for d in cache.iterdir()}
     assert recorded == {str(other.resolve()), str((tmp_path / "third").resolve())}
 
@@ -273,42 +273,42 @@ def test_damaged_cache_file_is_rebuilt(tmp_path):
     folder = tmp_path / "model"
     _write_hf_folder(folder, config, random_state(config, seed=4))
     cache = tmp_path / "tensors"
-    load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache)
+    load_model(str(folder), torch.float32, "int8", tokenizer=False, weight_store=cache)
     (file,) = cache.glob("*/*.safetensors")
     file.write_bytes(file.read_bytes()[:1000])  # truncated
-    again = load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache)
+    again = load_model(str(folder), torch.float32, "int8", tokenizer=False, weight_store=cache)
     assert not again.from_cache
-    _same_model(load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=False).model, again.model)
-    assert load_model(str(folder), torch.float32, "int8", tokenizer=False, tensor_cache=cache).from_cache
+    _same_model(load_model(str(folder), torch.float32, "int8", tokenizer=False, weight_store=False).model, again.model)
+    assert load_model(str(folder), torch.float32, "int8", tokenizer=False, weight_store=cache).from_cache
 
 
 def test_cache_key_uses_a_matching_fetch_stamp(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     source = ModelSource("gguf", gguf, "m")
-    stat_key = source_cache_key(source)
+    stat_key = source_store_key(source)
     assert stat_key.startswith("stat-")
     st = gguf.stat()
     stamp = tmp_path / "m.gguf.sha256.json"
     stamp.write_text(json.dumps({"sha256": "ab" * 32, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-    assert source_cache_key(source) == "sha256-" + "ab" * 32
+    assert source_store_key(source) == "sha256-" + "ab" * 32
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the stamp no longer describes the file
-    assert source_cache_key(source).startswith("stat-") and source_cache_key(source) != stat_key
+    assert source_store_key(source).startswith("stat-") and source_store_key(source) != stat_key
 
 
 def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     source = ModelSource("gguf", tmp_path / "m.gguf", "m")
     (tmp_path / "m.gguf").write_bytes(b"x")
     root = tmp_path / "c"
-    dense = tensor_cache_file(root, source, torch.bfloat16, "dense", {})
+    dense = weight_store_file(root, source, torch.bfloat16, "dense", {})
     assert dense.name == "bfloat16-dense-layout1-rows.safetensors"  # dense weights are native float rows
-    assert tensor_cache_file(root, source, torch.float32, "int4", {}).name == "float32-int4-layout1-rows.safetensors"
-    assert tensor_cache_file(root, source, torch.float32, "int8", {"unknown_option": 1}) is None
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")
-    assert tensor_cache_root(True) is None
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "elsewhere"))
-    assert tensor_cache_root(True) == tmp_path / "elsewhere"
-    assert tensor_cache_root(False) is None and tensor_cache_root(root) == root
+    assert weight_store_file(root, source, torch.float32, "int4", {}).name == "float32-int4-layout1-rows.safetensors"
+    assert weight_store_file(root, source, torch.float32, "int8", {"unknown_option": 1}) is None
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", "off")
+    assert weight_store_root(True) is None
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", str(tmp_path / "elsewhere"))
+    assert weight_store_root(True) == tmp_path / "elsewhere"
+    assert weight_store_root(False) is None and weight_store_root(root) == root
 
 
 # ------------------------------------------------------------------------------------- native weights, stored repacked
@@ -332,9 +332,9 @@ def test_native_weights_are_stored_repacked_and_read_back_exactly(tmp_path, tied
     config = tiny_config("qwen3", tie_word_embeddings=tied, vocab_size=128)
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=6), matrix_type="Q8_0")
     cache = tmp_path / "tensors"
-    uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=False)
-    first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=cache)
-    second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, tensor_cache=cache)
+    uncached = load_model(str(path), torch.bfloat16, "native", tokenizer=False, weight_store=False)
+    first = load_model(str(path), torch.bfloat16, "native", tokenizer=False, weight_store=cache)
+    second = load_model(str(path), torch.bfloat16, "native", tokenizer=False, weight_store=cache)
     assert (uncached.from_cache, first.from_cache, second.from_cache) == (False, False, True)
     [stored] = cache.rglob("*.safetensors")
     assert stored.name == f"bfloat16-native-{native_layout_tag(kernels.tiles_preferred())}.safetensors"
@@ -359,17 +359,17 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     prefetch is rebuilt."""
     import threading
 
-    from sparsespec.loading import tensor_cache
+    from sparsespec.loading import weight_store
 
     config = tiny_config("qwen3", vocab_size=128)
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=4), matrix_type="Q8_0")
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", str(tmp_path / "tensors"))
     built = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
     reads = []
-    read = tensor_cache.read_tensor_file
-    monkeypatch.setattr(tensor_cache, "read_tensor_file",
+    read = weight_store.read_tensor_file
+    monkeypatch.setattr(weight_store, "read_tensor_file",
                         lambda file: reads.append((file.name, threading.current_thread().name)) or read(file))
-    tensor_cache.prefetch_stored_models([str(path), "no-such-model"], "bfloat16", [None, "auto"])
+    weight_store.prefetch_stored_models([str(path), "no-such-model"], "bfloat16", [None, "auto"])
     loaded = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
     [stored] = (tmp_path / "tensors").rglob("*.safetensors")
     assert loaded.from_cache and reads == [(stored.name, "sparsespec prefetch")]
@@ -384,34 +384,34 @@ def test_a_prefetched_store_is_read_in_the_background_and_taken_by_the_load(tmp_
     expected = full_logits(built.model, ids)
     assert torch.equal(expected, full_logits(loaded.model, ids))
 
-    tensor_cache.prefetch_stored_models([str(path)], "bfloat16", ["auto"])
+    weight_store.prefetch_stored_models([str(path)], "bfloat16", ["auto"])
     assert not load_model(str(path), torch.float32, "auto", tokenizer=False).from_cache  # another dtype
-    assert not tensor_cache._prefetches  # the bfloat16 read it did not take is gone
+    assert not weight_store._prefetches  # the bfloat16 read it did not take is gone
 
-    tensor_cache.wait_for_huge_page_moves()  # the models above run on the file until their pages have moved
+    weight_store.wait_for_huge_page_moves()  # the models above run on the file until their pages have moved
     with open(stored, "r+b") as f:
         f.truncate(stored.stat().st_size - 100)
-    tensor_cache.prefetch_stored_models([str(path)], "bfloat16", ["native"])
+    weight_store.prefetch_stored_models([str(path)], "bfloat16", ["native"])
     rebuilt = load_model(str(path), torch.bfloat16, "auto", tokenizer=False)
     assert not rebuilt.from_cache and torch.equal(full_logits(rebuilt.model, ids), expected)
 
 
-def test_info_lists_what_the_tensor_cache_holds(tmp_path, monkeypatch, capsys):
+def test_info_lists_what_the_weight_store_holds(tmp_path, monkeypatch, capsys):
     """``sparsespec info`` names the cache's folder, each stored model's source and builds, and says when the
     cache is off."""
     from sparsespec.cli import main
 
     config = tiny_config("llama")
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=2))
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", str(tmp_path / "tensors"))
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", str(tmp_path / "tensors"))
     load_model(str(path), torch.float32, "dense", tokenizer=False)
     assert main(["info"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2].startswith(f"tensor cache: {tmp_path / 'tensors'}, 1 model, ")
+    assert lines[-2].startswith(f"weight store: {tmp_path / 'tensors'}, 1 model, ")
     assert lines[-1].startswith(f"  {path.resolve()}: float32-dense-layout1-rows (") and lines[-1].endswith(" MB)")
-    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")
+    monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", "off")
     assert main(["info"]) == 0 and capsys.readouterr().out.splitlines()[-1] == \
-        "tensor cache: off ($SPARSESPEC_TENSOR_CACHE)"
+        "weight store: off ($SPARSESPEC_WEIGHT_STORE)"
 
 
 @pytest.mark.usefixtures("native_kernels")
@@ -423,14 +423,14 @@ def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypat
     config = tiny_config("phi3", tie_word_embeddings=False, attention_bias=False, vocab_size=128)
     path = write_gguf_model(tmp_path / "model.gguf", config, random_state(config, seed=8), matrix_type="Q8_0")
     cache = tmp_path / "tensors"
-    load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache)
+    load_model(str(path), torch.float32, "native", tokenizer=False, weight_store=cache)
     [stored] = cache.rglob("*.safetensors")
     size = stored.stat().st_size
     with open(stored, "r+b") as f:
         f.truncate(size - 100)
-    rebuilt = load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache)
+    rebuilt = load_model(str(path), torch.float32, "native", tokenizer=False, weight_store=cache)
     assert not rebuilt.from_cache and stored.stat().st_size == size
-    assert load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=cache).from_cache
+    assert load_model(str(path), torch.float32, "native", tokenizer=False, weight_store=cache).from_cache
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -438,7 +438,7 @@ def test_a_damaged_store_is_rebuilt_and_a_failed_write_warns(tmp_path, monkeypat
     monkeypatch.setattr(weights, "write_safetensors", disk_full)
     other = tmp_path / "other"
     capsys.readouterr()
-    loaded = load_model(str(path), torch.float32, "native", tokenizer=False, tensor_cache=other)
+    loaded = load_model(str(path), torch.float32, "native", tokenizer=False, weight_store=other)
     assert not loaded.from_cache and not list(other.rglob("*.safetensors"))
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("sparsespec: warning: could not store the built weights in ")

@@ -158,8 +158,8 @@ def test_scaled_greedy_equals_transformers_generate(name):
     assert len(set(ours)) > 3  # not a constant run, which any position encoding could produce
 
 
-def test_config_survives_the_tensor_cache_round_trip():
-    """The tensor cache stores ``to_dict`` as JSON: the scaling (tuples included) comes back equal."""
+def test_config_survives_the_weight_store_round_trip():
+    """The weight store stores ``to_dict`` as JSON: the scaling (tuples included) comes back equal."""
     config = dataclasses.replace(tiny_config(), rope_scaling=RopeScaling("yarn", factor=4.0, attention_factor=1.2,
                                                                          original_max_position_embeddings=64,
                                                                          freq_factors=(1.0, 2.0, 3.0, 4.0)))
@@ -208,7 +208,7 @@ def test_llama31_gguf_rope_freqs_match_transformers_llama3(tmp_path):
     assert 1.0 in freqs and 8.0 in freqs and ((freqs > 1) & (freqs < 8)).any()  # all three branches
     path = write_llama_gguf(tmp_path / "llama31.gguf", scaled, state, rope_freqs=freqs)
 
-    loaded = load_model(str(path), torch.float32, "dense", tokenizer=False, tensor_cache=False)
+    loaded = load_model(str(path), torch.float32, "dense", tokenizer=False, weight_store=False)
     assert loaded.config.rope_scaling == RopeScaling("none", freq_factors=tuple(freqs.tolist()))
     tokens = prompt(scaled.vocab_size)
     with torch.no_grad():
@@ -218,7 +218,7 @@ def test_llama31_gguf_rope_freqs_match_transformers_llama3(tmp_path):
     assert_logits_close(loaded.model.forward(tokens, arena), expected)
 
     plain = write_llama_gguf(tmp_path / "plain.gguf", scaled, state)
-    unscaled = load_model(str(plain), torch.float32, "dense", tokenizer=False, tensor_cache=False)
+    unscaled = load_model(str(plain), torch.float32, "dense", tokenizer=False, weight_store=False)
     assert unscaled.config.rope_scaling is None
     arena = KVArena(unscaled.config, make_policy("full"), dtype=torch.float32, max_tokens=len(tokens),
                     max_block=len(tokens))

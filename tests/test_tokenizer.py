@@ -83,12 +83,12 @@ def test_tokenizer_cache_builds_once_then_reads_the_stored_copy(tmp_path, monkey
     calls = []
     monkeypatch.setattr(load_module, "load_tokenizer", lambda source: calls.append(source) or original)
     folder = tmp_path / "tokenizer"
-    first = load_module._cached_tokenizer(smollm2_f32.source, folder)
-    second = load_module._cached_tokenizer(smollm2_f32.source, folder)
+    first = load_module._stored_tokenizer(smollm2_f32.source, folder)
+    second = load_module._stored_tokenizer(smollm2_f32.source, folder)
     assert first is original and len(calls) == 1
     assert second is not original and second.encode(SAMPLES[0]) == original.encode(SAMPLES[0])
     (folder / "sparsespec_tokenizer.json").write_text(json.dumps({"special_tokens": ["not", "a", "map"]}))
-    load_module._cached_tokenizer(smollm2_f32.source, folder)
+    load_module._stored_tokenizer(smollm2_f32.source, folder)
     assert len(calls) == 2  # the damaged copy was not used
     assert Tokenizer.from_folder(folder).special_tokens == original.special_tokens  # and was stored again
 
@@ -111,11 +111,11 @@ def test_chat_template_helpers_render_as_in_transformers():
 def stored_or_built_tokenizer(path) -> Tokenizer:
     """The fixture's tokenizer as ``sparsespec fetch`` stored it (equal to transformers' by the test above), else
     built with transformers."""
-    from sparsespec.loading.tensor_cache import source_cache_key, tensor_cache_root
+    from sparsespec.loading.weight_store import source_store_key, weight_store_root
 
     source = resolve_model(str(path))
-    root = tensor_cache_root()
-    folder = None if root is None else root / source_cache_key(source) / "tokenizer"
+    root = weight_store_root()
+    folder = None if root is None else root / source_store_key(source) / "tokenizer"
     return Tokenizer.from_folder(folder) if folder is not None and folder.is_dir() else load_tokenizer(source)
 
 

@@ -60,7 +60,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if not models:
         return 0
     from .loading.load import prepare_model
-    from .loading.tensor_cache import stop_huge_page_moves
+    from .loading.weight_store import stop_huge_page_moves
 
     for name in models:
         if not args.quiet:
@@ -74,18 +74,18 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """The version; which kernels, instruction set and threads decoding uses; what the tensor cache holds."""
+    """The version; which kernels, instruction set and threads decoding uses; what the weight store holds."""
     import torch
 
     from . import __version__, kernels
     from .flags import check_threads
-    from .loading.tensor_cache import describe_tensor_cache
+    from .loading.weight_store import describe_weight_store
 
     if args.threads is not None:
         torch.set_num_threads(check_threads(args.threads))
     print(f"sparsespec {__version__}, torch {torch.__version__}")
     print(kernels.info())
-    print("\n".join(describe_tensor_cache()))
+    print("\n".join(describe_weight_store()))
     return 0
 
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        from .loading.tensor_cache import drop_prefetches
+        from .loading.weight_store import drop_prefetches
 
         drop_prefetches()  # a mapping the command began before it found the mistake
         print(f"sparsespec: error: {user_message(exc, PARAMETER_FLAGS)}", file=sys.stderr)

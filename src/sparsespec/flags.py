@@ -296,8 +296,8 @@ def reject_without(given: list[str], needed: str, reason: str = "") -> None:
 
 def prefetch_models(args: argparse.Namespace) -> None:
     """Start mapping the stored builds of ``--model`` and ``--draft`` in the background, before the command imports
-    torch (``loading/tensor_cache.py``); the loads take them."""
-    from .loading.tensor_cache import prefetch_stored_models
+    torch (``loading/weight_store.py``); the loads take them."""
+    from .loading.weight_store import prefetch_stored_models
 
     draft_weights = getattr(args, "draft_weights", None) or args.weights
     draft = getattr(args, "draft", None)

@@ -18,7 +18,7 @@ Formats (``make_linear(..., fmt=...)``), all multiplied by the native kernels (`
 model role (:func:`auto_format`).
 
 Every linear can be taken apart into plain tensors plus JSON-ready facts (``to_tensors()`` / ``meta()``) and put
-back together without redoing any work (:func:`linear_from_tensors`): the on-disk tensor cache of
+back together without redoing any work (:func:`linear_from_tensors`): the on-disk weight store of
 ``loading/weights.py`` stores layers that way, so a cached start neither dequantizes nor quantizes.
 """
 

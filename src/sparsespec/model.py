@@ -91,7 +91,7 @@ class Transformer:
         :func:`~sparsespec.linear.auto_format`). Norms and the embedding stay in ``dtype``. ``linear_options`` go
         to :func:`~sparsespec.linear.make_linear` (``ggml_type`` for ``native``).
 
-        ``linears`` holds projections built beforehand (the on-disk tensor cache, or the GGUF's own blocks for
+        ``linears`` holds projections built beforehand (the on-disk weight store, or the GGUF's own blocks for
         ``native``), keyed ``layers.{i}.qkv``, ``layers.{i}.o_proj``, ``layers.{i}.gate_up``, ``layers.{i}.down``,
         ``lm_head`` and optionally ``embed`` (an object indexed by token ids, e.g.
         :class:`~sparsespec.linear.NativeEmbedding`); those are used as they are and ``state`` needs only the norms

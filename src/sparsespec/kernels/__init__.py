@@ -53,8 +53,8 @@ import torch
 KERNELS_ENV = "SPARSESPEC_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "ops.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp", "qmatmul_neon.cpp",
-    "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp", "project.cpp",
+    "ops.cpp", "ops_layer.cpp", "qmatmul_scalar.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_amx.cpp",
+    "qmatmul_neon.cpp", "fmatmul.cpp", "fmatmul_avx2.cpp", "fmatmul_avx512.cpp", "fmatmul_neon.cpp", "project.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "elementwise.cpp",
     "norm.cpp", "recall.cpp", "arena.cpp", "ledger.cpp", "model.cpp",
 )

@@ -31,7 +31,7 @@ BLOCK_TYPES = {
 FLOAT_GROUP = 16
 FLOAT_TYPES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}
 CHUNK, QUARTER = 256, 64
-# Bumped whenever the bytes this module writes change, so that stored repacked weights (the tensor cache) are rebuilt.
+# Bumped whenever the bytes this module writes change, so that stored repacked weights (the weight store) are rebuilt.
 LAYOUT_VERSION = 1
 
 

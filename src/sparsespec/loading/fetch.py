@@ -118,7 +118,7 @@ def _write_stamp(path: Path, sha256: str) -> None:
 
 def stamped_sha256(path: Path) -> str | None:
     """The sha256 (64 lowercase hex digits) recorded in ``path``'s stamp if the stamp still matches the file's size
-    and mtime, else None. The tensor cache keys fetched files by it too (``loading/tensor_cache.py``)."""
+    and mtime, else None. The weight store keys fetched files by it too (``loading/weight_store.py``)."""
     try:
         stamp = json.loads(_stamp_path(path).read_text())
         st = path.stat()

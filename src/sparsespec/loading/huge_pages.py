@@ -10,7 +10,7 @@ mapping the file it takes a fraction of a second. Measured in
 benchmarks/history/serving-and-footprint.md#stored-models-mapped-moved-into-huge-pages-only-where-that-is-quick-or-the-machine-idles-2026-12-06-late-morning
 and benchmarks/history/source-notes.md#huge-pages-rates
 
-So a stored model is memory-mapped (``tensor_cache.read_tensor_file``: the model can run at once, on the page
+So a stored model is memory-mapped (``weight_store.read_tensor_file``: the model can run at once, on the page
 cache's pages), and :func:`move_into_huge_pages` then moves the mapping's pages, one huge page at a time, into
 anonymous memory in huge pages at the same addresses (read the file into a fresh huge page, then ``mremap`` it over
 the mapped range), on a background thread. Tensors that view the mapping stay valid throughout and see the same

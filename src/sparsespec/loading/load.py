@@ -24,9 +24,9 @@ from .weights import (
     load_model_tensors,
     load_state,
     save_model_tensors,
-    tensor_cache_file,
+    weight_store_file,
 )
-from .tensor_cache import drop_prefetches, tensor_cache_root
+from .weight_store import drop_prefetches, weight_store_root
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -40,7 +40,7 @@ class LoadedModel:
     """A model with its tokenizer and where it came from.
 
     ``weights`` is the concrete weight format (``native``, ``dense``, ``int8`` or ``int4``, after resolving ``auto``);
-    ``from_cache`` tells whether the tensors came from the on-disk tensor cache.
+    ``from_cache`` tells whether the tensors came from the on-disk weight store.
     """
 
     name: str
@@ -64,7 +64,7 @@ def load_model(
     tokenizer: bool = True,
     *,
     role: str = "target",
-    tensor_cache: bool | str | Path = True,
+    weight_store: bool | str | Path = True,
     share_tokenizer: Tokenizer | None = None,
     activations: str = "auto",
 ) -> LoadedModel:
@@ -77,10 +77,10 @@ def load_model(
             (Q8_0 blocks), ``int4`` (Q4_1 blocks) or ``auto`` (:func:`choose_format`).
         tokenizer: also load the tokenizer.
         role: ``"target"`` or ``"draft"``, for ``weights="auto"``.
-        tensor_cache: the on-disk store of prepared models (``loading/tensor_cache.py``): ``True`` = default
+        weight_store: the on-disk store of prepared models (``loading/weight_store.py``): ``True`` = default
             folder, ``False`` = off, or a folder. A hit skips reading the source's weights and building the model
             (for native weights: repacking the GGUF's blocks); a miss builds the model and stores it. The tokenizer
-            is cached too (next to the tensors).
+            is stored too (next to the tensors).
         share_tokenizer: another model's tokenizer, taken as this model's when their stored backends are the
             same (a draft's, whose chat template and special tokens are never used).
         activations: what quantized weights multiply: ``int8`` (activations quantized per block, the kernels'
@@ -93,13 +93,13 @@ def load_model(
 
     check_activations(activations)
     source = resolve_model(ref)
-    root = tensor_cache_root(tensor_cache)
+    root = weight_store_root(weight_store)
     # Float activations read the row layout; the automatic choice learns the model's size once it is loaded.
     tiles = kernels.tiles_preferred() and activations != "float"
 
-    def cached(fmt: str):
+    def stored(fmt: str):
         options = {"tiles": tiles} if fmt == NATIVE else {}
-        file = None if root is None else tensor_cache_file(root, source, dtype, fmt, options)
+        file = None if root is None else weight_store_file(root, source, dtype, fmt, options)
         return file, (None if file is None else load_model_tensors(file, dtype, fmt))
 
     fmt, note, file, hit = NATIVE, None, None, None
@@ -107,11 +107,11 @@ def load_model(
     if tried_native:
         # A stored native build of this file means the kernels read all its weights: that is what choose_format
         # would find by reading the file's header (a third of a second for a 150k-token vocabulary).
-        file, hit = cached(NATIVE)
+        file, hit = stored(NATIVE)
     if hit is None:
         fmt, note = choose_format(source, weights, role, dtype)
         if not (tried_native and fmt == NATIVE):  # a native store found unusable above is not read again
-            file, hit = cached(fmt)
+            file, hit = stored(fmt)
     if hit is not None:
         config, model = hit
     else:
@@ -140,13 +140,13 @@ def load_model(
     if float_activations_chosen(activations, model.projection_parameters()):
         if any(kind in TILED_TYPES.values() for _, linear in model.linear_items() for kind in linear.types):
             # the same file in the row layout, which float activations read
-            return load_model(ref, dtype, weights, tokenizer, role=role, tensor_cache=tensor_cache,
+            return load_model(ref, dtype, weights, tokenizer, role=role, weight_store=weight_store,
                               share_tokenizer=share_tokenizer, activations="float")
         for _, linear in model.linear_items():
             linear.float_activations = True
     tok = None
     if tokenizer:
-        tok = _cached_tokenizer(source, None if file is None else file.parent / "tokenizer", share_tokenizer)
+        tok = _stored_tokenizer(source, None if file is None else file.parent / "tokenizer", share_tokenizer)
     if note:  # said once the model loaded, so that a file that fails to load gets its one error line only
         print(f"sparsespec: note: {note}", file=sys.stderr)
     return LoadedModel(source.name, source, config, model, tok, fmt, hit is not None)
@@ -198,7 +198,7 @@ def choose_format(source: ModelSource, weights: str, role: str,
     return NATIVE, None
 
 
-def _cached_tokenizer(source: ModelSource, folder: Path | None, share: Tokenizer | None = None) -> Tokenizer:
+def _stored_tokenizer(source: ModelSource, folder: Path | None, share: Tokenizer | None = None) -> Tokenizer:
     """The tokenizer, read from ``folder`` when stored there, else built with ``transformers`` and stored; or
     ``share`` itself when the stored backend is the same (the same ids for the same text; for a draft, which
     reads ids only, so that the pair holds one tokenizer, ~90 MB for 150k tokens, not two).
@@ -222,6 +222,6 @@ def _cached_tokenizer(source: ModelSource, folder: Path | None, share: Tokenizer
         tok.save(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
-    except Exception:  # caching is best effort (e.g. a full disk)
+    except Exception:  # storing is best effort (e.g. a full disk)
         shutil.rmtree(tmp, ignore_errors=True)
     return tok

@@ -1,6 +1,6 @@
 """Reading weights: GGUF files (dequantized) and safetensors folders into a Hugging Face-named state dict; and
-the on-disk cache of built models, whose files this module names, writes and rebuilds models from
-(``tensor_cache.py`` describes the cache, keys its folders and reads its files).
+the weight store of built models, whose files this module names, writes and rebuilds models from
+(``weight_store.py`` describes the store, keys its folders and reads its files).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..errors import ConfigError, UserError
 from ..linear import NativeEmbedding, linear_from_tensors, native_layout_tag
 from ..model import layer_norms
 from .source import GGUFTensorInfo, ModelSource, open_gguf, read_gguf_config, read_gguf_tensor_table
-from .tensor_cache import TENSOR_ALIGNMENT, source_cache_key, take_tensor_file
+from .weight_store import TENSOR_ALIGNMENT, source_store_key, take_tensor_file
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index); the layers' norms come from layer_norms.
 _GGUF_TO_HF = {
@@ -299,26 +299,26 @@ def _check_complete(config: ModelConfig, state: dict[str, torch.Tensor], where: 
                             f"implies {list(shape)}; the weights do not match the config.")
 
 
-# ------------------------------------------------------------------------------------------------ tensor cache
+# ------------------------------------------------------------------------------------------------ weight store
 
 # 2: the config carries RoPE scaling (entries without it may be wrong, so rebuild); 3: the data section starts
 # 64-byte aligned, so that the file is mapped rather than copied
-TENSOR_CACHE_VERSION = 3
+WEIGHT_STORE_VERSION = 3
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def tensor_cache_file(
+def weight_store_file(
     root: Path, source: ModelSource, dtype: torch.dtype, fmt: str, options: Mapping
 ) -> Path | None:
-    """The cache file for one (source, dtype, format, options), or None when these options cannot be cached.
+    """The store's file for one (source, dtype, format, options), or None when these options cannot be stored.
     Native weights take the option ``tiles`` (their layout, :func:`load_gguf_native`)."""
     if dtype not in _DTYPE_NAMES:
         return None
     options = dict(options)
     name = f"{_DTYPE_NAMES[dtype]}-{fmt}-{native_layout_tag(bool(options.pop('tiles', False)))}"
-    if options:  # an option this cache does not know how to name
+    if options:  # an option the store does not know how to name
         return None
-    return root / source_cache_key(source) / f"{name}.safetensors"
+    return root / source_store_key(source) / f"{name}.safetensors"
 
 
 def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
@@ -335,12 +335,12 @@ def save_model_tensors(model, file: Path, source: ModelSource) -> bool:
     items = model.linear_items() + ([("embed", model.embed.table)] if native_embedding else [])
     for key, lin in items:
         if key == "lm_head" and model.head_shares_embedding:
-            continue  # rebuilt from the embedding, as the uncached path does
+            continue  # rebuilt from the embedding, as a build from the source does
         linears[key] = lin.meta()
         for name, t in lin.to_tensors().items():
             tensors[f"{key}.{name}"] = t
     metadata = {
-        "sparsespec_tensor_cache": str(TENSOR_CACHE_VERSION),
+        "sparsespec_tensor_cache": str(WEIGHT_STORE_VERSION),
         "config": json.dumps(model.config.to_dict()),
         "dtype": _DTYPE_NAMES[model.dtype],
         "weights": model.weights_format,
@@ -408,7 +408,7 @@ def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 def read_safetensors(file: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Metadata and tensors of a safetensors file written by :func:`write_safetensors`: views of its mapping (see
-    :func:`tensor_cache.read_tensor_file`; taken from its background mapping when the command started one), which
+    :func:`weight_store.read_tensor_file`; taken from its background mapping when the command started one), which
     a background thread moves into anonymous huge pages (``huge_pages.py``). A tensor whose offset would leave it
     less than 64-byte aligned for the kernels is a copy instead.
     """
@@ -438,7 +438,7 @@ def load_model_tensors(file: Path, dtype: torch.dtype, fmt: str):
     try:
         metadata, tensors = read_safetensors(file)
         if (
-            metadata.get("sparsespec_tensor_cache") != str(TENSOR_CACHE_VERSION)
+            metadata.get("sparsespec_tensor_cache") != str(WEIGHT_STORE_VERSION)
             or metadata.get("dtype") != _DTYPE_NAMES[dtype]
             or metadata.get("weights") != fmt
         ):

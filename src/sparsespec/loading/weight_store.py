@@ -1,31 +1,31 @@
-"""The on-disk cache of built models: where its files live, and reading one, in the background if asked.
+"""The weight store: built models kept on disk, where their files live, and reading one, in the background if asked.
 
 Opening a GGUF file is slow in pure Python (parsing the metadata of the 1.5B Qwen2.5 file alone takes a third of a
 second), repacking its blocks for the native kernels takes seconds, and quantizing to int8 / int4 more. So after
 a model is built its tensors are stored, exactly as the model holds them (repacked GGUF blocks, quantized or
 float rows), in one safetensors file, its tokenizer beside it::
 
-    <cache root>/<source key>/<dtype>-<format>-<layout>.safetensors
-    <cache root>/<source key>/tokenizer/
+    <store root>/<source key>/<dtype>-<format>-<layout>.safetensors
+    <store root>/<source key>/tokenizer/
 
 with the model config and each layer's facts in the file's metadata. A later load of the same source, dtype and
-format reads that file and builds nothing, so it holds exactly the same values as the uncached path
+format reads that file and builds nothing, so it holds exactly the same values as a build from the source
 (``weights.py`` names the files, stores and rebuilds models; ``load.py`` reads the tokenizer).
 
-* Cache root: ``cache_dir()/tensors`` (``$SPARSESPEC_HOME/tensors``); ``$SPARSESPEC_TENSOR_CACHE`` set to
-  ``0`` / ``off`` / ``false`` turns the cache off, set to a folder it moves it there.
-* Source key (what invalidates the cache): for a GGUF file with a fetch stamp (``<file>.sha256.json``, written by
+* Root: ``cache_dir()/tensors`` (``$SPARSESPEC_HOME/tensors``); ``$SPARSESPEC_WEIGHT_STORE`` set to ``0`` /
+  ``off`` / ``false`` turns the store off, set to a folder it moves it there.
+* Source key (what invalidates a stored build): for a GGUF file with a fetch stamp (``<file>.sha256.json``, written by
   ``sparsespec fetch``) whose recorded size and mtime still match, its sha256: ``sha256-<hex>``. Any other GGUF
   file, and a Hugging Face folder (``config.json``, every ``*.safetensors`` and its tokenizer files), is keyed by a
   hash of resolved path, size and mtime (``stat-<hex>``), so replacing or touching the file makes a new key
   without hashing gigabytes on every start. Each key folder records its source in ``source.json``; whenever an
   entry is written, the folders of the same path's old keys and of paths that no longer exist are deleted.
 * The layout in the file name, :func:`~sparsespec.linear.native_layout_tag` (the repacking's version, and whether
-  blocks load as column tiles, which depends on the CPU), so a cache moved to another machine is rebuilt rather
+  blocks load as column tiles, which depends on the CPU), so a store moved to another machine is rebuilt rather
   than misread.
 * Files are written to a temporary name and renamed into place, so a reader never sees a partial file; a file
-  that cannot be read (truncated, or written by another cache version) is ignored and rebuilt. Failing to write
-  (e.g. a full disk) only skips caching.
+  that cannot be read (truncated, or written by another store version) is ignored and rebuilt. Failing to write
+  (e.g. a full disk) only skips storing.
 
 A stored file is memory-mapped, not read: the model runs on the page cache's pages from the start, and a background
 thread moves them into anonymous huge pages at the same addresses when the command lets it (``huge_pages.py``, which
@@ -49,28 +49,29 @@ from .fixtures import cache_dir
 from .huge_pages import move_into_huge_pages, populate
 from .source import ModelSource, resolve_model
 
-TENSOR_CACHE_ENV = "SPARSESPEC_TENSOR_CACHE"
+WEIGHT_STORE_ENV = "SPARSESPEC_WEIGHT_STORE"
+OLD_WEIGHT_STORE_ENV = "SPARSESPEC_TENSOR_CACHE"  # its name before, still read so that a setting keeps its effect
 
 
-def tensor_cache_root(cache: bool | str | Path = True) -> Path | None:
-    """Where cached model tensors live, or None when caching is off.
+def weight_store_root(store: bool | str | Path = True) -> Path | None:
+    """Where stored models live, or None when the store is off.
 
-    ``cache``: ``True`` (the default root, or ``$SPARSESPEC_TENSOR_CACHE`` when it names a folder), ``False``
+    ``store``: ``True`` (the default root, or ``$SPARSESPEC_WEIGHT_STORE`` when it names a folder), ``False``
     (off), or a folder.
     """
-    if cache is False or cache is None:
+    if store is False or store is None:
         return None
-    if cache is not True:
-        return Path(cache)
-    env = os.environ.get(TENSOR_CACHE_ENV, "").strip()
+    if store is not True:
+        return Path(store)
+    env = os.environ.get(WEIGHT_STORE_ENV, os.environ.get(OLD_WEIGHT_STORE_ENV, "")).strip()
     if env.lower() in ("0", "off", "false", "no"):
         return None
     return Path(env).expanduser() if env and env.lower() not in ("1", "on", "true", "yes") else cache_dir() / "tensors"
 
 
-def source_cache_key(source: ModelSource) -> str:
-    """The cache key of a model source: ``sha256-<hex>`` from a matching fetch stamp, else ``stat-<hex>`` (of the
-    file, or of a folder's config, weights and tokenizer files: the cache holds its tokenizer too)."""
+def source_store_key(source: ModelSource) -> str:
+    """The store's key of a model source: ``sha256-<hex>`` from a matching fetch stamp, else ``stat-<hex>`` (of the
+    file, or of a folder's config, weights and tokenizer files: the store holds its tokenizer too)."""
     path = Path(source.path)
     if source.kind == "gguf":
         sha = stamped_sha256(path)
@@ -88,11 +89,11 @@ def source_cache_key(source: ModelSource) -> str:
     return f"stat-{digest.hexdigest()[:32]}"
 
 
-def describe_tensor_cache() -> list[str]:
-    """Lines for ``sparsespec info``: the cache's folder and size, then each model's stored builds and tokenizer."""
-    root = tensor_cache_root(True)
+def describe_weight_store() -> list[str]:
+    """Lines for ``sparsespec info``: the store's folder and size, then each model's stored builds and tokenizer."""
+    root = weight_store_root(True)
     if root is None:
-        return [f"tensor cache: off (${TENSOR_CACHE_ENV})"]
+        return [f"weight store: off (${WEIGHT_STORE_ENV})"]
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
     lines, total = [], 0
     for folder in folders:
@@ -109,7 +110,7 @@ def describe_tensor_cache() -> list[str]:
             builds.append("tokenizer")
         lines.append(f"  {source}: {', '.join(builds) or 'nothing stored'}")
     models = f"{len(folders)} model{'' if len(folders) == 1 else 's'}"
-    return [f"tensor cache: {root}, {models}, {total / 1e9:.2f} GB"] + lines
+    return [f"weight store: {root}, {models}, {total / 1e9:.2f} GB"] + lines
 
 
 # ----------------------------------------------------------------------------------------------- reading a file
@@ -133,7 +134,7 @@ class StoredTensors:
 
 def read_tensor_file(file: Path) -> StoredTensors:
     """Map ``file`` (private: the process never writes it) and fault its pages in; ``ValueError`` when its header
-    is malformed, its data section unaligned (a file from an older cache version) or its data truncated,
+    is malformed, its data section unaligned (a file from an older store version) or its data truncated,
     ``OSError`` when it cannot be read. :func:`~sparsespec.loading.huge_pages.move_into_huge_pages` may then move
     the mapping into anonymous huge pages."""
     with open(file, "rb", buffering=0) as f:
@@ -244,12 +245,12 @@ def take_tensor_file(file: Path) -> StoredTensors:
 def stored_native_file(ref: str, dtype_name: str) -> Path | None:
     """The stored native build of the GGUF model ``ref`` for ``dtype_name``, when exactly one exists (None when
     ``ref`` is not a GGUF model, is unknown, or has no or several such builds: then nothing is guessed)."""
-    root = tensor_cache_root(True)
+    root = weight_store_root(True)
     try:
         source = resolve_model(ref)
         if root is None or source.kind != "gguf":
             return None
-        candidates = list((root / source_cache_key(source)).glob(f"{dtype_name}-native-*.safetensors"))
+        candidates = list((root / source_store_key(source)).glob(f"{dtype_name}-native-*.safetensors"))
     except Exception:  # whatever is wrong with ref, load_model says it in its own words
         return None
     return candidates[0] if len(candidates) == 1 else None
