@@ -309,6 +309,9 @@ def test_cache_file_names_and_switches(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSESPEC_WEIGHT_STORE", str(tmp_path / "elsewhere"))
     assert weight_store_root(True) == tmp_path / "elsewhere"
     assert weight_store_root(False) is None and weight_store_root(root) == root
+    monkeypatch.delenv("SPARSESPEC_WEIGHT_STORE")
+    monkeypatch.setenv("SPARSESPEC_TENSOR_CACHE", "off")  # the variable's name before: a setting keeps its effect
+    assert weight_store_root(True) is None
 
 
 # ------------------------------------------------------------------------------------- native weights, stored repacked
