@@ -40,6 +40,7 @@ from sparsespec.eval.sweep import (
     parse_draft,
     plot_sweep,
     read_records,
+    retrieval_summary,
     run_grid,
     setup_id,
 )
@@ -328,6 +329,18 @@ def test_sweep_records_retrieval_per_point_from_a_planted_answerer(tmp_path):
                               needle_prompts=[needle_prompt(4090, 50)])
     with pytest.raises(UserError, match=r"The longest retrieval prompt plus its answer \(4106 tokens\) exceeds tiny"):
         too_long.check(points[0])
+
+
+def test_retrieval_in_turns_is_scored_per_question_and_per_turn():
+    """With turns every question counts, and ``by_turn`` scores each turn (absent without turns)."""
+    records = [{"length": 600, "depth": depth, "turn": turn, "correct": turn == 0 or (depth, turn) == (0.0, 2)}
+               for depth in (0.0, 100.0) for turn in range(3)]
+    summary = retrieval_summary("multikey", records)
+    assert (summary["cells"], summary["correct"]) == (6, 3)
+    assert summary["by_turn"] == {"1": {"cells": 2, "correct": 2, "fraction": 1.0},
+                                  "2": {"cells": 2, "correct": 0, "fraction": 0.0},
+                                  "3": {"cells": 2, "correct": 1, "fraction": 0.5}}
+    assert "by_turn" not in retrieval_summary("multikey", [r for r in records if r["turn"] == 0])
 
 
 def test_sweep_names_its_parameters_in_a_context_error_and_the_command_words_them_as_flags():

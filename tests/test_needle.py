@@ -139,6 +139,27 @@ def test_multikey_plants_every_key_and_asks_for_the_one_at_the_depth(bpe_tokeniz
     assert abs(prompt.measured_depth - 30) <= 6
 
 
+def test_turns_ask_every_key_one_per_turn_after_the_same_prompt(bpe_tokenizer, haystack_text):
+    """With turns, the prompt is the multikey prompt of the same seed and cell, and every planted key is asked: the
+    prompt's own first, then the others, each by its own question; the first turn's message renders to the
+    prompt."""
+    haystack = Haystack(haystack_text, bpe_tokenizer)
+    once = build_prompt(bpe_tokenizer, haystack, NeedleSetup(task="multikey", keys=4, lengths=(900,)), 900, 40, 0)
+    setup = NeedleSetup(task="multikey", keys=4, lengths=(900,), turns=True)
+    prompt = build_prompt(bpe_tokenizer, haystack, setup, 900, 40, 0)
+    assert prompt.ids == once.ids and once.follow_ups == ()
+    questions = prompt.questions()
+    assert questions[0] == (once.question, once.expected) and len(questions) == 4
+    text = prompt_text(bpe_tokenizer, prompt)
+    for question, expected in questions:
+        lock = question.removeprefix("What is the passkey for the ").split(" mentioned")[0]
+        assert f"The passkey for the {lock} is {expected}." in text
+    assert len({expected for _, expected in questions}) == 4
+    rendered = bpe_tokenizer.apply_chat_template([{"role": "user", "content": prompt.message}],
+                                                 add_generation_prompt=True, tokenize=True)
+    assert list(rendered) == list(prompt.ids)
+
+
 def test_boundaries_and_planting():
     text = "One line here,\nanother line. Then more\nlast"
     assert boundary_near(text, 3) == 0 and boundary_near(text, 12) == 15
@@ -208,6 +229,25 @@ def test_grid_with_a_planted_answerer(bpe_tokenizer, haystack_text, tmp_path):
         assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
 
 
+def test_a_grid_of_turns_records_every_turn(bpe_tokenizer, haystack_text):
+    """An answerer that answers the first turn only: one record per turn, the table counts every turn of a cell,
+    and its last line scores each turn."""
+    setup = NeedleSetup(task="multikey", keys=3, lengths=(600,), depths=(0, 100), turns=True)
+    prompts = build_prompts(bpe_tokenizer, Haystack(haystack_text, bpe_tokenizer), setup)
+
+    def first_turn_only(prompt):
+        return [Answer(expected if turn == 0 else "no idea") for turn, (_, expected) in enumerate(prompt.questions())]
+
+    records = run_needle_grid(prompts, first_turn_only, setup, {"model": "planted"}, progress=False)
+    assert [(r["depth"], r["turn"], r["correct"]) for r in records] == [
+        (0.0, 0, True), (0.0, 1, False), (0.0, 2, False), (100.0, 0, True), (100.0, 1, False), (100.0, 2, False)]
+    assert [r["expected"] for r in records[:3]] == [expected for _, expected in prompts[0].questions()]
+    assert all(r["turns"] is True and r["keys"] == 3 for r in records)
+    table = summary_table(records).splitlines()
+    assert table[1].split() == ["600", "1/3", "1/3"]
+    assert table[-1] == "by turn  1: 2/2, 2: 0/2, 3: 0/2"
+
+
 @pytest.mark.parametrize("fields, words", [
     (dict(depths=(50, 101)), ["depths", "0 to 100", "101"]),
     (dict(depths=(-5,)), ["depths", "-5"]),
@@ -217,6 +257,7 @@ def test_grid_with_a_planted_answerer(bpe_tokenizer, haystack_text, tmp_path):
     (dict(task="multikey", keys=99), ["keys", "99"]),
     (dict(keys=3), ["keys", "multikey", "task passkey"]),
     (dict(task="riddle"), ["task", "'riddle'", "passkey, multikey, fact"]),
+    (dict(turns=True), ["turns", "multikey"]),
 ])
 def test_setup_mistakes(fields, words):
     """In the setup's field names; the needle command names its flags (--depths), sweep its --retrieval-* ones."""
@@ -225,6 +266,12 @@ def test_setup_mistakes(fields, words):
     for word in words:
         assert word in str(error.value)
     assert set(fields) <= set(error.value.params) and "--" not in str(error.value)
+
+
+def test_turns_need_chat_prompts():
+    with pytest.raises(ConfigError) as error:
+        NeedleSetup(task="multikey", turns=True, chat=False)
+    assert error.value.params == ("turns", "chat") and "chat template" in str(error.value)
 
 
 def test_a_length_too_short_or_a_text_too_short(bpe_tokenizer, haystack_text):
@@ -370,3 +417,17 @@ def test_one_real_cell_on_smollm2(capsys, smollm2_path, verse_file, tmp_path):
     assert 1 <= record["new_tokens"] <= 4 and record["kv_cache_bytes"] > 0
     assert record["correct"] == answer_is_correct(record["answer"], record["expected"])
     assert png.stat().st_size > 0
+
+
+def test_turns_on_smollm2_run_through_one_session(capsys, smollm2_path, verse_file):
+    """Two keys asked in two turns of one conversation with a budget: the second turn resumes the session (its
+    prompt reuses what the arenas hold) and is scored against its own key."""
+    code, out, err = run_cli(capsys, "--text", str(verse_file), "--lengths", "512", "--depths", "50", "-n", "8",
+                             "--task", "multikey", "--keys", "2", "--turns", "--policy", "hybrid", "--budget", "128",
+                             "--json", "--quiet", "--threads", "2")
+    assert code == 0, err
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert (first["turn"], second["turn"]) == (0, 1) and first["expected"] != second["expected"]
+    assert first["reused_tokens"] == 0 and second["reused_tokens"] >= first["prompt_tokens"]
+    assert second["turn_prompt_tokens"] > second["reused_tokens"] and second["evicted_tokens"] > 0
+    assert second["correct"] == answer_is_correct(second["answer"], second["expected"])

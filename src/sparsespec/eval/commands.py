@@ -48,12 +48,13 @@ DEFAULT_NEEDLE_NEW_TOKENS = 16
 
 # The eval library's parameters (errors.ConfigError) as these commands' flags name them, beside the shared ones.
 EVAL_PARAMETER_FLAGS = {**PARAMETER_FLAGS, "text": "--text", "max_tokens": "--max-tokens", "task": "--task",
-                        "lengths": "--lengths", "depths": "--depths", "trials": "--trials", "keys": "--keys"}
+                        "lengths": "--lengths", "depths": "--depths", "trials": "--trials", "keys": "--keys",
+                        "turns": "--turns", "chat": "--chat"}
 # sweep's: the lists of its grid, its --new-tokens, and the needle settings of its --retrieval.
 SWEEP_PARAMETER_FLAGS = {**EVAL_PARAMETER_FLAGS, "kinds": "--prompts", "policies": "--policies",
                          "budgets": "--budgets", "kv_dtypes": "--kv-dtypes", "retentions": "--retentions",
                          "max_new_tokens": "--new-tokens", "task": "--retrieval-task", "lengths": "--retrieval-lengths",
-                         "depths": "--retrieval-depths"}
+                         "depths": "--retrieval-depths", "turns": "--retrieval-turns"}
 
 
 def _add_text_arguments(parser: argparse.ArgumentParser, required: bool, max_tokens_default: int | None) -> None:
@@ -219,6 +220,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     measure.add_argument("--retrieval-depths", default=DEFAULT_NEEDLE_DEPTHS, metavar="PCT,PCT,...",
                          help="comma-separated --retrieval needle depths, percent of the haystack: 0 at its start, "
                               "100 just before the question (default: %(default)s)")
+    measure.add_argument("--retrieval-turns", action="store_true",
+                         help="--retrieval-task multikey: ask every passkey, one per turn of one conversation, as "
+                              "needle's --turns")
     parser.add_argument("--out", required=True, metavar="FILE.jsonl",
                         help="results, one JSON line per point; points already in it are skipped")
     parser.add_argument("--plots", default=None, metavar="DIR", help="draw the trade-off plots into this folder")
@@ -330,7 +334,7 @@ def _check_sweep_args(args: argparse.Namespace):
 
         retrieval = NeedleSetup(
             task=args.retrieval_task, lengths=_parse_numbers(args.retrieval_lengths, "--retrieval-lengths", int),
-            depths=_parse_numbers(args.retrieval_depths, "--retrieval-depths", float))
+            depths=_parse_numbers(args.retrieval_depths, "--retrieval-depths", float), turns=args.retrieval_turns)
     return measure_quality, measure_speed, retrieval
 
 
@@ -392,7 +396,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
         from .needle import Haystack, build_prompts
 
-        retrieval = replace(retrieval, chat=bool(getattr(target.tokenizer, "chat_template", None)))
+        has_template = bool(getattr(target.tokenizer, "chat_template", None))
+        if retrieval.turns and not has_template:
+            raise UserError(f"--retrieval-turns holds a conversation, and {target.name} has no chat template.")
+        retrieval = replace(retrieval, chat=has_template)
         haystack = Haystack(read_text(args.text), target.tokenizer, args.text)
         needle_prompts = build_prompts(target.tokenizer, haystack, retrieval)
 
@@ -481,6 +488,9 @@ def add_needle_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     test.add_argument("--keys", type=int, default=None, metavar="N",
                       help="passkeys planted by --task multikey: the one asked about at the depth, the others at "
                            "seed-chosen depths (default: 4)")
+    test.add_argument("--turns", action="store_true",
+                      help="--task multikey: ask every passkey, one per turn of one conversation (the prompt's key "
+                           "first, each later one as a new message), through one session as chat and serve hold it")
     test.add_argument("--text", default=DEFAULT_NEEDLE_TEXT, metavar="FILE|corpus:NAME",
                       help="the haystack: a text file, or corpus:NAME for a text of the fetched corpus "
                            "(default: %(default)s)")
@@ -557,7 +567,7 @@ def _check_needle_args(args: argparse.Namespace):
 
     setup = NeedleSetup(task=args.task, lengths=_parse_numbers(args.lengths, "--lengths", int),
                         depths=_parse_numbers(args.depths, "--depths", float), trials=args.trials, keys=args.keys,
-                        seed=args.seed)
+                        seed=args.seed, turns=args.turns)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}).")
     if args.plot is not None and not args.plot.lower().endswith(".png"):
@@ -587,7 +597,7 @@ def run_needle(args: argparse.Namespace) -> int:
     from ..cache.arena import require_kernels
     from ..loading.load import load_model
     from .needle import Haystack, build_prompts, cache_fields, cache_label, engine_answerer, plot_heatmap
-    from .needle import run_needle_grid, summary_table
+    from .needle import run_needle_grid, summary_table, turns_answerer
 
     setup, cache, draft_setup, text = _check_needle_args(args)
     dtype = setup_torch(args)
@@ -625,7 +635,8 @@ def run_needle(args: argparse.Namespace) -> int:
             out.flush()  # an interrupted run keeps the cells it finished
 
     try:
-        records = run_needle_grid(prompts, engine_answerer(target, cache, draft, args.max_new_tokens), setup,
+        answerer = turns_answerer if setup.turns else engine_answerer
+        records = run_needle_grid(prompts, answerer(target, cache, draft, args.max_new_tokens), setup,
                                   context, on_record=on_record, progress=not args.quiet)
     finally:
         if out is not None:
@@ -633,7 +644,7 @@ def run_needle(args: argparse.Namespace) -> int:
     if args.plot:
         plot_heatmap(records, args.plot, f"{model}, {cache_label(cache)}")
     if not args.json:
-        keys = f" ({setup.key_count} keys)" if setup.task == "multikey" else ""
+        keys = f" ({setup.key_count} keys{', one per turn' if setup.turns else ''})" if setup.task == "multikey" else ""
         print(f"model   {model}")
         print(f"cache   {cache_label(cache)}")
         print(f"task    {setup.task}{keys}, {setup.trials} trial(s) per cell, seed {setup.seed}, "

@@ -23,6 +23,13 @@ Tasks
     ``fact``      one made-up fact from :data:`FACTS` ("The lighthouse keeper on Varrin Island was named …");
                   asked for the name.
 
+    With ``turns`` (multikey only, chat prompts), every passkey is asked, one per turn of one conversation: the
+    prompt asks for the key at the cell's depth, each later turn (a new user message after the model's answer) for
+    another key, in the order the keys were drawn. The conversation runs through one session
+    (:class:`~sparsespec.engine.Session`), as ``chat`` and ``serve`` hold one, so a budgeted cache answers later
+    questions from what it kept after the earlier turns: the second question is the one a prompt's selection could
+    not see coming.
+
     Every random choice of a cell (the passkeys, the fact, the lock names, the other keys' depths, where the
     haystack starts) comes from :func:`cell_rng`, seeded by the run's seed and the cell, so a run is reproducible
     and cells do not depend on which other cells the grid has.
@@ -31,10 +38,11 @@ Scoring
     :func:`answer_is_correct`: the expected number or name appears in the answer as a whole word, ignoring case.
 
 Running
-    :func:`run_needle_grid` asks an injectable ``answer(prompt) -> Answer`` for every prompt and returns one record
-    per cell (:func:`needle_record`); :func:`engine_answerer` is the real one (greedy decoding through
-    :func:`~sparsespec.engine.run_generation`). :func:`summary_table` and :func:`plot_heatmap` show the records as
-    a length × depth table of correct answers.
+    :func:`run_needle_grid` asks an injectable ``answer(prompt) -> Answer`` (a list of them, one per turn, with
+    ``turns``) for every prompt and returns one record per cell and turn (:func:`needle_record`);
+    :func:`engine_answerer` is the real one (greedy decoding through :func:`~sparsespec.engine.run_generation`),
+    :func:`turns_answerer` its multi-turn twin (a :class:`~sparsespec.engine.Session` per cell).
+    :func:`summary_table` and :func:`plot_heatmap` show the records as a length × depth table of correct answers.
 """
 
 from __future__ import annotations
@@ -115,6 +123,7 @@ class NeedleSetup:
     keys: int | None = None  # multikey only; None there means DEFAULT_KEYS
     seed: int = 0
     chat: bool = True
+    turns: bool = False  # multikey only: every key asked, one per turn of one conversation
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -140,6 +149,11 @@ class NeedleSetup:
         elif not 2 <= self.key_count <= len(LOCKS):
             raise ConfigError("{keys} must be from 2 to {most} for {task} multikey (got {value}).", most=len(LOCKS),
                               value=self.key_count)
+        if self.turns and self.task != "multikey":
+            raise ConfigError("{turns} asks every passkey of {task} multikey, one per turn; use it with {task} "
+                              "multikey.")
+        if self.turns and not self.chat:
+            raise ConfigError("{turns} holds a conversation, which needs prompts in the chat template ({chat}).")
 
     @property
     def key_count(self) -> int:
@@ -169,6 +183,7 @@ class Plant:
     depths: tuple[float, ...]
     question: str
     expected: str
+    follow_ups: tuple[tuple[str, str], ...] = ()  # (question, expected) of the other needles, multikey only
 
 
 def make_plant(setup: NeedleSetup, depth: float, rng: random.Random) -> Plant:
@@ -182,9 +197,10 @@ def make_plant(setup: NeedleSetup, depth: float, rng: random.Random) -> Plant:
         locks = rng.sample(LOCKS, count)
         keys = [str(k) for k in rng.sample(range(10000, 100000), count)]
         others = tuple(round(rng.uniform(0, 100), 1) for _ in range(count - 1))
+        questions = [f"What is the passkey for the {lock} mentioned in the text above?" + NUMBER_ONLY
+                     for lock in locks]
         return Plant(tuple(f"The passkey for the {lock} is {key}." for lock, key in zip(locks, keys)),
-                     (depth, *others),
-                     f"What is the passkey for the {locks[0]} mentioned in the text above?" + NUMBER_ONLY, keys[0])
+                     (depth, *others), questions[0], keys[0], tuple(zip(questions[1:], keys[1:])))
     fact = rng.choice(FACTS)
     return Plant((fact.statement,), (depth,), fact.question + ANSWER_BRIEFLY, fact.answer)
 
@@ -290,6 +306,12 @@ class NeedlePrompt:
     expected: str
     needle: tuple[int, int]  # [start, stop) tokens of the asked needle sentence
     document: tuple[int, int]  # [start, stop) tokens of the haystack with every needle in it
+    message: str = ""  # the prompt's text: its user message where the prompt is in the chat template
+    follow_ups: tuple[tuple[str, str], ...] = ()  # later turns' (question, expected), with ``turns``
+
+    def questions(self) -> list[tuple[str, str]]:
+        """``(question, expected)`` of every turn: the prompt's own, then the follow-ups."""
+        return [(self.question, self.expected), *self.follow_ups]
 
     @property
     def measured_depth(self) -> float:
@@ -311,9 +333,14 @@ class _Rendered:
     document_at: int  # character where the document starts in the prompt text
 
 
+def prompt_message(document: str, question: str) -> str:
+    """The prompt's text: intro, document, question."""
+    return f"{INTRO}\n\n{document}\n\n{question}"
+
+
 def render_prompt(tokenizer, document: str, question: str, chat: bool) -> _Rendered:
     """Tokenize the prompt around ``document``: intro, document, question, in the chat template or plain."""
-    content = f"{INTRO}\n\n{document}\n\n{question}"
+    content = prompt_message(document, question)
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                              tokenize=False)
@@ -360,6 +387,7 @@ def build_prompt(tokenizer, haystack: Haystack, setup: NeedleSetup, length: int,
         expected=plant.expected,
         needle=_span(rendered.starts, needle_at, needle_at + len(plant.sentences[0])),
         document=_span(rendered.starts, rendered.document_at, rendered.document_at + len(document)),
+        message=prompt_message(document, plant.question), follow_ups=plant.follow_ups if setup.turns else (),
     )
 
 
@@ -400,6 +428,40 @@ def engine_answerer(target, cache, draft=None, max_new_tokens: int = 16) -> Call
     return answer
 
 
+def turns_answerer(target, cache, draft=None, max_new_tokens: int = 16) -> Callable[[NeedlePrompt], list[Answer]]:
+    """``answer(prompt)`` for ``turns``: an :class:`Answer` per question of the prompt (:meth:`NeedlePrompt.questions`),
+    asked in turns of one conversation, greedily, through a fresh :class:`~sparsespec.engine.Session` per prompt
+    (bounded by the model's context, as ``chat`` and ``serve`` hold one): the first turn is the prompt, each later
+    one the conversation so far (the answers as the model gave them) with the next question as a new user message,
+    read from where the session's arenas stopped."""
+    from ..engine import Session
+    from ..generate import stream_text
+    from ..loading.tokenizer import eos_token_ids
+    from ..sampling import SamplingParams
+
+    greedy = SamplingParams(0.0, 0, 1.0)
+    tokenizer = target.tokenizer
+    eos = eos_token_ids(tokenizer)
+
+    def answer(prompt: NeedlePrompt) -> list[Answer]:
+        session = Session(target, cache, draft, capacity=target.config.max_position_embeddings)
+        messages, answers = [], []
+        for turn, (question, _) in enumerate(prompt.questions()):
+            messages.append({"role": "user", "content": prompt.message if turn == 0 else question})
+            ids = list(prompt.ids) if turn == 0 else tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True)
+            stats = RunStats()
+            tokens = session.run(ids, max_new_tokens=max_new_tokens, sampling=greedy, seed=0, eos_ids=eos,
+                                 stats=stats)
+            with closing(tokens):
+                text = "".join(stream_text(tokens, tokenizer, eos_ids=eos))
+            messages.append({"role": "assistant", "content": text})
+            answers.append(Answer(text.strip(), stats))
+        return answers
+
+    return answer
+
+
 def plain_value(value):
     """``value`` as JSON can hold it: plain values as they are, a policy (anything with ``describe()``) by its
     description, anything else as text."""
@@ -434,19 +496,28 @@ def cache_label(cache) -> str:
     return ", ".join(parts)
 
 
-def needle_record(prompt: NeedlePrompt, answer: Answer, setup: NeedleSetup, context: Mapping) -> dict:
-    """One cell's JSON record: the cell, the question and answer, ``correct``, ``context`` (model, cache, draft:
-    what the run holds fixed), and the run's statistics (with the arena's own budget when the run reports one)."""
+def needle_record(prompt: NeedlePrompt, answer: Answer, setup: NeedleSetup, context: Mapping,
+                  turn: int = 0) -> dict:
+    """One cell's JSON record (one per turn with ``turns``: ``turn`` counts from 0, the prompt's own question): the
+    cell, the question and answer, ``correct``, ``context`` (model, cache, draft: what the run holds fixed), and the
+    run's statistics (with the arena's own budget when the run reports one; a later turn's ``reused_tokens`` are
+    the conversation the session resumed from)."""
+    question, expected = prompt.questions()[turn]
     record = {
         "task": setup.task, "length": prompt.length, "prompt_tokens": len(prompt.ids), "depth": prompt.depth,
         "measured_depth": round(prompt.measured_depth, 2), "needle_token": prompt.needle[0], "trial": prompt.trial,
-        "seed": setup.seed, "keys": setup.key_count, "chat": setup.chat,
-        "question": prompt.question, "expected": prompt.expected, "answer": answer.text,
-        "correct": answer_is_correct(answer.text, prompt.expected),
+        "seed": setup.seed, "keys": setup.key_count, "chat": setup.chat, "turns": setup.turns, "turn": turn,
+        "question": question, "expected": expected, "answer": answer.text,
+        "correct": answer_is_correct(answer.text, expected),
         **context,
     }
     stats = answer.stats.to_dict()
-    del stats["prompt_tokens"]  # the prompt's own count stands (a fake answerer's empty stats say 0)
+    if turn == 0:
+        del stats["prompt_tokens"]  # the prompt's own count stands (a fake answerer's empty stats say 0)
+    else:
+        stats["turn_prompt_tokens"] = stats.pop("prompt_tokens")  # the conversation so far, this turn's question in
+    if setup.turns:
+        stats["reused_tokens"] = answer.stats.reused_tokens
     record.update(stats)
     if answer.stats.budget is not None:
         record["budget"] = answer.stats.budget
@@ -456,8 +527,9 @@ def needle_record(prompt: NeedlePrompt, answer: Answer, setup: NeedleSetup, cont
 def run_needle_grid(prompts: Sequence[NeedlePrompt], answer: Callable[[NeedlePrompt], Answer], setup: NeedleSetup,
                     context: Mapping, *, on_record: Callable[[dict], None] | None = None,
                     progress: bool = True) -> list[dict]:
-    """Ask ``answer`` every prompt in turn; return the records (:func:`needle_record`), each also handed to
-    ``on_record`` as soon as it is made. ``progress`` shows a bar over the cells on stderr."""
+    """Ask ``answer`` every prompt in turn; return the records (:func:`needle_record`: one per answer, where
+    ``answer`` gives a list of them, one per turn), each also handed to ``on_record`` as soon as it is made.
+    ``progress`` shows a bar over the cells on stderr."""
     from tqdm import tqdm
 
     records: list[dict] = []
@@ -465,10 +537,12 @@ def run_needle_grid(prompts: Sequence[NeedlePrompt], answer: Callable[[NeedlePro
               disable=not progress) as bar:
         for prompt in prompts:
             bar.set_postfix_str(f"{prompt.length} tokens, depth {prompt.depth:g}%")
-            record = needle_record(prompt, answer(prompt), setup, context)
-            records.append(record)
-            if on_record is not None:
-                on_record(record)
+            answers = answer(prompt)
+            for turn, reply in enumerate(answers if isinstance(answers, list) else [answers]):
+                record = needle_record(prompt, reply, setup, context, turn)
+                records.append(record)
+                if on_record is not None:
+                    on_record(record)
             bar.update()
     return records
 
@@ -505,9 +579,19 @@ def score_grid(records: Iterable[Mapping]) -> ScoreGrid:
     return ScoreGrid(sorted({k[0] for k in cells}), sorted({k[1] for k in cells}), cells)
 
 
+def score_turns(records: Iterable[Mapping]) -> dict[int, tuple[int, int]]:
+    """``{turn: (correct, total)}`` of the records, turns counted from 0 (a run without turns has turn 0 only)."""
+    turns: dict[int, tuple[int, int]] = {}
+    for r in records:
+        correct, total = turns.get(r.get("turn", 0), (0, 0))
+        turns[r.get("turn", 0)] = (correct + bool(r["correct"]), total + 1)
+    return dict(sorted(turns.items()))
+
+
 def summary_table(records: Iterable[Mapping]) -> str:
-    """A text table, one row per length and one column per depth, of correct answers out of trials, and the
-    overall score on the last line."""
+    """A text table, one row per length and one column per depth, of correct answers out of trials (and turns),
+    the overall score, and with ``turns`` each turn's."""
+    records = list(records)
     grid = score_grid(records)
     width = max([7, *(len(f"{t}/{t}") + 2 for _, t in grid.cells.values())])
     lines = ["length \\ depth" + "".join(f"{d:g}%".rjust(width) for d in grid.depths)]
@@ -515,6 +599,9 @@ def summary_table(records: Iterable[Mapping]) -> str:
         row = [grid.cells.get((length, d)) for d in grid.depths]
         lines.append(f"{length:>14}" + "".join(("-" if c is None else f"{c[0]}/{c[1]}").rjust(width) for c in row))
     lines.append(f"overall  {grid.correct}/{grid.total} correct ({grid.fraction:.0%})")
+    turns = score_turns(records)
+    if len(turns) > 1:
+        lines.append("by turn  " + ", ".join(f"{turn + 1}: {c}/{t}" for turn, (c, t) in turns.items()))
     return "\n".join(lines)
 
 

@@ -41,8 +41,9 @@ Output file (``.jsonl``, appended one line per finished point, flushed immediate
                       decode_seconds, kv_cache_bytes, kv_peak_bytes, by_kind}`` plus, with a draft, ``acceptance_rate``,
                       ``tokens_per_target_pass``, ``draft_target_cost_ratio``, ``target_passes``
     ``retrieval``     null or ``{task, lengths, depths, cells, correct, fraction, by_length}``: the needle task,
-                      the prompt lengths (tokens) and depths (percent) asked, prompts asked (``cells``) and answered
-                      right (``correct``), their ratio, and ``by_length`` ``{"LENGTH": {cells, correct, fraction}}``
+                      the prompt lengths (tokens) and depths (percent) asked, questions asked (``cells``) and
+                      answered right (``correct``), their ratio, and ``by_length`` ``{"LENGTH": {cells, correct,
+                      fraction}}``; with ``--retrieval-turns`` also ``by_turn`` ``{"TURN": {...}}``
     ``rss_bytes``     resident memory of the process after the point (psutil)
     ``rss_peak_bytes`` highest resident memory sampled while the point ran
     ``seconds``       wall time of the point; ``finished_at`` ISO time stamp
@@ -507,11 +508,13 @@ class SweepEvaluator:
 
     def measure_retrieval(self, point: SweepPoint, cache) -> dict:
         """:func:`retrieval_summary` of the needle prompts, each answered greedily by the target with ``cache``
-        (the point's ``CacheOptions``) and the point's draft."""
-        from .needle import engine_answerer, run_needle_grid
+        (the point's ``CacheOptions``) and the point's draft (every key in turns of a conversation with
+        ``turns``)."""
+        from .needle import engine_answerer, run_needle_grid, turns_answerer
 
         o = self.options
-        answer = (self.answerer or engine_answerer)(self.target, cache, self.draft(point), o.answer_tokens)
+        default = turns_answerer if o.retrieval.turns else engine_answerer
+        answer = (self.answerer or default)(self.target, cache, self.draft(point), o.answer_tokens)
         records = run_needle_grid(self.needle_prompts, answer, o.retrieval, {}, progress=o.progress)
         return retrieval_summary(o.retrieval.task, records)
 
@@ -544,9 +547,10 @@ class SweepEvaluator:
 
 def retrieval_summary(task: str, records: Sequence[Mapping]) -> dict:
     """A point's ``retrieval`` field from its needle records (``needle.needle_record``): ``task``, the ``lengths``
-    and ``depths`` asked, ``cells`` (prompts), ``correct`` (right answers), ``fraction`` (their ratio) and
-    ``by_length`` ``{"LENGTH": {cells, correct, fraction}}`` (keys as JSON writes them)."""
-    from .needle import score_grid
+    and ``depths`` asked, ``cells`` (questions: prompts, or their turns), ``correct`` (right answers), ``fraction``
+    (their ratio), ``by_length`` ``{"LENGTH": {cells, correct, fraction}}`` (keys as JSON writes them) and, for
+    questions asked in turns, ``by_turn`` ``{"TURN": {cells, correct, fraction}}`` (the first turn "1")."""
+    from .needle import score_grid, score_turns
 
     grid = score_grid(records)
     tally: dict[int, tuple[int, int]] = {}
@@ -557,8 +561,12 @@ def retrieval_summary(task: str, records: Sequence[Mapping]) -> dict:
     def score(correct: int, cells: int) -> dict:
         return {"cells": cells, "correct": correct, "fraction": round(correct / cells, 4) if cells else 0.0}
 
-    return {"task": task, "lengths": grid.lengths, "depths": grid.depths, **score(grid.correct, grid.total),
-            "by_length": {str(length): score(*tally[length]) for length in grid.lengths}}
+    summary = {"task": task, "lengths": grid.lengths, "depths": grid.depths, **score(grid.correct, grid.total),
+               "by_length": {str(length): score(*tally[length]) for length in grid.lengths}}
+    turns = score_turns(records)
+    if len(turns) > 1:
+        summary["by_turn"] = {str(turn + 1): score(*tally) for turn, tally in turns.items()}
+    return summary
 
 
 def aggregate_stats(runs: Sequence) -> dict:
