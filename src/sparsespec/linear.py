@@ -19,7 +19,7 @@ model role (:func:`auto_format`).
 
 Every linear can be taken apart into plain tensors plus JSON-ready facts (``to_tensors()`` / ``meta()``) and put
 back together without redoing any work (:func:`linear_from_tensors`): the on-disk weight store of
-``loading/weights.py`` stores layers that way, so a cached start neither dequantizes nor quantizes.
+``loading/weights.py`` stores layers that way, so a later start neither dequantizes nor quantizes.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Transformer:
         self.config = config
         self.dtype = dtype
         self.vocab_limit = config.vocab_size  # token ids the head scores (see limit_vocabulary)
-        self._native = None  # (what it was made of, the native pass's weights or None): native_model
+        self._native = None  # (what it was made of, the native pass's weights): native_model
         weights = resolve_format(weights, role)
         self.weights_format = weights
         options = dict(linear_options or {})
