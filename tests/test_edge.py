@@ -641,3 +641,17 @@ def test_quantized_formats_stream_at_their_block_types_rate():
 
     assert speed("int8", 10.0) < speed("int8", 1000.0) / 2
     assert speed("int4", 10.0) == speed("int4", 1000.0)
+
+
+def test_quantized_blocks_are_the_types_the_engine_quantizes_to():
+    """The simulator's table of int8 / int4 blocks names the GGML types ``linear.make_linear`` builds, with GGUF's
+    own block sizes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from sparsespec.edge.roofline import QUANTIZED_BLOCK, QUANTIZED_BLOCKS
+    from sparsespec.linear import QUANTIZED_TYPES
+
+    assert set(QUANTIZED_BLOCKS) == set(QUANTIZED_TYPES)
+    for fmt, (kind, nbytes) in QUANTIZED_BLOCKS.items():
+        ggml_type = GGMLQuantizationType(QUANTIZED_TYPES[fmt])
+        assert ggml_type.name == kind and GGML_QUANT_SIZES[ggml_type] == (QUANTIZED_BLOCK, nbytes)

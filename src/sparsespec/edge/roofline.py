@@ -70,7 +70,8 @@ from .profile import DeviceProfile
 # The nominal bytes per weight, for labels and rough totals:
 BYTES_PER_WEIGHT: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 20 / 32}
 WEIGHT_FORMATS = (*BYTES_PER_WEIGHT, "native")
-# The GGML block type of each quantized format and its bytes per block of QUANTIZED_BLOCK weights.
+# The GGML block type of each quantized format (linear.QUANTIZED_TYPES) and its bytes per block of QUANTIZED_BLOCK
+# weights (tests/test_edge.py checks both against the engine and GGUF).
 QUANTIZED_BLOCKS: dict[str, tuple[str, int]] = {"int8": ("Q8_0", 34), "int4": ("Q4_1", 20)}
 QUANTIZED_BLOCK = 32
 _DENSE_VECTOR_BYTES = 2.0
